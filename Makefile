@@ -1,0 +1,43 @@
+# The two commands a fresh machine needs: `make serve` and `make test`. Both set up `.venv/` first.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# The CPU build of torch; GPU hosts override it (e.g. TORCH_SPEC=torch) or bring their own.
+TORCH_SPEC ?= torch==2.13.0
+GRPC_PORT ?= 8001
+HTTP_PORT ?= 8000
+METRICS_PORT ?= 8002
+
+.PHONY: setup serve test lint typecheck unit integration bench-smoke clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml setup.py $(wildcard csrc/*.cpp csrc/*.h)
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade "pip>=24" "setuptools>=70" wheel "pybind11>=2.12"
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q --no-build-isolation -e ".[server,dev]"
+	touch $@
+
+serve: setup
+	$(VENV)/bin/tritonserver --model-repository model_repository \
+		--grpc-port $(GRPC_PORT) --http-port $(HTTP_PORT) --metrics-port $(METRICS_PORT)
+
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+typecheck: setup
+	$(VENV)/bin/mypy backend transfer serving cli
+
+unit: setup
+	$(PY) -m pytest tests/unit -q
+
+integration: setup
+	$(PY) -m pytest tests/integration -q
+
+test: lint typecheck
+	$(PY) -m pytest tests -q
+
+clean:
+	rm -rf $(VENV) build *.egg-info csrc/*.so

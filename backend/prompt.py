@@ -1,0 +1,263 @@
+"""The one place request tensors become domain values: the prompt and the sampling parameters.
+
+Every entry point (the Triton models, a router, the HTTP client path) calls these before allocating
+anything for a request, so a malformed request costs a check, never KV pages. Each problem becomes
+`InvalidInput` naming the input and what is wrong with it; nothing is coerced silently (an FP32
+prompt or an INT64 MAX_TOKENS is refused, not cast), because a silent cast hides client bugs that
+later surface as garbled audio.
+
+The prompt's id scan is native (`tandem.csrc`, GIL released) because prompts are 1000+ rows and this
+runs on the scheduler's admission path; the scalars are a handful of values and stay in Python.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, overload
+
+import numpy as np
+
+from tandem.backend.config import Limits, ModelConfig
+from tandem.backend.errors import InvalidInput
+from tandem.csrc import pack_rows, validate_rows
+
+# Request input names, as declared in the models' config.pbtxt.
+PROMPT = "PROMPT"
+MAX_TOKENS = "MAX_TOKENS"
+TEMPERATURE = "TEMPERATURE"
+TOP_P = "TOP_P"
+TOP_K = "TOP_K"
+SEED = "SEED"
+VOICE_ID = "VOICE_ID"
+
+# Bounds and defaults of the sampling inputs. They are part of the request contract (clients rely
+# on them), not deployment tunables, so they live here rather than in `Limits`.
+MAX_TEMPERATURE = 10.0
+MAX_VOICE_ID_BYTES = 256
+DEFAULT_TEMPERATURE = 1.0
+DEFAULT_TOP_P = 1.0
+DEFAULT_TOP_K = 0  # 0 disables top-k
+DEFAULT_VOICE_ID = ""  # the model's default voice
+
+_TRITON_NAMES = {
+    ("b", 1): "BOOL",
+    ("u", 1): "UINT8",
+    ("u", 2): "UINT16",
+    ("u", 4): "UINT32",
+    ("u", 8): "UINT64",
+    ("i", 1): "INT8",
+    ("i", 2): "INT16",
+    ("i", 4): "INT32",
+    ("i", 8): "INT64",
+    ("f", 2): "FP16",
+    ("f", 4): "FP32",
+    ("f", 8): "FP64",
+}
+
+
+def triton_dtype_name(dtype: np.dtype) -> str:
+    """The Triton name of a numpy dtype, so messages speak the client's vocabulary (FP32, not float32)."""
+    if dtype.kind in "OS":
+        return "BYTES"
+    name = _TRITON_NAMES.get((dtype.kind, dtype.itemsize), str(dtype))
+    if not dtype.isnative:
+        name += " (non-native byte order)"
+    return name
+
+
+def _shape(shape: tuple[int, ...]) -> str:
+    return "[" + ", ".join(str(d) for d in shape) + "]"
+
+
+# --- the prompt -------------------------------------------------------------------------------------
+
+
+def check_prompt(arr: np.ndarray, cfg: ModelConfig, limits: Limits) -> np.ndarray:
+    """Validate a PROMPT tensor ([N, row_width] INT64) and return it C-contiguous.
+
+    Returns `arr` itself when it is already C-contiguous, else one contiguous copy; the caller owns
+    the result and may hand it to the engine without further checks.
+
+    Raises:
+        InvalidInput: wrong dtype, not 2-D, wrong width, 0 or more than `limits.max_prompt_rows`
+            rows, or an id outside [0, cfg.vocab_size).
+    """
+    if not isinstance(arr, np.ndarray):
+        raise InvalidInput(f"PROMPT must be an INT64 tensor, got {type(arr).__name__}")
+    if arr.dtype != np.dtype(np.int64):
+        raise InvalidInput(f"PROMPT must be INT64, got {triton_dtype_name(arr.dtype)}")
+    if arr.ndim != 2:
+        raise InvalidInput(f"PROMPT must have shape [rows, {cfg.row_width}], got {_shape(arr.shape)}")
+    try:
+        validate_rows(arr, cfg.row_width, cfg.vocab_size, limits.max_prompt_rows)
+    except ValueError as exc:
+        raise InvalidInput(str(exc)) from exc
+    return np.ascontiguousarray(arr)
+
+
+def pack_prompt(rows: Sequence[Sequence[int]], cfg: ModelConfig, limits: Limits) -> np.ndarray:
+    """Pack a JSON-style prompt (a list of rows of ints) into a new C-contiguous int64 [N, W] array.
+
+    For clients that send lists (a router, the HTTP path); same checks and messages as
+    `check_prompt`, plus ragged rows and non-integer ids.
+
+    Raises:
+        InvalidInput: naming the first problem, e.g. ``PROMPT row 7 has 3 ids; expected 4``.
+    """
+    try:
+        return pack_rows(rows, cfg.row_width, cfg.vocab_size, limits.max_prompt_rows)
+    except ValueError as exc:
+        raise InvalidInput(str(exc)) from exc
+
+
+# --- scalar parameters ------------------------------------------------------------------------------
+
+
+def _scalar(name: str, value: object, dtype: np.dtype) -> Any:
+    """The single element of a [1]-shaped tensor of exactly `dtype` (BYTES: object or S arrays)."""
+    if not isinstance(value, np.ndarray):
+        raise InvalidInput(f"{name} must be a tensor, got {type(value).__name__}")
+    want = triton_dtype_name(dtype)
+    if want == "BYTES":
+        if value.dtype.kind not in "OS":
+            raise InvalidInput(f"{name} must be BYTES, got {triton_dtype_name(value.dtype)}")
+    elif value.dtype != dtype:
+        raise InvalidInput(f"{name} must be {want}, got {triton_dtype_name(value.dtype)}")
+    if value.shape != (1,):
+        raise InvalidInput(f"{name} must have shape [1], got {_shape(value.shape)}")
+    return value[0]  # a numpy scalar, or for object arrays the element itself (bytes for Triton BYTES)
+
+
+def _number(x: float) -> str:
+    return str(x) if isinstance(x, int) else f"{x:g}"
+
+
+def _interval(lo: float | None, hi: float | None, lo_open: bool) -> str:
+    left = "(" if lo_open or lo is None else "["
+    right = ")" if hi is None else "]"
+    lo_s = "-inf" if lo is None else _number(lo)
+    hi_s = "inf" if hi is None else _number(hi)
+    return f"{left}{lo_s}, {hi_s}{right}"
+
+
+@overload
+def check_int(
+    name: str,
+    value: np.ndarray | None,
+    dtype: np.dtype,
+    default: int,
+    lo: int | None = None,
+    hi: int | None = None,
+) -> int: ...
+@overload
+def check_int(
+    name: str,
+    value: np.ndarray | None,
+    dtype: np.dtype,
+    default: None,
+    lo: int | None = None,
+    hi: int | None = None,
+) -> int | None: ...
+def check_int(
+    name: str,
+    value: np.ndarray | None,
+    dtype: np.dtype,
+    default: int | None,
+    lo: int | None = None,
+    hi: int | None = None,
+) -> int | None:
+    """An integer input of exactly `dtype` and shape [1], in [lo, hi] (None: unbounded).
+
+    Returns `default` when the input is absent (`value` is None), else a plain Python int.
+    """
+    if value is None:
+        return default
+    v = int(_scalar(name, value, dtype))
+    if (lo is not None and v < lo) or (hi is not None and v > hi):
+        raise InvalidInput(f"{name} = {v} is outside {_interval(lo, hi, False)}")
+    return v
+
+
+def check_float(
+    name: str,
+    value: np.ndarray | None,
+    default: float,
+    lo: float | None = None,
+    hi: float | None = None,
+    *,
+    lo_open: bool = False,
+    allow_nan: bool = False,
+) -> float:
+    """An FP32 input of shape [1] in [lo, hi] (or (lo, hi] with `lo_open`); None bounds are open.
+
+    With `allow_nan` False, NaN and ±inf are refused: a NaN temperature would silently turn every
+    logit into NaN downstream. With it True they are returned as they are and only finite values are
+    range-checked. Returns `default` when absent, else a plain Python float.
+    """
+    if value is None:
+        return default
+    raw = _scalar(name, value, np.dtype(np.float32))
+    v = float(raw)
+    if not math.isfinite(v):
+        if allow_nan:
+            return v
+        raise InvalidInput(f"{name} = {raw} is not a finite number")
+    if (lo is not None and (v <= lo if lo_open else v < lo)) or (hi is not None and v > hi):
+        raise InvalidInput(f"{name} = {raw} is outside {_interval(lo, hi, lo_open)}")
+    return v
+
+
+def check_text(name: str, value: np.ndarray | None, default: str, max_bytes: int) -> str:
+    """A BYTES input of shape [1] holding at most `max_bytes` bytes of UTF-8; returns the decoded str."""
+    if value is None:
+        return default
+    item: object = _scalar(name, value, np.dtype(np.object_))
+    if isinstance(item, str):  # some clients hand the python backend str objects for BYTES
+        item = item.encode("utf-8")
+    if not isinstance(item, bytes):
+        raise InvalidInput(f"{name} must be BYTES, got an element of type {type(item).__name__}")
+    if len(item) > max_bytes:
+        raise InvalidInput(f"{name} is {len(item)} bytes; the limit is {max_bytes}")
+    try:
+        return item.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise InvalidInput(f"{name} is not valid UTF-8 (byte {exc.start})") from exc
+
+
+@dataclass(frozen=True)
+class RequestParams:
+    """A request's generation parameters after validation; plain Python values only."""
+
+    max_new_rows: int
+    temperature: float  # 0 means greedy
+    top_p: float  # in (0, 1]; 1 disables nucleus filtering
+    top_k: int  # 0 disables top-k
+    seed: int | None  # None: the engine picks one
+    voice_id: str  # "" means the model's default voice
+
+
+def parse_params(inputs: Mapping[str, np.ndarray | None], cfg: ModelConfig, limits: Limits) -> RequestParams:
+    """Validate every optional scalar input; an absent (or None) input takes its default.
+
+    Inputs not named here (PROMPT among them) are ignored. Raises `InvalidInput` for the first bad
+    input, in the order of `RequestParams`' fields.
+    """
+    return RequestParams(
+        max_new_rows=check_int(
+            MAX_TOKENS,
+            inputs.get(MAX_TOKENS),
+            np.dtype(np.int32),
+            limits.default_new_rows,
+            1,
+            limits.max_new_rows,
+        ),
+        temperature=check_float(
+            TEMPERATURE, inputs.get(TEMPERATURE), DEFAULT_TEMPERATURE, 0.0, MAX_TEMPERATURE
+        ),
+        top_p=check_float(TOP_P, inputs.get(TOP_P), DEFAULT_TOP_P, 0.0, 1.0, lo_open=True),
+        top_k=check_int(TOP_K, inputs.get(TOP_K), np.dtype(np.int32), DEFAULT_TOP_K, 0, cfg.vocab_size),
+        seed=check_int(SEED, inputs.get(SEED), np.dtype(np.int64), None),
+        voice_id=check_text(VOICE_ID, inputs.get(VOICE_ID), DEFAULT_VOICE_ID, MAX_VOICE_ID_BYTES),
+    )

@@ -1,0 +1,123 @@
+"""Typed engine settings, parsed from a model's `config.pbtxt` `parameters`.
+
+Triton hands every parameter as a string; this is the one place those strings become typed values,
+with an error that names the parameter when one is malformed. Unknown keys are rejected so a typo
+in a deployment is a load failure, not a silently ignored setting.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from tandem.backend.config import Limits, VocoderConfig
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    preset: str = "tiny"
+    checkpoint: str = ""  # a directory with config.json + *.safetensors; overrides preset
+    dtype: str = ""  # "" keeps the preset's / checkpoint's dtype
+    seed: int = 0  # random-weight seed for presets
+
+
+@dataclass(frozen=True)
+class PoolSettings:
+    num_pages: int = 4096
+    page_size: int = 16
+    prefix_cache: bool = True
+
+
+@dataclass(frozen=True)
+class BatchSettings:
+    max_batch: int = 64
+    max_queue: int = 256
+    admission_timeout_s: float = 5.0
+    idle_stream_timeout_s: float = 60.0
+    first_chunk_rows: int = 4
+    chunk_growth: float = 2.0
+    max_chunk_rows: int = 32
+    rate_floor_tok_s: float = 42.0
+
+
+@dataclass(frozen=True)
+class TransferSettings:
+    unit: str = "default"
+    paths: str = "host_shm"  # comma-separated preference order
+    require_path: str = ""  # non-empty: refuse to start on any other path
+    deadline_s: float = 5.0
+    ticket_ttl_s: float = 30.0
+    arena_mb: int = 256
+    abort_retry_s: float = 0.2
+    probe_interval_s: float = 0.5
+    max_held_acks: int = 3
+    drain_held_fraction: float = 0.25
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    model: ModelSource = field(default_factory=ModelSource)
+    device: str = "auto"  # auto: the instance's GPU for KIND_GPU instances, else cpu
+    pool: PoolSettings = field(default_factory=PoolSettings)
+    batch: BatchSettings = field(default_factory=BatchSettings)
+    transfer: TransferSettings = field(default_factory=TransferSettings)
+    limits: Limits = field(default_factory=Limits)
+    vocoder: VocoderConfig = field(default_factory=VocoderConfig)
+    torch_threads: int = 0  # 0: torch's default
+
+
+# parameter key -> (section, field). Section "" is EngineSettings itself.
+_SECTIONS = {
+    "model": "model",
+    "pool": "pool",
+    "batch": "batch",
+    "transfer": "transfer",
+    "limits": "limits",
+    "vocoder": "vocoder",
+}
+
+
+def _convert(kind: Any, raw: str, key: str) -> Any:
+    try:
+        if kind in (bool, "bool"):
+            low = raw.strip().lower()
+            if low not in ("1", "0", "true", "false", "yes", "no"):
+                raise ValueError(raw)
+            return low in ("1", "true", "yes")
+        if kind in (int, "int"):
+            return int(raw)
+        if kind in (float, "float"):
+            return float(raw)
+        return raw
+    except ValueError:
+        raise ValueError(f"parameter {key!r}: cannot parse {raw!r} as {kind}") from None
+
+
+def parse_settings(params: Mapping[str, str]) -> EngineSettings:
+    """Build settings from `{"pool.num_pages": "2048", "device": "cpu", ...}` (dotted keys by section)."""
+    base = EngineSettings()
+    sections: dict[str, dict[str, Any]] = {name: {} for name in _SECTIONS}
+    top: dict[str, Any] = {}
+    for key, raw in params.items():
+        section, _, name = key.rpartition(".")
+        if section and section not in _SECTIONS:
+            raise ValueError(f"unknown parameter {key!r}")
+        target = getattr(base, section) if section else base
+        fields = {f.name: f for f in dataclasses.fields(target)}
+        if name not in fields or (not section and name in _SECTIONS):
+            raise ValueError(f"unknown parameter {key!r}")
+        value = _convert(fields[name].type, raw, key)
+        (sections[section] if section else top)[name] = value
+    built = {name: dataclasses.replace(getattr(base, name), **values) for name, values in sections.items()}
+    return dataclasses.replace(base, **built, **top)
+
+
+def triton_parameters(model_config: Mapping[str, Any]) -> dict[str, str]:
+    """Flatten Triton's `{"key": {"string_value": "v"}}` parameters; keys starting with `tandem.` are ours."""
+    out: dict[str, str] = {}
+    for key, value in (model_config.get("parameters") or {}).items():
+        if key.startswith("tandem."):
+            out[key[len("tandem.") :]] = str(value.get("string_value", ""))
+    return out

@@ -1,0 +1,98 @@
+"""`tritonserver` console script: runs the real Triton server binary.
+
+Two places carry a real binary:
+- the NGC tritonserver image (`/opt/tritonserver/bin/tritonserver`), used unchanged;
+- the `nvidia-pytriton` wheel (tritonserver 2.51.0 + python backend), which needs three things
+  the wheel does not arrange by itself (design.md §4): the backend stub built for the running
+  Python inside the python backend folder, the wheel's bundled libraries on LD_LIBRARY_PATH, and
+  the virtualenv's `bin` first on PATH so the stub's interpreter imports this environment's
+  packages (numpy, torch, tandem).
+
+This launcher prepares those and `exec`s the binary, so signals and the exit status are the
+server's own. It never falls back to anything that is not a real tritonserver.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from pathlib import Path
+
+NGC_BINARY = Path("/opt/tritonserver/bin/tritonserver")
+
+
+class LauncherError(RuntimeError):
+    pass
+
+
+def _pytriton_root() -> Path:
+    try:
+        import pytriton
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise LauncherError(
+            "no tritonserver found: install the server extra (`pip install tandem-tts[server]`, "
+            "which brings nvidia-pytriton==0.7.0) or run inside the NGC tritonserver image"
+        ) from exc
+    return Path(pytriton.__file__).resolve().parent / "tritonserver"
+
+
+def prepare_backend_dir(root: Path, prefix: Path) -> Path:
+    """Build `<prefix>/var/tandem/backends/python` holding the python backend and this Python's stub.
+
+    The stub must match the interpreter (`python_backend_stubs/<major.minor>/`); the backend library
+    and its utils module are linked, not copied, so upgrading the wheel updates them.
+    """
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    stub = root / "python_backend_stubs" / version / "triton_python_backend_stub"
+    if not stub.is_file():
+        raise LauncherError(f"nvidia-pytriton carries no python backend stub for Python {version}: {stub}")
+    backends = prefix / "var" / "tandem" / "backends"
+    python_dir = backends / "python"
+    python_dir.mkdir(parents=True, exist_ok=True)
+    src_python = root / "backends" / "python"
+    for name in ("libtriton_python.so", "triton_python_backend_utils.py"):
+        link = python_dir / name
+        if not link.exists():
+            link.symlink_to(src_python / name)
+    target = python_dir / "triton_python_backend_stub"
+    if not target.exists() or target.stat().st_size != stub.stat().st_size:
+        tmp = target.with_suffix(".tmp")
+        shutil.copy2(stub, tmp)
+        os.replace(tmp, target)
+    return backends
+
+
+def build_command(argv: list[str]) -> tuple[str, list[str], dict[str, str]]:
+    """Return (binary, argv, env) for the real server."""
+    env = dict(os.environ)
+    bin_dir = str(Path(sys.executable).parent)
+    env["PATH"] = bin_dir + os.pathsep + env.get("PATH", "")
+    explicit = env.get("TANDEM_TRITONSERVER_BINARY")
+    if explicit:
+        return explicit, [explicit, *argv], env
+    if NGC_BINARY.is_file():
+        return str(NGC_BINARY), [str(NGC_BINARY), *argv], env
+    root = _pytriton_root()
+    binary = root / "bin" / "tritonserver"
+    libs = root.parent.parent / "nvidia_pytriton.libs"
+    env["LD_LIBRARY_PATH"] = os.pathsep.join(
+        p for p in (str(libs), str(root / "external_libs"), env.get("LD_LIBRARY_PATH", "")) if p
+    )
+    args = list(argv)
+    if not any(a.startswith("--backend-directory") for a in args):
+        args.append(f"--backend-directory={prepare_backend_dir(root, Path(sys.prefix))}")
+    return str(binary), [str(binary), *args], env
+
+
+def main() -> None:
+    try:
+        binary, args, env = build_command(sys.argv[1:])
+    except LauncherError as exc:
+        print(f"tritonserver launcher: {exc}", file=sys.stderr)
+        raise SystemExit(2) from exc
+    os.execve(binary, args, env)
+
+
+if __name__ == "__main__":
+    main()
