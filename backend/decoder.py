@@ -1,0 +1,222 @@
+"""The audio-token LM: a Llama/Qwen2/Qwen3 decoder that reads and writes paged KV.
+
+Why its own implementation rather than transformers: the engines split prefill and decode across
+processes and keep every sequence's KV in a shared `KVPool` addressed by slot, so attention must read
+K/V by slot index (fragmented pages, prefix-cache pages shared between prompts) and batch decode steps of
+unrelated sequences. HF's cache classes assume one contiguous cache per batch. The maths is HF's, module
+for module (see `layers.py`), so real checkpoints load unchanged and logits match transformers.
+
+Rows: a prompt or generated step is a row of `row_width` (W) ids. Column c is embedded with rows
+c*V..c*V+V-1 of one [W*V, H] table and the W embeddings are summed; the head is one [W*V, H] matrix whose
+logits reshape to [W, V]. W=1 is exactly an HF causal LM.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import cast
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import ModelConfig
+from .kv_pool import KVLayout, KVPool
+from .layers import Body, DecoderLayer, rope_cos_sin, rope_inv_freq
+
+# attend(layer, q [N, nh, hd], k [N, kvh, hd], v [N, kvh, hd]) -> attention output [N, nh*hd]
+_Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _sdpa(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool
+) -> torch.Tensor:
+    """SDPA over [B, heads, S, hd] with grouped-query K/V (kvh divides nh)."""
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=q.shape[1] != k.shape[1]
+    )
+
+
+class Decoder(nn.Module):
+    """Llama/Qwen2/Qwen3 decoder: RMSNorm, RoPE (HF 'rotate_half' convention, rope_theta), GQA, SwiGLU MLP,
+    optional per-head q/k RMSNorm (Qwen3 'qk_norm'), optional qkv bias (Qwen2), optional tied embeddings.
+    Embedding: one [W*V, H] table; column c uses rows c*V..; the W embeddings are summed.
+    Head: [W*V, H] -> logits [.., W, V]."""
+
+    cfg: ModelConfig
+    inv_freq: torch.Tensor
+    _col_offsets: torch.Tensor
+
+    def __init__(self, cfg: ModelConfig, device: torch.device | str = "cpu") -> None:
+        """Allocate (uninitialised) weights in `cfg.torch_dtype` on `device`; the module owns them.
+
+        Called by `Decoder.random` and `checkpoint.load_checkpoint`, which fill the weights in. The
+        parameters are created on the meta device first so a 4B-parameter model costs no CPU init time.
+        """
+        super().__init__()
+        self.cfg = cfg
+        dtype = cfg.torch_dtype
+        with torch.device("meta"):
+            self.model = Body(cfg, dtype)
+            self.lm_head: nn.Linear | None = (
+                None
+                if cfg.tie_word_embeddings
+                else nn.Linear(cfg.hidden_size, cfg.row_width * cfg.vocab_size, bias=False, dtype=dtype)
+            )
+        self.to_empty(device=device)
+        dev = self.model.embed_tokens.weight.device
+        self.register_buffer("inv_freq", rope_inv_freq(cfg.head_dim, cfg.rope_theta, dev), persistent=False)
+        self.register_buffer(
+            "_col_offsets", torch.arange(cfg.row_width, device=dev) * cfg.vocab_size, persistent=False
+        )
+
+    @classmethod
+    def random(cls, cfg: ModelConfig, device: torch.device | str = "cpu", seed: int = 0) -> Decoder:
+        """Deterministic random weights for tests, benchmarks and the 'tiny' server model.
+
+        Linear weights and biases ~ N(0, 0.02), norms = 1, and the head (or the tied embedding) ~
+        N(0, 2/sqrt(H)) so that logits have a std of about 2 and sampling sees a non-degenerate
+        distribution. Generated on `device` with a seeded torch.Generator (fast for 4B shapes on a GPU);
+        the same seed on the same device type gives the same weights.
+        """
+        dec = cls(cfg, device)
+        dev = dec.model.embed_tokens.weight.device
+        gen = torch.Generator(device=dev)
+        gen.manual_seed(seed)
+        head_std = 2.0 / math.sqrt(cfg.hidden_size)
+        with torch.no_grad():
+            for name, param in dec.named_parameters():
+                if name.endswith("norm.weight"):
+                    param.fill_(1.0)
+                elif name in ("lm_head.weight",) or (cfg.tie_word_embeddings and "embed_tokens" in name):
+                    param.normal_(0.0, head_std, generator=gen)
+                else:
+                    param.normal_(0.0, 0.02, generator=gen)
+        return dec
+
+    def kv_layout(self) -> KVLayout:
+        """The KV layout this decoder reads and writes; pools passed to prefill/decode must match it."""
+        return KVLayout.from_model(self.cfg)
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
+
+    # ---- shared pieces -------------------------------------------------------------------------------
+
+    def _embed(self, rows: torch.Tensor) -> torch.Tensor:
+        if rows.ndim != 2 or rows.shape[1] != self.cfg.row_width:
+            raise ValueError(f"rows must be [N, {self.cfg.row_width}], got {tuple(rows.shape)}")
+        ids = rows.to(self.device, torch.long) + self._col_offsets
+        return self.model.embed_tokens(ids).sum(dim=1)
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        # The matmul runs in the model dtype (fp32 accumulate, as HF does); keeping an fp32 copy of a
+        # 152k-row head would cost 1.5 GB. The result is returned as float32.
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(h, weight).float().view(h.shape[0], self.cfg.row_width, self.cfg.vocab_size)
+
+    def _run(self, x: torch.Tensor, positions: torch.Tensor, attend: _Attend) -> torch.Tensor:
+        cos, sin = rope_cos_sin(self.inv_freq, positions, x.dtype)
+        for i, layer in enumerate(cast(Sequence[DecoderLayer], self.model.layers)):
+            q, k, v = layer.self_attn.qkv(layer.input_layernorm(x), cos, sin)
+            x = x + layer.self_attn.o_proj(attend(i, q, k, v))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return self.model.norm(x)
+
+    def _check_pool(self, pool: KVPool) -> None:
+        if pool.layout != self.kv_layout():
+            raise ValueError(f"pool layout {pool.layout} does not match the model's {self.kv_layout()}")
+
+    # ---- entry points --------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def forward(self, rows: torch.Tensor) -> torch.Tensor:
+        """Pool-free causal forward over rows [T, W] at positions 0..T-1 -> float32 logits [T, W, V].
+
+        A reference path (tests, offline scoring); engines use `prefill`/`decode`. The caller owns the result.
+        """
+        x = self._embed(rows)
+        t = x.shape[0]
+
+        def attend(_: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            o = _sdpa(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], None, True)
+            return o[0].transpose(0, 1).reshape(t, -1)
+
+        return self._logits(self._run(x, torch.arange(t, device=x.device), attend))
+
+    @torch.inference_mode()
+    def prefill(self, rows: torch.Tensor, pool: KVPool, slots: torch.Tensor, start: int) -> torch.Tensor:
+        """Run prompt rows [T, W] at positions start..start+T-1; return float32 logits [W, V] of the last one.
+
+        Called by the prefill (and monolithic) engine. `slots` LongTensor[start+T] gives the pool slot of
+        every position 0..start+T-1; positions < start must already hold KV (e.g. prefix-cache pages).
+        Writes the KV of the T new positions into `pool` at `slots[start:]` (pages the caller owns and that
+        nobody else reads as cached content). The caller owns the returned logits.
+        """
+        self._check_pool(pool)
+        x = self._embed(rows)
+        t = x.shape[0]
+        if slots.numel() != start + t:
+            raise ValueError(f"slots has {slots.numel()} entries, expected start+T = {start + t}")
+        slots = slots.to(pool.device)
+        new_slots, old_slots = slots[start:], slots[:start]
+        mask = None
+        if start:
+            q_pos = torch.arange(start, start + t, device=x.device)
+            mask = torch.arange(start + t, device=x.device)[None, :] <= q_pos[:, None]
+
+        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            kv = pool.kv[layer]
+            kv.index_copy_(1, new_slots, torch.stack((k, v)))
+            if start:
+                past = kv.index_select(1, old_slots)
+                k, v = torch.cat((past[0], k)), torch.cat((past[1], v))
+            o = _sdpa(
+                q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], mask, not start
+            )
+            return o[0].transpose(0, 1).reshape(t, -1)
+
+        h = self._run(x, torch.arange(start, start + t, device=x.device), attend)
+        return self._logits(h[-1:])[0]
+
+    @torch.inference_mode()
+    def decode(
+        self, rows: torch.Tensor, pool: KVPool, slot_tables: Sequence[torch.Tensor], positions: torch.Tensor
+    ) -> torch.Tensor:
+        """One step for B sequences; returns float32 logits [B, W, V] the caller owns.
+
+        Called by the decode (and monolithic) engine. rows [B, W] holds one new row per sequence,
+        positions [B] the number of tokens already in the pool for each (= the new row's position), and
+        slot_tables[i] LongTensor[positions[i]+1] the slots of sequence i with the new row's slot last.
+        Writes each new row's KV into its slot; each sequence attends only over its own slots, padded to
+        the longest context of the batch and masked, so results do not depend on batch companions.
+        """
+        self._check_pool(pool)
+        x = self._embed(rows)
+        b = x.shape[0]
+        if len(slot_tables) != b or positions.numel() != b:
+            raise ValueError(f"batch of {b} rows needs {b} slot tables and positions")
+        lengths_host = [int(t.numel()) for t in slot_tables]
+        longest = max(lengths_host)
+        dev = pool.device
+        lengths = torch.tensor(lengths_host, dtype=torch.long).to(dev, non_blocking=True)
+        padded = torch.nn.utils.rnn.pad_sequence([t.to(dev) for t in slot_tables], batch_first=True)
+        cols = torch.arange(longest, device=dev)
+        valid = cols[None, :] < lengths[:, None]
+        # Pad with each sequence's own newest slot (always written) so masked reads stay finite.
+        padded = padded.gather(1, torch.minimum(cols[None, :], lengths[:, None] - 1))
+        new_slots = padded.gather(1, (lengths - 1)[:, None])[:, 0]
+        flat = padded.reshape(-1)
+        mask = valid[:, None, None, :]  # [B, 1, 1, S]
+
+        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            kv = pool.kv[layer]
+            kv.index_copy_(1, new_slots, torch.stack((k, v)))
+            ctx = kv.index_select(1, flat).view(2, b, longest, *kv.shape[2:]).transpose(2, 3)
+            o = _sdpa(q[:, :, None, :], ctx[0], ctx[1], mask, False)  # [B, nh, 1, hd]
+            return o.reshape(b, -1)
+
+        h = self._run(x, positions.to(x.device, torch.long), attend)
+        return self._logits(h)

@@ -1,0 +1,153 @@
+"""Paged, per-token KV storage shared by every sequence one engine runs.
+
+Why paged: streams start and finish at arbitrary times and prompts vary from tens to thousands of rows,
+so one contiguous buffer per sequence would fragment device memory. Instead one big tensor is cut into
+fixed-size pages; a sequence owns a list of pages (in any order), and every token of it lives in one
+*slot* (a row of the token axis). Attention reads K/V by slot index, so a sequence's pages need not be
+adjacent. The layout is layer-major, `[L, 2, slots, kvh, hd]`, which makes `gather`/`scatter` of a whole
+sequence (what the prefill->decode hand-off moves) a single `index_select`/`index_copy_` each.
+
+The free list is a LIFO stack: the most recently freed page is handed out first. That keeps hot pages
+hot and makes fragmented allocations easy to provoke in tests (allocate, free every other page, allocate).
+Allocation and free are only ever called from one engine thread, so there is no locking.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .config import ModelConfig
+from .errors import PoolExhausted
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """Shape of one token's KV across all layers; equal layouts can exchange KV byte for byte."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @property
+    def token_bytes(self) -> int:
+        """Bytes of K and V for one token over all layers (what the transfer path moves per token)."""
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * itemsize
+
+    def staging_shape(self, n_tokens: int) -> tuple[int, int, int, int, int]:
+        """Shape `(L, 2, T, kvh, hd)` of a contiguous buffer holding `n_tokens` tokens' KV.
+
+        Used by whoever allocates staging buffers for `KVPool.gather`/`KVPool.scatter`.
+        """
+        return (self.num_layers, 2, n_tokens, self.num_kv_heads, self.head_dim)
+
+    @classmethod
+    def from_model(cls, cfg: ModelConfig) -> KVLayout:
+        """The layout a decoder built from `cfg` reads and writes."""
+        return cls(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.torch_dtype)
+
+
+class KVPool:
+    """Paged per-token KV storage. kv: Tensor[num_layers, 2, num_pages*page_size, num_kv_heads, head_dim]
+    (layer-major; a 'slot' is one token row; page p owns slots p*page_size .. p*page_size+page_size-1)."""
+
+    kv: torch.Tensor
+    layout: KVLayout
+    num_pages: int
+    page_size: int
+    device: torch.device
+
+    def __init__(self, layout: KVLayout, num_pages: int, page_size: int, device: torch.device | str) -> None:
+        """Called once by an engine at start-up; the pool owns `kv` for its whole life.
+
+        The storage is zero-filled so that padded (masked) reads of never-written slots can never
+        inject NaN/Inf from uninitialised memory into attention.
+        """
+        if num_pages < 1 or page_size < 1:
+            raise ValueError("num_pages and page_size must be positive")
+        self.layout = layout
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.device = torch.device(device)
+        self.kv = torch.zeros(
+            layout.staging_shape(num_pages * page_size), dtype=layout.dtype, device=self.device
+        )
+        # Stack: pop() hands out the last element, so store pages in reverse to start with page 0.
+        self._free: list[int] = list(range(num_pages - 1, -1, -1))
+        self._is_free: list[bool] = [True] * num_pages
+
+    @property
+    def num_free_pages(self) -> int:
+        """Pages not owned by anyone; admission control compares this with `pages_for(...)`."""
+        return len(self._free)
+
+    def pages_for(self, n_tokens: int) -> int:
+        """Pages needed to hold `n_tokens` tokens (ceil division)."""
+        if n_tokens < 0:
+            raise ValueError("n_tokens must be >= 0")
+        return -(-n_tokens // self.page_size)
+
+    def allocate(self, n_pages: int) -> list[int]:
+        """Take `n_pages` free pages; the caller owns them until it passes them to `free`.
+
+        Raises PoolExhausted without taking any page when fewer than `n_pages` are free.
+        """
+        if n_pages < 0:
+            raise ValueError("n_pages must be >= 0")
+        if n_pages > len(self._free):
+            raise PoolExhausted(f"asked for {n_pages} KV pages, {len(self._free)} free of {self.num_pages}")
+        if n_pages == 0:
+            return []
+        pages = self._free[-n_pages:]
+        del self._free[-n_pages:]
+        pages.reverse()
+        for p in pages:
+            self._is_free[p] = False
+        return pages
+
+    def free(self, pages: Sequence[int]) -> None:
+        """Return pages to the pool; ownership ends here. Their contents are left as they are.
+
+        Validates the whole call first (ValueError on out-of-range, already-free or repeated pages),
+        so a bad call frees nothing. A later `allocate` hands these pages out in the order given.
+        """
+        seen: set[int] = set()
+        for p in pages:
+            if not 0 <= p < self.num_pages:
+                raise ValueError(f"page {p} out of range [0, {self.num_pages})")
+            if self._is_free[p] or p in seen:
+                raise ValueError(f"page {p} freed twice")
+            seen.add(p)
+        for p in pages:
+            self._is_free[p] = True
+        self._free.extend(reversed(pages))
+
+    def slots(self, pages: Sequence[int], n_tokens: int) -> torch.Tensor:
+        """Slot of each of the first `n_tokens` tokens stored in `pages` (in order), on the pool's device.
+
+        Returns a fresh LongTensor[n_tokens] the caller owns.
+        """
+        if n_tokens > len(pages) * self.page_size:
+            raise ValueError(f"{n_tokens} tokens do not fit in {len(pages)} pages of {self.page_size}")
+        page_t = torch.tensor(list(pages), dtype=torch.long).to(self.device, non_blocking=True)
+        offsets = torch.arange(self.page_size, dtype=torch.long, device=self.device)
+        return (page_t[:, None] * self.page_size + offsets[None, :]).reshape(-1)[:n_tokens]
+
+    def gather(self, slots: torch.Tensor, out: torch.Tensor) -> None:
+        """Copy the KV of `slots` into `out[L, 2, T, kvh, hd]` (contiguous, pool dtype, pool device).
+
+        Called by the prefill side before shipping a sequence's KV; `out` stays the caller's.
+        """
+        torch.index_select(self.kv, 2, slots, out=out)
+
+    def scatter(self, slots: torch.Tensor, src: torch.Tensor) -> None:
+        """Write `src[L, 2, T, kvh, hd]` into the pool at `slots`.
+
+        Called by the decode side when it receives a sequence's KV; `src` stays the caller's and may be
+        reused as soon as this returns (the copy is ordered on the current stream).
+        """
+        self.kv.index_copy_(2, slots, src)

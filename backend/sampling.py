@@ -1,0 +1,108 @@
+"""Batched, order-independent token sampling.
+
+Why counter-based randomness: a stream's first token is sampled by the prefill engine and the rest by
+the decode engine, and each step shares a batch with whatever other streams happen to be running. For a
+seeded request to be reproducible, the random number used for (stream, position, column) must depend on
+nothing else. So there is no running RNG state at all: each uniform is a hash (splitmix64) of
+(seed, position, column), computed on the CPU with numpy for the whole batch at once and moved to the
+logits' device. Everything else (top-k, top-p, temperature, inverse-CDF draw) is vectorised on that device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+_MASK64 = (1 << 64) - 1
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling settings; temperature 0 means greedy (argmax)."""
+
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.temperature >= 0.0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def _splitmix64(x: np.ndarray) -> np.ndarray:
+    x = x + np.uint64(0x9E3779B97F4A7C15)
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def uniforms(seeds: Sequence[int], positions: Sequence[int], width: int) -> np.ndarray:
+    """float64 [B, width] in [0, 1): element (b, c) is a pure function of (seeds[b], positions[b], c).
+
+    Used by `sample`; public so tests and other samplers can reproduce a stream's draws.
+    """
+    s = np.array([v & _MASK64 for v in seeds], dtype=np.uint64)[:, None]
+    p = np.array([v & _MASK64 for v in positions], dtype=np.uint64)[:, None]
+    c = np.arange(width, dtype=np.uint64)[None, :]
+    with np.errstate(over="ignore"):
+        h = _splitmix64(_splitmix64(_splitmix64(s) ^ p) ^ c)
+    return (h >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
+
+
+def sample(logits: torch.Tensor, params: Sequence[SamplingParams], positions: Sequence[int]) -> torch.Tensor:
+    """Draw a token per (row, column) from float32 logits [B, W, V] (any device) -> LongTensor [B, W] on CPU.
+
+    Called by the engines after every prefill/decode step; the caller owns the result. Row b is greedy
+    when params[b].temperature == 0; otherwise top-k, then top-p (the smallest set of most likely tokens
+    whose mass >= top_p, at least one), then temperature, then an inverse-CDF draw with the uniform for
+    (params[b].seed, positions[b], column). Ties are broken towards the lower token id everywhere, so
+    top_k=1 or a tiny top_p equals greedy.
+    """
+    if logits.ndim != 3:
+        raise ValueError(f"logits must be [B, W, V], got {tuple(logits.shape)}")
+    b, w, v = logits.shape
+    if len(params) != b or len(positions) != b:
+        raise ValueError(f"{b} logit rows need {b} params and positions")
+    if b == 0:
+        return torch.empty((0, w), dtype=torch.long)
+    dev = logits.device
+    flat = logits.float().reshape(b * w, v)
+    greedy_tok = flat.argmax(dim=-1)
+    sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
+    if not sampled_rows:
+        return greedy_tok.view(b, w).cpu()
+
+    def per_row(values: list[float], dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype).repeat_interleave(w).to(dev, non_blocking=True)[:, None]
+
+    temp = per_row([p.temperature if not p.greedy else 1.0 for p in params], torch.float32)
+    top_p = per_row([p.top_p for p in params], torch.float32)
+    top_k = per_row([float(p.top_k if p.top_k > 0 else v) for p in params], torch.float32)
+    is_greedy = per_row([float(p.greedy) for p in params], torch.float32)[:, 0] > 0
+    u = torch.from_numpy(uniforms([p.seed for p in params], positions, w).reshape(b * w, 1))
+    u = u.to(dev, torch.float32, non_blocking=True)
+
+    sorted_logits, order = torch.sort(flat, dim=-1, descending=True, stable=True)
+    rank = torch.arange(v, device=dev, dtype=torch.float32)[None, :]
+    keep = rank < top_k
+    probs = torch.softmax(sorted_logits.masked_fill(~keep, float("-inf")), dim=-1)
+    mass_before = torch.cumsum(probs, dim=-1) - probs
+    keep &= (mass_before < top_p) | (rank == 0)
+    scaled = (sorted_logits / temp).masked_fill(~keep, float("-inf"))
+    cdf = torch.cumsum(torch.softmax(scaled, dim=-1), dim=-1)
+    pick = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)
+    pick = torch.minimum(pick, keep.sum(dim=-1, keepdim=True) - 1)
+    drawn = order.gather(1, pick)[:, 0]
+    return torch.where(is_greedy, greedy_tok, drawn).view(b, w).cpu()
