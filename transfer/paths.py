@@ -1,0 +1,226 @@
+"""Data paths: how the bytes of one transfer get from P's staging buffer into D's receive region.
+
+A path supplies both halves: D's receive arena (`create_arena`, exported to P over the control socket)
+and P's side (`open_peer_arena`, `alloc_staging`, `copy_to_peer`). The sender and receiver own the
+protocol and never touch memory except through these methods, so the GPU paths (VMM direct write, IPC
+proxy sidecar) plug in here later.
+
+`select_path` probes each candidate with a real small transfer and never falls back silently: with
+`require` set, any failure raises `PathUnavailable`; without it, each skipped path is logged as a
+warning and the chosen name is what the engine publishes on its info metric.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import logging
+import mmap
+import os
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from .arena import Region
+from .checksum import kv_checksum
+from .errors import PathUnavailable, TransferError
+from .layout import WireLayout
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ArenaExport:
+    """What D sends P in HELLO so P can write D's arena: JSON metadata plus fds (still owned by D)."""
+
+    meta: dict[str, int | str] = field(default_factory=dict)
+    fds: tuple[int, ...] = ()
+
+
+class LocalArena(ABC):
+    """D's receive arena. Owned by the receiver; lives until `TransferReceiver.close()`."""
+
+    nbytes: int
+
+    @abstractmethod
+    def export(self) -> ArenaExport:
+        """Called once per control connection (in HELLO). The fds stay owned by the arena."""
+
+    @abstractmethod
+    def region_bytes(self, region: Region) -> torch.Tensor:
+        """uint8 view of the region's first `region.nbytes` bytes (no copy); valid until it is freed."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Called once by the receiver's `close()` after every region was freed or abandoned."""
+
+
+class PeerArena(ABC):
+    """P's mapping of one D's arena; one per control connection, dropped when the last copy into it ends."""
+
+    nbytes: int
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+
+class TransferPath(ABC):
+    """One way of moving bytes P -> D. Instances are stateless apart from configuration."""
+
+    name: str
+
+    @abstractmethod
+    def probe(self) -> None:
+        """Do a real small transfer through this path; raise `PathUnavailable` if anything fails."""
+
+    @abstractmethod
+    def create_arena(self, nbytes: int, label: str) -> LocalArena:
+        """D side, once per receiver."""
+
+    @abstractmethod
+    def open_peer_arena(self, meta: Mapping[str, object], fds: list[int]) -> PeerArena:
+        """P side, once per HELLO. Takes ownership of `fds` (closes them whatever happens)."""
+
+    @abstractmethod
+    def alloc_staging(self, layout: WireLayout, n_tokens: int) -> torch.Tensor:
+        """P side, once per copy: a contiguous tensor of `layout.staging_shape(n_tokens)` for `gather`."""
+
+    @abstractmethod
+    def copy_to_peer(self, staging: torch.Tensor, peer: PeerArena, offset: int) -> None:
+        """P side, once per copy, on a copy worker: one copy of all of `staging` into the peer at
+        `offset`. Must return only when no byte of it can still land (synchronise async engines)."""
+
+
+class HostArena(LocalArena):
+    """A sealed memfd mapped into D; P maps the same pages from the fd. Dies with its last holder."""
+
+    def __init__(self, nbytes: int, label: str) -> None:
+        self.nbytes = nbytes
+        self._fd = os.memfd_create(f"tandem-arena-{label}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            os.ftruncate(self._fd, nbytes)
+            seals = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+            fcntl.fcntl(self._fd, fcntl.F_ADD_SEALS, seals)
+            self._mm = mmap.mmap(self._fd, nbytes)
+        except OSError:
+            os.close(self._fd)
+            raise
+        self._bytes = torch.frombuffer(self._mm, dtype=torch.uint8)
+
+    def export(self) -> ArenaExport:
+        return ArenaExport(meta={"kind": "memfd", "nbytes": self.nbytes}, fds=(self._fd,))
+
+    def region_bytes(self, region: Region) -> torch.Tensor:
+        return self._bytes[region.offset : region.offset + region.nbytes]
+
+    def close(self) -> None:
+        del self._bytes
+        # If an engine still holds a view, the mapping goes away with its last reference instead.
+        with contextlib.suppress(BufferError):
+            self._mm.close()
+        os.close(self._fd)
+
+
+class HostPeerArena(PeerArena):
+    def __init__(self, fd: int) -> None:
+        try:
+            seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+            if not seals & fcntl.F_SEAL_SHRINK:
+                # An unsealed file could shrink under a copy and SIGBUS the sender.
+                raise TransferError("receive arena memfd is not sealed against shrinking")
+            self.nbytes = os.fstat(fd).st_size
+            self._mm = mmap.mmap(fd, self.nbytes)
+        finally:
+            os.close(fd)
+        self.bytes = torch.frombuffer(self._mm, dtype=torch.uint8)
+
+    def close(self) -> None:
+        self.bytes = torch.empty(0, dtype=torch.uint8)
+        with contextlib.suppress(BufferError):
+            self._mm.close()
+
+
+class HostShmPath(TransferPath):
+    """Host shared memory: staging (host) -> memfd region, one `copy_` crosses. CPU engines and tests."""
+
+    name = "host_shm"
+
+    def probe(self) -> None:
+        try:
+            arena = self.create_arena(2 * mmap.PAGESIZE, "probe")
+            try:
+                exp = arena.export()
+                peer = self.open_peer_arena(exp.meta, [os.dup(exp.fds[0])])
+                layout = WireLayout(1, 1, 8, "float32")
+                staging = self.alloc_staging(layout, 16)
+                staging.copy_(torch.randn(staging.shape))
+                region = Region(offset=mmap.PAGESIZE, nbytes=staging.numel() * 4, alloc_bytes=mmap.PAGESIZE)
+                self.copy_to_peer(staging, peer, region.offset)
+                got = kv_checksum(arena.region_bytes(region))
+                peer.close()
+                if got != kv_checksum(staging):
+                    raise PathUnavailable("host_shm probe: bytes differ after the copy")
+            finally:
+                arena.close()
+        except PathUnavailable:
+            raise
+        except Exception as exc:
+            raise PathUnavailable(f"host_shm probe failed: {exc!r}") from exc
+
+    def create_arena(self, nbytes: int, label: str) -> LocalArena:
+        return HostArena(nbytes, label)
+
+    def open_peer_arena(self, meta: Mapping[str, object], fds: list[int]) -> PeerArena:
+        if meta.get("kind") != "memfd" or len(fds) != 1:
+            for fd in fds:
+                os.close(fd)
+            raise TransferError(f"host_shm expects one memfd, got meta={dict(meta)} and {len(fds)} fds")
+        return HostPeerArena(fds[0])
+
+    def alloc_staging(self, layout: WireLayout, n_tokens: int) -> torch.Tensor:
+        return torch.empty(layout.staging_shape(n_tokens), dtype=layout.dtype)
+
+    def copy_to_peer(self, staging: torch.Tensor, peer: PeerArena, offset: int) -> None:
+        assert isinstance(peer, HostPeerArena)
+        src = staging.reshape(-1).view(torch.uint8)
+        if offset < 0 or offset + src.numel() > peer.nbytes:
+            raise TransferError(f"copy of {src.numel()} bytes at {offset} outside {peer.nbytes} bytes")
+        peer.bytes[offset : offset + src.numel()].copy_(src)
+
+
+PATHS: dict[str, Callable[[], TransferPath]] = {HostShmPath.name: HostShmPath}
+
+
+def select_path(
+    preferred: Sequence[str],
+    require: str | None = None,
+    registry: Mapping[str, Callable[[], TransferPath]] | None = None,
+) -> TransferPath:
+    """Probe paths and return the first that works. Called once per process at engine start.
+
+    With `require`, only that path is probed and any failure raises `PathUnavailable`. Without it the
+    candidates are probed in `preferred` order; each failure is logged as a warning (never silent) and
+    `PathUnavailable` lists every reason if none works.
+    """
+    reg = PATHS if registry is None else registry
+    names = [require] if require is not None else list(preferred)
+    reasons: list[str] = []
+    for name in names:
+        factory = reg.get(name)
+        if factory is None:
+            reasons.append(f"{name}: not a known path ({sorted(reg)})")
+            continue
+        path = factory()
+        try:
+            path.probe()
+        except PathUnavailable as exc:
+            reasons.append(f"{name}: {exc}")
+            if require is None:
+                log.warning("transfer path %s unavailable, trying the next: %s", name, exc)
+            continue
+        if reasons:
+            log.warning("transfer path %s chosen after skipping: %s", name, "; ".join(reasons))
+        return path
+    raise PathUnavailable("no transfer path works: " + "; ".join(reasons or ["no candidates"]))

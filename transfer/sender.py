@@ -1,0 +1,461 @@
+"""P's side: hold offers, serve PULLs with one contiguous copy, and ACK aborts only with proof.
+
+Journey of an offer: `offer()` -> OFFERED (P's pages held) -> PULL accepted -> QUEUED -> a copy worker
+takes it -> COPYING: gather into staging (then the source is released), checksum, `copy_hook`, one copy
+into D's region -> COPIED, reply DONE. Off the happy path an offer is tombstoned (ABORTED/EXPIRED) before
+any write, or the copy fails after its copy call returned (FAILED). Terminal offers leave the table; a
+later PULL for their id is refused (tids are random and never reused, so "not in the table" is proof
+that no copy for it will start), and a later ABORT is ACKed at once.
+
+ABORT during COPYING cannot be proven yet: P holds the ACK and sends it (instead of DONE) when the copy
+returns. Holding `max_held_acks` ACKs at once, or one for longer than `max_hold_s`, calls `on_fatal`: the
+engine exits and its restart (new instance id, lock released) becomes the proof D needs.
+
+Threads: one accept/housekeeping thread, one reader per D connection, `copy_workers` copy workers.
+Engine callbacks (`gather`, `on_source_released`, `on_fatal`, `on_event`) run on those threads, never
+under the sender's lock.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import secrets
+import socket
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+
+import torch
+
+from ._conn import Connection
+from ._offer import GatherFn, Offer, Peer
+from .checksum import format_checksum, kv_checksum
+from .control import InstanceLock, endpoint_paths, listen_unix, same_user
+from .errors import ProtocolError, SenderClosed, TransferError
+from .frames import PROTOCOL_VERSION, FailReason, MsgType
+from .layout import WireLayout
+from .paths import TransferPath
+from .state import OfferState, SenderStats, Ticket, TransferEvent
+
+_RECENT_MAX = 4096
+
+
+class TransferSender:
+    """Serves one P process's offers to any number of D receivers of the same unit."""
+
+    def __init__(
+        self,
+        layout: WireLayout,
+        unit: str,
+        path: TransferPath,
+        on_source_released: Callable[[str], None],
+        on_fatal: Callable[[str], None],
+        *,
+        slot: str = "p0",
+        max_held_acks: int = 3,
+        max_hold_s: float | None = 30.0,
+        copy_workers: int = 3,
+        lock_wait_s: float = 5.0,
+        on_event: Callable[[TransferEvent], None] | None = None,
+        copy_hook: Callable[[str, torch.Tensor], None] | None = None,
+    ) -> None:
+        """`copy_hook(tid, staging)` is a fault-injection seam: called on the copy worker after gather and
+        checksum, right before the copy crosses (it may delay, or alter `staging` to simulate corruption).
+        Production code passes None unless fault injection is configured.
+
+        At most `copy_workers` copies run at once, so at most that many ACKs can be held: keep it
+        >= `max_held_acks` or only the `max_hold_s` watchdog can declare P fatal."""
+        self.layout = layout
+        self.path = path
+        self.instance_id = secrets.token_hex(16)
+        sock_path, lock_path = endpoint_paths(unit, slot)
+        self._sock_path = sock_path
+        self.endpoint = str(sock_path)
+        self.lock_path = str(lock_path)
+        self._on_source_released = on_source_released
+        self._on_fatal = on_fatal
+        self._on_event = on_event
+        self._copy_hook = copy_hook
+        self._max_held = max_held_acks
+        self._max_hold_s = max_hold_s
+        self._n_workers = copy_workers
+        self._lock_wait_s = lock_wait_s
+        self._instance_lock = InstanceLock(lock_path)
+        self._lock = threading.Lock()
+        self._offers: dict[str, Offer] = {}
+        self._recent: OrderedDict[str, OfferState] = OrderedDict()
+        self._peers: set[Peer] = set()
+        self._jobs: queue.Queue[Offer | None] = queue.Queue()
+        self._threads: list[threading.Thread] = []
+        self._workers: list[threading.Thread] = []
+        self._stop = threading.Event()
+        self._server: socket.socket | None = None
+        self._closing = False
+        self._fatal = False
+        self._counts = dict.fromkeys(
+            (
+                "offers_total",
+                "copies_ok",
+                "copies_failed",
+                "pulls_refused",
+                "offers_expired",
+                "offers_aborted",
+                "bytes_moved",
+                "acks_sent",
+            ),
+            0,
+        )
+
+    # ---- lifecycle -------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Called once by the engine before its first `offer`. Takes the slot's instance lock (waiting
+        up to `lock_wait_s` for a previous instance to die), binds the endpoint and starts the threads.
+        Raises `TransferError` if another live instance holds the slot."""
+        deadline = time.monotonic() + self._lock_wait_s
+        while not self._instance_lock.try_acquire():
+            if time.monotonic() > deadline:
+                raise TransferError(f"another P instance holds {self.lock_path}")
+            time.sleep(0.02)
+        self._server = listen_unix(self._sock_path)
+        self._server.settimeout(0.05)
+        self._spawn(self._accept_loop, "tandem-p-accept")
+        for i in range(self._n_workers):
+            self._workers.append(self._spawn(self._copy_loop, f"tandem-p-copy{i}"))
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Called once at engine shutdown. Releases every unpulled offer's source, waits for copies in
+        progress, then closes connections and gives up the instance lock. If a copy does not finish in
+        `timeout_s` it raises `TransferError` and keeps the lock (held until process exit), so no D
+        mistakes this instance for gone while its write may still land."""
+        actions: list[Callable[[], None]] = []
+        with self._lock:
+            self._closing = True
+            for offer in list(self._offers.values()):
+                if offer.state in (OfferState.OFFERED, OfferState.QUEUED):
+                    self._tombstone(offer, OfferState.ABORTED, actions)
+        _run(actions)
+        self._stop.set()
+        for _ in self._workers:
+            self._jobs.put(None)
+        end = time.monotonic() + timeout_s
+        for t in self._workers:
+            t.join(max(0.0, end - time.monotonic()))
+        if any(t.is_alive() for t in self._workers):
+            raise TransferError("a copy is still running; the instance lock stays held until exit")
+        with self._lock:
+            peers = list(self._peers)
+        for peer in peers:
+            peer.conn.shutdown()
+        for t in self._threads:
+            t.join(2.0)
+        if self._server is not None:
+            self._server.close()
+            self._sock_path.unlink(missing_ok=True)
+        self._instance_lock.release()
+
+    # ---- engine API ------------------------------------------------------------------------------
+
+    def offer(self, n_tokens: int, gather: GatherFn, ttl_s: float) -> Ticket:
+        """Called by the engine once per prefilled request, after its KV is in P's pool.
+
+        From now on P's source pages belong to the sender: `gather(out)` may be called (at most once, on
+        a copy worker) to write the request's rows into `out` (shape `layout.staging_shape(n_tokens)`,
+        written to). `on_source_released(tid)` is called exactly once — after the gather, or when the
+        offer is aborted, expires after `ttl_s` unpulled, or the sender closes — and only then may the
+        engine free the pages. Returns the ticket to send to D.
+        """
+        if ttl_s <= 0:
+            raise ValueError("ttl_s must be positive")
+        nbytes = self.layout.staging_nbytes(n_tokens)
+        tid = secrets.token_hex(16)
+        with self._lock:
+            if self._closing or self._fatal or self._server is None:
+                raise SenderClosed("sender is not serving (not started, closing or fatal)")
+            self._offers[tid] = Offer(tid, n_tokens, nbytes, gather, time.monotonic() + ttl_s)
+            self._counts["offers_total"] += 1
+        return Ticket(
+            tid,
+            self.endpoint,
+            self.lock_path,
+            self.instance_id,
+            n_tokens,
+            nbytes,
+            self.layout.fingerprint(),
+            self.path.name,
+        )
+
+    def stats(self) -> SenderStats:
+        """Snapshot for metrics; any thread, any time."""
+        with self._lock:
+            return SenderStats(
+                offers_open=len(self._offers),
+                held_acks=self._held_count(),
+                connections=len(self._peers),
+                **self._counts,
+            )
+
+    # ---- threads ---------------------------------------------------------------------------------
+
+    def _spawn(self, target: Callable[..., None], name: str, *args: object) -> threading.Thread:
+        t = threading.Thread(target=target, args=args, name=name, daemon=True)
+        t.start()
+        self._threads.append(t)
+        return t
+
+    def _accept_loop(self) -> None:
+        assert self._server is not None
+        while not self._stop.is_set():
+            self._housekeeping()
+            try:
+                sock, _ = self._server.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            if not same_user(sock):
+                sock.close()
+                continue
+            sock.settimeout(None)
+            peer = Peer(Connection(sock))
+            with self._lock:
+                self._peers.add(peer)
+            self._spawn(self._read_loop, "tandem-p-conn", peer)
+
+    def _read_loop(self, peer: Peer) -> None:
+        try:
+            kind, msg, fds = peer.conn.reader.read()
+            if kind is not MsgType.HELLO:
+                raise ProtocolError(f"expected HELLO, got {kind.name}")
+            if not self._hello(peer, msg, fds):
+                return
+            while True:
+                kind, msg, _ = peer.conn.reader.read()
+                if kind is MsgType.PULL:
+                    self._pull(peer, msg)
+                elif kind is MsgType.ABORT:
+                    self._abort(peer.conn, msg["tid"])
+                elif kind is MsgType.PING:
+                    peer.conn.send(MsgType.PONG, nonce=msg["nonce"], instance=self.instance_id)
+                else:
+                    raise ProtocolError(f"unexpected {kind.name} from D")
+        except (EOFError, OSError, ProtocolError):
+            pass
+        finally:
+            with self._lock:
+                self._peers.discard(peer)
+            peer.conn.finish()  # the PeerArena mapping stays alive while a copy still references it
+
+    def _hello(self, peer: Peer, msg: dict[str, object], fds: list[int]) -> bool:
+        reason: FailReason | None = None
+        if msg["v"] != PROTOCOL_VERSION:
+            reason = FailReason.BAD_VERSION
+        elif msg["path"] != self.path.name:
+            reason = FailReason.PATH_MISMATCH
+        elif msg["layout_fp"] != self.layout.fingerprint() or msg["layout"] != self.layout.to_dict():
+            reason = FailReason.LAYOUT_MISMATCH
+        if reason is None:
+            try:
+                peer.arena = self.path.open_peer_arena(msg["arena"], fds)  # type: ignore[arg-type]
+            except TransferError as exc:
+                peer.conn.send(MsgType.FAILED, tid=None, reason=int(FailReason.BAD_REGION), detail=str(exc))
+                return False
+            return peer.conn.send(MsgType.HELLO_ACK, v=PROTOCOL_VERSION, instance=self.instance_id)
+        for fd in fds:
+            os.close(fd)
+        peer.conn.send(MsgType.FAILED, tid=None, reason=int(reason), detail=f"{reason.name} in HELLO")
+        return False
+
+    def _pull(self, peer: Peer, msg: dict[str, object]) -> None:
+        tid = str(msg["tid"])
+        offset, nbytes = int(msg["offset"]), int(msg["nbytes"])  # type: ignore[call-overload]
+        remaining_s = float(msg["remaining_ms"]) / 1000.0  # type: ignore[arg-type]
+        actions: list[Callable[[], None]] = []
+        reason: FailReason | None = None
+        with self._lock:
+            offer = self._offers.get(tid)
+            if self._closing or self._fatal:
+                reason = FailReason.CLOSING
+            elif offer is None:
+                past = self._recent.get(tid)
+                refusals = {OfferState.EXPIRED: FailReason.EXPIRED, OfferState.ABORTED: FailReason.ABORTED}
+                reason = refusals.get(past, FailReason.UNKNOWN) if past is not None else FailReason.UNKNOWN
+            elif offer.state is not OfferState.OFFERED:
+                reason = FailReason.UNKNOWN  # already pulled: only one PULL per offer
+            elif (
+                peer.arena is None or nbytes != offer.nbytes or not 0 <= offset <= peer.arena.nbytes - nbytes
+            ):
+                reason = FailReason.BAD_REGION
+            elif remaining_s <= 0:
+                self._tombstone(offer, OfferState.EXPIRED, actions)  # refused before start: proof
+                reason = FailReason.EXPIRED
+            else:
+                offer.state = OfferState.QUEUED
+                offer.pull_peer, offer.pull_offset = peer, offset
+                offer.pull_deadline = time.monotonic() + remaining_s
+                self._jobs.put(offer)
+            if reason is not None:
+                self._counts["pulls_refused"] += 1
+        _run(actions)
+        if reason is not None:
+            peer.conn.send(MsgType.FAILED, tid=tid, reason=int(reason), detail=reason.name)
+
+    def _abort(self, conn: Connection, tid: str) -> None:
+        actions: list[Callable[[], None]] = []
+        ack = True
+        with self._lock:
+            offer = self._offers.get(tid)
+            if offer is not None and offer.state in (OfferState.OFFERED, OfferState.QUEUED):
+                self._tombstone(offer, OfferState.ABORTED, actions)  # a queued job will skip it
+            elif offer is not None and offer.state is OfferState.COPYING:
+                ack = False  # no proof yet: the ACK goes out when the copy returns
+                if not offer.abort_waiters:
+                    offer.held_since = time.monotonic()
+                if conn not in offer.abort_waiters:
+                    offer.abort_waiters.append(conn)
+                if self._held_count() >= self._max_held:
+                    self._go_fatal(f"{self._held_count()} ABORT_ACKs held (copies not finishing)", actions)
+            if ack:
+                self._counts["acks_sent"] += 1
+        _run(actions)
+        if ack:
+            conn.send(MsgType.ABORT_ACK, tid=tid)
+
+    def _copy_loop(self) -> None:
+        while True:
+            offer = self._jobs.get()
+            if offer is None:
+                return
+            self._copy_one(offer)
+
+    def _copy_one(self, offer: Offer) -> None:
+        actions: list[Callable[[], None]] = []
+        refuse: FailReason | None = None
+        peer = offer.pull_peer
+        assert peer is not None
+        with self._lock:
+            if offer.state is not OfferState.QUEUED:  # aborted while queued
+                refuse = FailReason.ABORTED
+            elif self._closing or self._fatal:
+                self._tombstone(offer, OfferState.ABORTED, actions)
+                refuse = FailReason.CLOSING
+            elif time.monotonic() > offer.pull_deadline:
+                self._tombstone(offer, OfferState.EXPIRED, actions)
+                refuse = FailReason.EXPIRED
+            else:
+                offer.state = OfferState.COPYING
+                offer.copy_start_ns = time.time_ns()
+        _run(actions)
+        if refuse is not None:
+            peer.conn.send(MsgType.FAILED, tid=offer.tid, reason=int(refuse), detail=refuse.name)
+            return
+        error: str | None = None
+        checksum = 0
+        try:
+            staging = self.path.alloc_staging(self.layout, offer.n_tokens)
+            try:
+                offer.gather(staging)
+            finally:
+                self._release_source(offer)
+            checksum = kv_checksum(staging)
+            if self._copy_hook is not None:
+                self._copy_hook(offer.tid, staging)
+            assert peer.arena is not None
+            self.path.copy_to_peer(staging, peer.arena, offer.pull_offset)
+        except Exception as exc:  # the engine's gather or the path failed; the copy call has returned
+            error = f"{type(exc).__name__}: {exc}"
+        with self._lock:
+            offer.copy_end_ns = time.time_ns()
+            final = OfferState.COPIED if error is None else OfferState.FAILED
+            self._finish(offer, final)
+            waiters, offer.abort_waiters = offer.abort_waiters, []
+            self._counts["copies_ok" if error is None else "copies_failed"] += 1
+            self._counts["bytes_moved"] += offer.nbytes if error is None else 0
+            self._counts["acks_sent"] += len(waiters)
+            event = self._event(offer, error)
+        if waiters:  # D gave up: the ACK (now provable) is the only answer it needs
+            for conn in waiters:
+                conn.send(MsgType.ABORT_ACK, tid=offer.tid)
+        elif error is None:
+            peer.conn.send(
+                MsgType.DONE,
+                tid=offer.tid,
+                nbytes=offer.nbytes,
+                checksum=format_checksum(checksum),
+                copy_start_ns=offer.copy_start_ns,
+                copy_end_ns=offer.copy_end_ns,
+            )
+        else:
+            peer.conn.send(MsgType.FAILED, tid=offer.tid, reason=int(FailReason.COPY_ERROR), detail=error)
+        if self._on_event is not None:
+            self._on_event(event)
+
+    # ---- helpers (called with self._lock held unless noted) ---------------------------------------
+
+    def _housekeeping(self) -> None:
+        """Accept thread, every ~50 ms: expire unpulled offers, watch held ACKs."""
+        actions: list[Callable[[], None]] = []
+        now = time.monotonic()
+        with self._lock:
+            for offer in list(self._offers.values()):
+                if offer.state is OfferState.OFFERED and now > offer.expires:
+                    self._tombstone(offer, OfferState.EXPIRED, actions)
+                elif (
+                    offer.abort_waiters
+                    and self._max_hold_s is not None
+                    and now - offer.held_since > self._max_hold_s
+                ):
+                    self._go_fatal(f"ABORT_ACK for {offer.tid} held over {self._max_hold_s}s", actions)
+        _run(actions)
+
+    def _held_count(self) -> int:
+        return sum(1 for o in self._offers.values() if o.abort_waiters)
+
+    def _go_fatal(self, reason: str, actions: list[Callable[[], None]]) -> None:
+        if not self._fatal:
+            self._fatal = True
+            actions.append(lambda: self._on_fatal(reason))
+
+    def _tombstone(self, offer: Offer, state: OfferState, actions: list[Callable[[], None]]) -> None:
+        """End an offer before any write: from now on no copy for it can start."""
+        self._counts["offers_expired" if state is OfferState.EXPIRED else "offers_aborted"] += 1
+        self._finish(offer, state)
+        if not offer.source_released:
+            offer.source_released = True
+            actions.append(lambda: self._on_source_released(offer.tid))
+        if self._on_event is not None:
+            event, cb = self._event(offer, state.name), self._on_event
+            actions.append(lambda: cb(event))
+
+    def _finish(self, offer: Offer, state: OfferState) -> None:
+        offer.state = state
+        self._offers.pop(offer.tid, None)
+        self._recent[offer.tid] = state
+        while len(self._recent) > _RECENT_MAX:
+            self._recent.popitem(last=False)
+
+    def _release_source(self, offer: Offer) -> None:
+        """Copy worker, without the lock held: exactly-once source release after the gather."""
+        with self._lock:
+            if offer.source_released:
+                return
+            offer.source_released = True
+        self._on_source_released(offer.tid)
+
+    def _event(self, offer: Offer, error: str | None) -> TransferEvent:
+        return TransferEvent(
+            offer.tid,
+            offer.nbytes,
+            offer.state.name,
+            error,
+            self.path.name,
+            copy_start_ns=offer.copy_start_ns,
+            copy_end_ns=offer.copy_end_ns,
+        )
+
+
+def _run(actions: list[Callable[[], None]]) -> None:
+    for action in actions:
+        action()

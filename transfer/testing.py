@@ -1,0 +1,113 @@
+"""Test support (fault injection), importable by spawn children: never used by production code.
+
+`sender_child` runs a `TransferSender` in its own process, driven over a multiprocessing pipe, so tests
+can SIGSTOP, SIGKILL and restart a real P. `FailingPath` is a path whose probe always fails.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import asdict
+from multiprocessing.connection import Connection as Pipe
+
+import torch
+
+from .errors import PathUnavailable
+from .layout import WireLayout
+from .paths import HostShmPath, LocalArena, PeerArena, TransferPath
+from .sender import TransferSender
+
+
+def fake_kv(layout: WireLayout, n_tokens: int, seed: int) -> torch.Tensor:
+    """Deterministic KV of `staging_shape(n_tokens)`: the same bytes in every process for one seed."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(layout.staging_shape(n_tokens), generator=g).to(layout.dtype)
+
+
+class HookControl:
+    """What the sender's `copy_hook` does: "none", "block" (until `release`), or "until_abort" (until the
+    sender holds an ABORT_ACK for the copy, so the ACK — not DONE — is what answers D)."""
+
+    def __init__(self) -> None:
+        self.mode = "none"
+        self.entered = threading.Event()
+        self.gate = threading.Event()
+        self.sender: TransferSender | None = None
+
+    def __call__(self, tid: str, staging: object = None) -> None:
+        self.entered.set()
+        if self.mode == "block":
+            self.gate.wait()
+        elif self.mode == "until_abort":
+            end = time.monotonic() + 30.0
+            while self.sender is not None and self.sender.stats().held_acks == 0 and time.monotonic() < end:
+                time.sleep(0.005)
+
+
+def sender_child(unit: str, slot: str, layout: dict[str, object], xdg_dir: str, pipe: Pipe) -> None:
+    """Entry point of a P child process. Commands (tuples) on `pipe`:
+    ("offer", n_tokens, seed, ttl_s) -> ticket json; ("hook", mode) / ("release",) -> "ok";
+    ("entered", timeout_s) -> bool;
+    ("stats",) -> dict (with "sources_released"); ("close",) -> "closed" and the process exits."""
+    os.environ["XDG_RUNTIME_DIR"] = xdg_dir
+    wl = WireLayout.from_dict(layout)
+    hook = HookControl()
+    released: list[str] = []
+    fatal: list[str] = []
+    sender = TransferSender(wl, unit, HostShmPath(), released.append, fatal.append, slot=slot, copy_hook=hook)
+    hook.sender = sender
+    sender.start()
+    pipe.send(("ready", sender.instance_id, sender.endpoint))
+    while True:
+        cmd = pipe.recv()
+        if cmd[0] == "offer":
+            _, n_tokens, seed, ttl_s = cmd
+            data = fake_kv(wl, n_tokens, seed)
+
+            def gather(out: torch.Tensor, d: torch.Tensor = data) -> None:
+                out.copy_(d)
+
+            pipe.send(sender.offer(n_tokens, gather, ttl_s).to_json())
+        elif cmd[0] == "hook":
+            hook.mode = cmd[1]
+            hook.entered.clear()
+            pipe.send("ok")
+        elif cmd[0] == "release":
+            hook.gate.set()
+            pipe.send("ok")
+        elif cmd[0] == "entered":
+            pipe.send(hook.entered.wait(float(cmd[1])))
+        elif cmd[0] == "stats":
+            pipe.send({**asdict(sender.stats()), "sources_released": len(released), "fatal": list(fatal)})
+        elif cmd[0] == "close":
+            hook.gate.set()
+            sender.close()
+            pipe.send("closed")
+            return
+
+
+class FailingPath(TransferPath):
+    """A path whose probe fails, for `select_path` tests; every data method raises too."""
+
+    name = "failing"
+
+    def probe(self) -> None:
+        raise PathUnavailable("failing path: probe always fails")
+
+    def create_arena(self, nbytes: int, label: str) -> LocalArena:
+        raise PathUnavailable("failing path")
+
+    def open_peer_arena(self, meta: Mapping[str, object], fds: list[int]) -> PeerArena:
+        raise PathUnavailable("failing path")
+
+    def alloc_staging(self, layout: WireLayout, n_tokens: int) -> torch.Tensor:
+        raise PathUnavailable("failing path")
+
+    def copy_to_peer(self, staging: torch.Tensor, peer: PeerArena, offset: int) -> None:
+        raise PathUnavailable("failing path")
+
+
+__all__ = ["FailingPath", "HookControl", "fake_kv", "sender_child"]
