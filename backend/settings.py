@@ -57,6 +57,24 @@ class TransferSettings:
 
 
 @dataclass(frozen=True)
+class FaultSettings:
+    """Fault injection for the fault-matrix tests and drills; all off by default.
+
+    On P: every `delay_every`-th copy sleeps `delay_s` before crossing (so D's deadline passes while
+    the write is still pending), every `corrupt_every`-th copy flips one staged byte after the
+    checksum was taken (so D's verification must catch it).
+    """
+
+    delay_every: int = 0
+    delay_s: float = 0.0
+    corrupt_every: int = 0
+
+    @property
+    def active(self) -> bool:
+        return bool(self.delay_every or self.corrupt_every)
+
+
+@dataclass(frozen=True)
 class EngineSettings:
     model: ModelSource = field(default_factory=ModelSource)
     device: str = "auto"  # auto: the instance's GPU for KIND_GPU instances, else cpu
@@ -65,6 +83,7 @@ class EngineSettings:
     transfer: TransferSettings = field(default_factory=TransferSettings)
     limits: Limits = field(default_factory=Limits)
     vocoder: VocoderConfig = field(default_factory=VocoderConfig)
+    faults: FaultSettings = field(default_factory=FaultSettings)
     torch_threads: int = 0  # 0: torch's default
 
 
@@ -76,6 +95,7 @@ _SECTIONS = {
     "transfer": "transfer",
     "limits": "limits",
     "vocoder": "vocoder",
+    "faults": "faults",
 }
 
 

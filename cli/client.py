@@ -58,7 +58,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     assert result.rows is not None and result.audio is not None
     write_wav(args.out, result.audio, rate)
-    print(f"model {args.model}: {result.rows.shape[0]} rows x {result.rows.shape[1]} ids in {result.responses} responses")
+    n, w = result.rows.shape
+    print(f"model {args.model}: {n} rows x {w} ids in {result.responses} responses")
     print(f"time to first audio: {result.ttfa_ms:.1f} ms")
     print(f"tokens/s after first response: {result.tokens_per_s:.1f}")
     print(f"audio: {result.audio.shape[0] / rate:.2f} s at {rate} Hz -> {args.out}")

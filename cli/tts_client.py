@@ -120,7 +120,11 @@ class TTSClient:
         key = resp.id
         with self._lock:
             r = self._results[key]
-            final = resp.parameters["triton_final_response"].bool_param if "triton_final_response" in resp.parameters else False
+            final = (
+                resp.parameters["triton_final_response"].bool_param
+                if "triton_final_response" in resp.parameters
+                else False
+            )
             tokens = result.as_numpy("TOKENS")
             audio = result.as_numpy("AUDIO")
             if tokens is not None:

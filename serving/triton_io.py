@@ -60,9 +60,7 @@ def _input(pb: Any, request: Any, name: str) -> np.ndarray | None:
     return None if tensor is None else tensor.as_numpy()
 
 
-def read_request(
-    pb: Any, request: Any, cfg: ModelConfig, limits: Limits
-) -> tuple[np.ndarray, RequestParams]:
+def read_request(pb: Any, request: Any, cfg: ModelConfig, limits: Limits) -> tuple[np.ndarray, RequestParams]:
     """PROMPT and the optional inputs of the client contract; raises InvalidInput naming the problem."""
     prompt = _input(pb, request, "PROMPT")
     if prompt is None:
@@ -147,7 +145,10 @@ class TritonMetrics:
             Kind.GAUGE: pb.MetricFamily.GAUGE,
             Kind.HISTOGRAM: pb.MetricFamily.HISTOGRAM,
         }
-        self._families = {m.name: pb.MetricFamily(name=m.name, description=m.description, kind=kinds[m.kind]) for m in METRICS}
+        self._families = {
+            m.name: pb.MetricFamily(name=m.name, description=m.description, kind=kinds[m.kind])
+            for m in METRICS
+        }
         self._defs = {m.name: m for m in METRICS}
         self._metrics: dict[tuple[str, tuple[tuple[str, str], ...]], Any] = {}
 
@@ -191,3 +192,34 @@ def sampling_params(params: RequestParams) -> Any:
 
     seed = params.seed if params.seed is not None else int.from_bytes(np.random.bytes(7), "little")
     return SamplingParams(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k, seed=seed)
+
+
+class HandoffResponder:
+    """HandoffSink over a decoupled sender: exactly one response (HANDOFF) or one error, FINAL."""
+
+    def __init__(self, pb: Any, request: Any) -> None:
+        self._pb = pb
+        self._sender = request.get_response_sender()
+        self._closed = False
+
+    def send(self, handoff: Any) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        out = [bytes_tensor(self._pb, "HANDOFF", handoff.to_json())]
+        self._sender.send(
+            self._pb.InferenceResponse(output_tensors=out),
+            flags=self._pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL,
+        )
+
+    def fail(self, error: TandemError) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._sender.send(
+            self._pb.InferenceResponse(error=triton_error(self._pb, error)),
+            flags=self._pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL,
+        )
+
+    def cancelled(self) -> bool:
+        return bool(self._sender.is_cancelled())

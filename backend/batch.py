@@ -1,0 +1,128 @@
+"""The running batch: one decode step over every admitted stream, and chunk emission.
+
+Shared by the monolithic engine and by D. The owner (one engine thread) adds streams whose prompt
+KV already sits in the pool together with their first generated row, then calls `step()` in a loop.
+A stream leaves the batch when it finishes (final chunk emitted, `release` called once) or when its
+client is gone (`cancelled`, `release` called once). Pages are reserved at admission for the prompt
+plus `max_new_rows`, so a step never allocates and a running stream can never be starved of pages.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from tandem.backend.decoder import Decoder
+from tandem.backend.errors import StreamFailed
+from tandem.backend.kv_pool import KVPool
+from tandem.backend.metrics import MetricsSink
+from tandem.backend.sampling import sample
+from tandem.backend.stream import Chunk, Stream, StreamStatus
+from tandem.backend.vocoder import ChunkPolicy
+
+# How often (in steps) running streams are asked whether their client is still there.
+_CANCEL_CHECK_EVERY = 8
+
+
+class DecodeBatch:
+    def __init__(
+        self,
+        decoder: Decoder,
+        pool: KVPool,
+        chunking: ChunkPolicy,
+        metrics: MetricsSink,
+        rate_floor_tok_s: float,
+    ) -> None:
+        self.decoder = decoder
+        self.pool = pool
+        self.chunking = chunking
+        self.metrics = metrics
+        self.rate_floor = rate_floor_tok_s
+        self.streams: list[Stream] = []
+        self._releases: dict[int, Callable[[], None]] = {}
+        self._first_emit_s: dict[int, float] = {}
+        self._first_rows: dict[int, int] = {}
+        self._steps = 0
+
+    def __len__(self) -> int:
+        return len(self.streams)
+
+    def add(self, stream: Stream, first_row: np.ndarray, release: Callable[[], None]) -> None:
+        """Join a stream whose prompt KV is in the pool; `release` frees its pages exactly once."""
+        assert stream.slots is not None
+        stream.status = StreamStatus.RUNNING
+        stream.generated.append(np.asarray(first_row, dtype=np.int64).reshape(-1))
+        self.streams.append(stream)
+        self._releases[id(stream)] = release
+        self._after_rows(stream)
+
+    def step(self) -> float:
+        """Run one decode step over every running stream; returns the step's wall time in seconds."""
+        if self._steps % _CANCEL_CHECK_EVERY == 0:
+            for s in [s for s in self.streams if s.sink.cancelled()]:
+                s.status = StreamStatus.CANCELLED
+                self.metrics.inc("tandem_streams_total", outcome="cancelled")
+                self._leave(s)
+        self._steps += 1
+        active = list(self.streams)
+        if not active:
+            return 0.0
+        t0 = time.perf_counter()
+        device = self.pool.device
+        rows = torch.from_numpy(np.stack([s.generated[-1] for s in active])).to(device)
+        positions = [s.position for s in active]
+        tables = [s.slots[: p + 1] for s, p in zip(active, positions, strict=True)]
+        logits = self.decoder.decode(rows, self.pool, tables, torch.tensor(positions, device=device))
+        new_rows = sample(logits, [s.sampling for s in active], [p + 1 for p in positions]).numpy()
+        for s, row in zip(active, new_rows, strict=True):
+            s.generated.append(row)
+            self._after_rows(s)
+        elapsed = time.perf_counter() - t0
+        self.metrics.observe("tandem_step_ms", elapsed * 1e3)
+        return elapsed
+
+    def fail_all(self, reason: str) -> None:
+        for s in list(self.streams):
+            s.status = StreamStatus.FAILED
+            s.sink.fail(StreamFailed(reason))
+            self._leave(s)
+
+    def _after_rows(self, s: Stream) -> None:
+        done = s.done_generating
+        pending = len(s.generated) - s.emitted_rows
+        if not done and pending < self.chunking.next_size(s.chunk_index):
+            return
+        rows = np.stack(s.generated[s.emitted_rows :])
+        now = time.perf_counter()
+        if id(s) not in self._first_emit_s:
+            self._first_emit_s[id(s)] = now
+            self._first_rows[id(s)] = len(s.generated)
+        if s.chunk_index == 0:
+            s.timings.mark("first_chunk")
+        if done:
+            s.timings.mark("last_chunk")
+        chunk = Chunk(rows=rows, first_row=s.emitted_rows, final=done, timings=s.timings if done else None)
+        s.emitted_rows = len(s.generated)
+        s.chunk_index += 1
+        s.sink.emit(chunk)
+        if done:
+            s.status = StreamStatus.FINISHED
+            self._account_rate(s, now)
+            self.metrics.inc("tandem_streams_total", outcome="finished")
+            self._leave(s)
+
+    def _account_rate(self, s: Stream, now: float) -> None:
+        """Rows/s after the first chunk (the client's playback clock starts there) against the floor."""
+        first = self._first_emit_s.get(id(s), now)
+        n = len(s.generated) - self._first_rows.get(id(s), 0)
+        if n > 0 and now > first and n / (now - first) < self.rate_floor:
+            self.metrics.inc("tandem_streams_below_floor_total")
+
+    def _leave(self, s: Stream) -> None:
+        self.streams.remove(s)
+        self._first_emit_s.pop(id(s), None)
+        self._first_rows.pop(id(s), None)
+        self._releases.pop(id(s))()

@@ -1,0 +1,43 @@
+"""The loop thread every engine runs on, with one policy for faults.
+
+An exception escaping an engine iteration is a bug or a device fault: the engine fails every stream
+it owns with a clear error (clients are told at once), logs the traceback, and keeps serving new
+requests. Triton's execute threads only enqueue; all engine state is touched by this thread alone.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import traceback
+from collections.abc import Callable
+
+log = logging.getLogger("tandem")
+
+
+class EngineThread:
+    def __init__(self, name: str, iterate: Callable[[], None], on_fault: Callable[[str], None]) -> None:
+        self._iterate = iterate
+        self._on_fault = on_fault
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop.is_set()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        self._stop.set()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout_s)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._iterate()
+            except Exception as exc:
+                log.error("%s: engine iteration failed:\n%s", self._thread.name, traceback.format_exc())
+                self._on_fault(f"engine fault: {type(exc).__name__}: {exc}")

@@ -1,0 +1,89 @@
+"""The metrics every engine publishes, by name, and the sink they are published through.
+
+Engines call a `MetricsSink`; the Triton adapter implements it with `pb_utils.MetricFamily`
+(so the figures appear on Triton's own `/metrics` endpoint), tests with `RecordingMetrics`.
+Names are declared once here so the adapter can create every family at start-up.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import Protocol
+
+
+class Kind(IntEnum):
+    COUNTER = 0
+    GAUGE = 1
+    HISTOGRAM = 2
+
+
+@dataclass(frozen=True)
+class MetricDef:
+    name: str
+    kind: Kind
+    description: str
+    buckets: tuple[float, ...] = ()
+
+
+_MS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 50, 100, 250, 500, 1000, 2500)
+_BYTES = (2**16, 2**20, 2**22, 2**24, 2**26, 2**28, 2**30)
+
+METRICS: tuple[MetricDef, ...] = (
+    MetricDef("tandem_inflight_streams", Kind.GAUGE, "Streams admitted and not yet finished"),
+    MetricDef("tandem_admittable_streams", Kind.GAUGE, "More streams the engine can admit now"),
+    MetricDef("tandem_queued_requests", Kind.GAUGE, "Requests waiting for admission"),
+    MetricDef("tandem_free_pages", Kind.GAUGE, "Free KV pages in the engine's pool"),
+    MetricDef("tandem_held_pages", Kind.GAUGE, "KV pages quarantined after a failed transfer"),
+    MetricDef("tandem_draining", Kind.GAUGE, "1 while decode admits nothing new (held pages over limit)"),
+    MetricDef("tandem_transfer_path", Kind.GAUGE, "Chosen KV transfer path (info gauge, label path)"),
+    MetricDef("tandem_transfer_bytes", Kind.HISTOGRAM, "Bytes per KV transfer", _BYTES),
+    MetricDef("tandem_transfer_latency_ms", Kind.HISTOGRAM, "KV transfer time, request to verified", _MS),
+    MetricDef("tandem_transfers_total", Kind.COUNTER, "KV transfers by outcome (label outcome)"),
+    MetricDef("tandem_kv_verifications_total", Kind.COUNTER, "KV checksum verifications (label result)"),
+    MetricDef("tandem_streams_below_floor_total", Kind.COUNTER, "Streams that finished below the rate floor"),
+    MetricDef("tandem_streams_total", Kind.COUNTER, "Streams by outcome (label outcome)"),
+    MetricDef("tandem_step_ms", Kind.HISTOGRAM, "Decode step time", _MS),
+    MetricDef("tandem_prefill_ms", Kind.HISTOGRAM, "Prefill forward time", _MS),
+    MetricDef("tandem_admission_ms", Kind.HISTOGRAM, "Time from engine receipt to admission", _MS),
+    MetricDef(
+        "tandem_prefix_cache_hit_tokens_total", Kind.COUNTER, "Prompt tokens served by the prefix cache"
+    ),
+)
+
+BY_NAME = {m.name: m for m in METRICS}
+
+
+class MetricsSink(Protocol):
+    def set(self, name: str, value: float, **labels: str) -> None: ...
+
+    def inc(self, name: str, by: float = 1.0, **labels: str) -> None: ...
+
+    def observe(self, name: str, value: float, **labels: str) -> None: ...
+
+
+def _key(name: str, labels: dict[str, str]) -> tuple[str, tuple[tuple[str, str], ...]]:
+    if name not in BY_NAME:
+        raise KeyError(f"undeclared metric {name}")
+    return name, tuple(sorted(labels.items()))
+
+
+class RecordingMetrics:
+    """In-memory sink for tests and for engines run outside Triton."""
+
+    def __init__(self) -> None:
+        self.values: dict[tuple[str, tuple[tuple[str, str], ...]], float] = defaultdict(float)
+        self.samples: dict[tuple[str, tuple[tuple[str, str], ...]], list[float]] = defaultdict(list)
+
+    def set(self, name: str, value: float, **labels: str) -> None:
+        self.values[_key(name, labels)] = value
+
+    def inc(self, name: str, by: float = 1.0, **labels: str) -> None:
+        self.values[_key(name, labels)] += by
+
+    def observe(self, name: str, value: float, **labels: str) -> None:
+        self.samples[_key(name, labels)].append(value)
+
+    def get(self, name: str, **labels: str) -> float:
+        return self.values.get(_key(name, labels), 0.0)

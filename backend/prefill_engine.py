@@ -1,0 +1,218 @@
+"""P: prompt forward, first row, and the offer of the prompt's KV to D.
+
+A request's journey through P:
+    execute thread: validate + pack (native) -> Intake (bounded)      [off the forward loop]
+    engine thread:  prefix-cache allocate -> forward -> sample row 0 -> cache commit
+                    -> sender.offer(gather) -> HANDOFF response (ticket + row 0 + seed + timings)
+    sender threads: on D's PULL, gather the rows into staging and copy them across; then
+                    `on_source_released` -> the engine thread releases the prompt's pages.
+
+P's pages for a prompt belong to the transfer sender from `offer` until `on_source_released`;
+the engine releases them only then (on its own thread, via `_released`).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from tandem.backend.decoder import Decoder
+from tandem.backend.engine_thread import EngineThread
+from tandem.backend.errors import PoolExhausted, StreamFailed, TandemError
+from tandem.backend.handoff import Handoff
+from tandem.backend.kv_pool import KVPool
+from tandem.backend.metrics import MetricsSink
+from tandem.backend.prefix_cache import PrefixAllocation, PrefixCache
+from tandem.backend.queueing import Intake
+from tandem.backend.sampling import SamplingParams, sample
+from tandem.backend.settings import EngineSettings, FaultSettings
+from tandem.backend.timing import Timings
+from tandem.transfer import TransferSender, WireLayout, select_path
+
+log = logging.getLogger("tandem")
+
+
+class HandoffSink(Protocol):
+    def send(self, handoff: Handoff) -> None: ...
+
+    def fail(self, error: TandemError) -> None: ...
+
+    def cancelled(self) -> bool: ...
+
+
+@dataclass
+class PrefillRequest:
+    stream_id: int
+    prompt: np.ndarray  # int64 [T, W]
+    sampling: SamplingParams
+    max_new_rows: int
+    sink: HandoffSink
+    timings: Timings
+    received_s: float = 0.0
+
+
+def wire_layout(decoder: Decoder) -> WireLayout:
+    """The transfer library's view of this decoder's KV (it knows nothing of decoders)."""
+    kv = decoder.kv_layout()
+    return WireLayout(kv.num_layers, kv.num_kv_heads, kv.head_dim, str(kv.dtype).removeprefix("torch."))
+
+
+class FaultInjector:
+    """P-side fault injection (settings.faults): delays and post-checksum corruption of chosen copies.
+
+    Runs on the sender's copy workers; the counter is shared, so "every Nth" counts copies in the
+    order they reach this point.
+    """
+
+    def __init__(self, faults: FaultSettings) -> None:
+        self.faults = faults
+        self._lock = threading.Lock()
+        self._n = 0
+
+    def __call__(self, tid: str, staging: torch.Tensor) -> None:
+        with self._lock:
+            self._n += 1
+            n = self._n
+        f = self.faults
+        if f.corrupt_every and n % f.corrupt_every == 0:
+            flat = staging.reshape(-1).view(torch.uint8)
+            flat[flat.numel() // 2] ^= 0xFF
+            log.warning("fault injection: corrupted copy %d (%s) after its checksum", n, tid)
+        if f.delay_every and n % f.delay_every == 0:
+            log.warning("fault injection: delaying copy %d (%s) by %.2f s", n, tid, f.delay_s)
+            time.sleep(f.delay_s)
+
+
+class PrefillEngine:
+    def __init__(
+        self,
+        decoder: Decoder,
+        settings: EngineSettings,
+        metrics: MetricsSink,
+        slot: str,
+        on_fatal: Callable[[str], None],
+    ) -> None:
+        self.decoder = decoder
+        self.settings = settings
+        self.metrics = metrics
+        self.pool = KVPool(
+            decoder.kv_layout(), settings.pool.num_pages, settings.pool.page_size, decoder.device
+        )
+        self.cache = PrefixCache(self.pool, enabled=settings.pool.prefix_cache)
+        self.intake: Intake[PrefillRequest] = Intake(
+            settings.batch.max_queue, settings.batch.admission_timeout_s
+        )
+        t = settings.transfer
+        self.path = select_path([p.strip() for p in t.paths.split(",") if p.strip()], t.require_path or None)
+        self._open: dict[str, PrefixAllocation] = {}
+        self._released: queue.SimpleQueue[str] = queue.SimpleQueue()
+        self.sender = TransferSender(
+            wire_layout(decoder),
+            t.unit,
+            self.path,
+            on_source_released=self._released.put,
+            on_fatal=on_fatal,
+            slot=slot,
+            max_held_acks=t.max_held_acks,
+            copy_hook=FaultInjector(settings.faults) if settings.faults.active else None,
+        )
+        self._thread = EngineThread("tandem-prefill", self._iterate, self._fault)
+
+    def start(self) -> None:
+        self.sender.start()
+        self._thread.start()
+        log.info(
+            "prefill: transfer path %s, endpoint %s, instance %s",
+            self.path.name,
+            self.sender.endpoint,
+            self.sender.instance_id,
+        )
+
+    def close(self) -> None:
+        self._thread.stop()
+        self.sender.close()
+
+    def submit(self, req: PrefillRequest) -> None:
+        self.intake.submit(req)
+
+    def _iterate(self) -> None:
+        self._release_sources()
+        self.intake.pull(0.02)
+        for _ in self.intake.admit(self._prefill):
+            pass
+        self._publish()
+
+    def _release_sources(self) -> None:
+        while True:
+            try:
+                tid = self._released.get_nowait()
+            except queue.Empty:
+                return
+            alloc = self._open.pop(tid, None)
+            if alloc is not None:
+                self.cache.release(alloc)
+
+    def _prefill(self, req: PrefillRequest) -> bool:
+        rows_np = req.prompt
+        t = rows_np.shape[0]
+        try:
+            alloc = self.cache.allocate(rows_np)
+        except PoolExhausted:
+            return False
+        req.timings.mark("admit")
+        self.metrics.observe("tandem_admission_ms", (time.monotonic() - req.received_s) * 1e3)
+        offered = False
+        try:
+            slots = self.pool.slots(alloc.pages, t)
+            rows = torch.from_numpy(rows_np).to(self.pool.device)
+            req.timings.mark("forward_start")
+            start = alloc.cached_tokens
+            logits = self.decoder.prefill(rows[start:], self.pool, slots, start)
+            first = sample(logits[None], [req.sampling], [t])[0].numpy()
+            req.timings.mark("forward_end")
+            self.cache.commit(alloc, rows_np)
+            eos = self.decoder.cfg.eos_token_id
+            ends_now = req.max_new_rows <= 1 or (eos is not None and int(first[0]) == eos)
+            ticket = None
+            if not ends_now:
+                ticket = self.sender.offer(
+                    t, lambda out: self.pool.gather(slots, out), self.settings.transfer.ticket_ttl_s
+                )
+                self._open[ticket.transfer_id] = alloc
+                offered = True
+        finally:
+            if not offered:
+                self.cache.release(alloc)
+        self.metrics.observe(
+            "tandem_prefill_ms",
+            (req.timings.get("forward_end") or 0) / 1e6 - (req.timings.get("forward_start") or 0) / 1e6,
+        )
+        self.metrics.inc("tandem_prefix_cache_hit_tokens_total", alloc.cached_tokens)
+        req.timings.mark("ticket")
+        req.sink.send(
+            Handoff(
+                ticket=ticket,
+                prompt_len=t,
+                first_row=tuple(int(x) for x in first),
+                sampling=req.sampling,
+                max_new_rows=req.max_new_rows,
+                timings=req.timings.as_dict(),
+            )
+        )
+        return True
+
+    def _publish(self) -> None:
+        m = self.metrics
+        m.set("tandem_queued_requests", len(self.intake))
+        m.set("tandem_free_pages", self.cache.available_pages)
+
+    def _fault(self, reason: str) -> None:
+        self.intake.fail_all(StreamFailed(reason))

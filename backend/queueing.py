@@ -1,0 +1,97 @@
+"""Bounded intake shared by the engines: a full queue is an immediate UNAVAILABLE, and a request that
+cannot be admitted within `admission_timeout_s` (no pages, no batch slot, draining) gets UNAVAILABLE
+too — never an unbounded wait. Requests whose client went away are dropped without work.
+"""
+
+from __future__ import annotations
+
+import queue
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from typing import Generic, Protocol, TypeVar
+
+from tandem.backend.errors import Cancelled, Overloaded, TandemError
+
+
+class _HasSink(Protocol):
+    received_s: float
+
+    @property
+    def sink(self) -> _SinkLike: ...
+
+
+class _SinkLike(Protocol):
+    def fail(self, error: TandemError) -> None: ...
+
+    def cancelled(self) -> bool: ...
+
+
+R = TypeVar("R", bound=_HasSink)
+
+
+class Intake(Generic[R]):
+    """Producer side: Triton's execute threads call `submit`; consumer side: the engine thread."""
+
+    def __init__(self, max_queue: int, admission_timeout_s: float) -> None:
+        self._queue: queue.Queue[R] = queue.Queue(maxsize=max_queue)
+        self._pending: deque[R] = deque()
+        self.admission_timeout_s = admission_timeout_s
+
+    def submit(self, req: R) -> None:
+        """Raises Overloaded at once when the bounded queue is full."""
+        req.received_s = time.monotonic()
+        try:
+            self._queue.put_nowait(req)
+        except queue.Full:
+            raise Overloaded(f"admission queue is full ({self._queue.maxsize} requests waiting)") from None
+
+    def __len__(self) -> int:
+        return len(self._pending) + self._queue.qsize()
+
+    def pull(self, block_s: float) -> None:
+        """Move newly submitted requests into the pending list, waiting up to block_s for the first."""
+        try:
+            if block_s > 0:
+                self._pending.append(self._queue.get(timeout=block_s))
+            while True:
+                self._pending.append(self._queue.get_nowait())
+        except queue.Empty:
+            pass
+
+    def admit(self, try_admit: Callable[[R], bool]) -> Iterator[R]:
+        """Offer pending requests in arrival order; stops at the first that `try_admit` cannot place.
+
+        Yields the requests that were admitted. Requests that waited past the bound are failed with
+        UNAVAILABLE; cancelled ones are dropped.
+        """
+        now = time.monotonic()
+        while self._pending:
+            req = self._pending[0]
+            if req.sink.cancelled():
+                self._pending.popleft()
+                req.sink.fail(Cancelled("client cancelled before admission"))
+                continue
+            if try_admit(req):
+                self._pending.popleft()
+                yield req
+                continue
+            break
+        self.expire(now)
+
+    def expire(self, now: float) -> None:
+        keep: deque[R] = deque()
+        for req in self._pending:
+            if now - req.received_s > self.admission_timeout_s:
+                req.sink.fail(
+                    Overloaded(f"no capacity within the admission wait of {self.admission_timeout_s:g} s")
+                )
+            else:
+                keep.append(req)
+        self._pending = keep
+
+    def fail_all(self, error: TandemError) -> None:
+        self.pull(0)
+        for req in self._pending:
+            req.sink.fail(error)
+        self._pending.clear()

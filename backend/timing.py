@@ -1,0 +1,81 @@
+"""Per-stage timestamps of one request, shared by every process on the machine.
+
+All stamps are `time.time_ns()` (wall clock): P, D, the vocoder and the client run on one machine,
+so their stamps line up and the stages of the waterfall add up to the client's own measurement.
+The stamps travel as JSON: in the transfer ticket (P -> D) and in the `TIMINGS` output.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterable, Mapping
+from itertools import pairwise
+
+# Canonical stage order of the waterfall; absent stamps are skipped.
+STAGES = (
+    "client_send",
+    "entry",  # the first model of the request saw it (prefill / tts_mono execute)
+    "admit",  # the engine loop took it
+    "forward_start",
+    "forward_end",
+    "ticket",  # P handed the ticket back to Triton
+    "d_entry",  # decode execute saw it
+    "d_admit",  # D reserved pages and asked P for the KV
+    "copy_start",  # P started gathering/copying
+    "copy_end",
+    "verified",  # D verified the KV checksum and scattered it
+    "first_chunk",  # the engine emitted the first rows
+    "first_audio",  # the vocoder produced audio for them
+    "client_first_audio",
+    "last_chunk",
+)
+
+
+# The stages that add up to the client's time to first audio.
+FIRST_AUDIO_STAGES = STAGES[: STAGES.index("client_first_audio") + 1]
+
+
+def now_ns() -> int:
+    return time.time_ns()
+
+
+class Timings:
+    """An ordered set of named stamps. Not thread-safe: owned by one engine thread at a time."""
+
+    __slots__ = ("_stamps",)
+
+    def __init__(self, stamps: Mapping[str, int] | None = None) -> None:
+        self._stamps: dict[str, int] = dict(stamps or {})
+
+    def mark(self, stage: str, at: int | None = None) -> None:
+        """Record `stage` once; a second mark of the same stage keeps the first."""
+        self._stamps.setdefault(stage, now_ns() if at is None else at)
+
+    def get(self, stage: str) -> int | None:
+        return self._stamps.get(stage)
+
+    def update(self, other: Mapping[str, int]) -> None:
+        for k, v in other.items():
+            self._stamps.setdefault(k, int(v))
+
+    def as_dict(self) -> dict[str, int]:
+        return dict(self._stamps)
+
+    def to_json(self) -> str:
+        return json.dumps(self._stamps, separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> Timings:
+        if not text:
+            return cls()
+        data = json.loads(text)
+        if not isinstance(data, dict):
+            raise ValueError("timings must be a JSON object")
+        return cls({str(k): int(v) for k, v in data.items()})
+
+
+def waterfall(stamps: Mapping[str, int], order: Iterable[str] = STAGES) -> list[tuple[str, float]]:
+    """Consecutive stage durations in ms, in canonical order; they sum to last - first."""
+    present = [(s, stamps[s]) for s in order if s in stamps]
+    return [(f"{a}->{b}", (tb - ta) / 1e6) for (a, ta), (b, tb) in pairwise(present)]

@@ -1,0 +1,60 @@
+"""prefill (P): thin Triton adapter over tandem.backend.prefill_engine."""
+
+import logging
+import os
+
+import triton_python_backend_utils as pb_utils
+
+from tandem.backend.errors import TandemError
+from tandem.backend.prefill_engine import PrefillEngine, PrefillRequest
+from tandem.backend.runtime import build_decoder, resolve_device
+from tandem.backend.timing import Timings
+from tandem.serving import triton_io as io
+
+log = logging.getLogger("tandem")
+
+
+def _exit_for_proof(reason):
+    """P holds ABORT_ACKs it cannot prove; at the limit its restart is the proof (docs/failure-semantics.md).
+    Triton's python backend restarts the stub on the model's next request."""
+    log.critical("prefill exits so that its restart proves no late KV write can land: %s", reason)
+    os._exit(70)
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        io.setup_logging(args["model_name"])
+        self.settings, _ = io.load_settings(args)
+        device = resolve_device(
+            self.settings.device, args["model_instance_kind"], int(args["model_instance_device_id"])
+        )
+        self.decoder = build_decoder(self.settings, device)
+        self.cfg = self.decoder.cfg
+        self.metrics = io.TritonMetrics(pb_utils, {"model": args["model_name"]})
+        slot = args["model_instance_name"].replace(" ", "_")
+        self.engine = PrefillEngine(self.decoder, self.settings, self.metrics, slot, _exit_for_proof)
+        self.engine.start()
+
+    def execute(self, requests):
+        for request in requests:
+            timings = Timings()
+            timings.mark("entry")
+            sink = io.HandoffResponder(pb_utils, request)
+            try:
+                prompt, params = io.read_request(pb_utils, request, self.cfg, self.settings.limits)
+                self.engine.submit(
+                    PrefillRequest(
+                        stream_id=io.stream_id(request),
+                        prompt=prompt,
+                        sampling=io.sampling_params(params),
+                        max_new_rows=params.max_new_rows,
+                        sink=sink,
+                        timings=timings,
+                    )
+                )
+            except TandemError as err:
+                sink.fail(err)
+        return None
+
+    def finalize(self):
+        self.engine.close()

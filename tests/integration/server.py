@@ -1,0 +1,117 @@
+"""Starts the real `tritonserver` (the console script of this environment) on free ports.
+
+`TritonProcess` copies the checked-in `model_repository/` into a temporary directory, optionally
+overriding `tandem.*` parameters per model, starts the server, and waits until every model is ready.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Mapping
+from pathlib import Path
+
+import tritonclient.grpc as grpcclient
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def set_parameter(config: str, key: str, value: str) -> str:
+    """Replace (or append) `parameters { key: KEY value { string_value: ... } }` in a config.pbtxt."""
+    line = f'parameters {{ key: "{key}" value {{ string_value: "{value}" }} }}'
+    pattern = re.compile(r'parameters \{ key: "' + re.escape(key) + r'" value \{ string_value: "[^"]*" \} \}')
+    if pattern.search(config):
+        return pattern.sub(line, config)
+    return config.rstrip("\n") + "\n" + line + "\n"
+
+
+def prepare_repository(dest: Path, overrides: Mapping[str, Mapping[str, str]] | None = None) -> Path:
+    repo = dest / "model_repository"
+    shutil.copytree(REPO / "model_repository", repo, ignore=shutil.ignore_patterns("__pycache__"))
+    for model, params in (overrides or {}).items():
+        cfg = repo / model / "config.pbtxt"
+        text = cfg.read_text()
+        for key, value in params.items():
+            text = set_parameter(text, key, value)
+        cfg.write_text(text)
+    return repo
+
+
+class TritonProcess:
+    def __init__(self, workdir: Path, overrides: Mapping[str, Mapping[str, str]] | None = None) -> None:
+        self.workdir = workdir
+        self.repo = prepare_repository(workdir, overrides)
+        self.grpc_port, self.http_port, self.metrics_port = free_port(), free_port(), free_port()
+        self.log_path = workdir / "tritonserver.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"localhost:{self.grpc_port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://localhost:{self.metrics_port}/metrics"
+
+    def start(self, timeout_s: float = 180.0) -> TritonProcess:
+        binary = Path(sys.executable).parent / "tritonserver"
+        env = dict(os.environ)
+        run_dir = self.workdir / "run"
+        run_dir.mkdir(mode=0o700, exist_ok=True)
+        env["XDG_RUNTIME_DIR"] = str(run_dir)  # a private transfer control dir per server
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(
+                [
+                    str(binary),
+                    f"--model-repository={self.repo}",
+                    f"--grpc-port={self.grpc_port}",
+                    f"--http-port={self.http_port}",
+                    f"--metrics-port={self.metrics_port}",
+                    "--log-verbose=0",
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+            )
+        client = grpcclient.InferenceServerClient(self.url)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"tritonserver exited ({self.proc.returncode}):\n{self.log_tail()}")
+            try:
+                if client.is_server_ready():
+                    return self
+            except Exception:
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise RuntimeError(f"tritonserver not ready after {timeout_s} s:\n{self.log_tail()}")
+
+    def log_tail(self, lines: int = 60) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)

@@ -1,0 +1,128 @@
+"""`tts` (P -> D -> vocoder ensemble) through the real tritonserver: equivalence with tts_mono,
+KV verification at volume, the waterfall, metrics, and bad input."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tandem.backend.timing import FIRST_AUDIO_STAGES, waterfall
+from tandem.cli.tts_client import TTSClient, run_concurrent
+from tests.integration.helpers import SPR, TINY_W, metric_value, metrics_text, prompt, run
+from tests.integration.test_mono import BAD
+
+
+def _jobs(n: int, seed: int) -> list[tuple[np.ndarray, dict]]:
+    rng = np.random.default_rng(seed)
+    jobs = []
+    for i in range(n):
+        p = prompt(int(rng.integers(3, 260)), seed=seed * 1000 + i)
+        kw: dict = {"MAX_TOKENS": int(rng.integers(1, 50)), "SEED": i}
+        if i % 2:
+            kw["TEMPERATURE"] = 0.0
+        else:
+            kw["TEMPERATURE"] = 0.8
+            kw["TOP_P"] = 0.9 if i % 4 == 0 else None
+            kw["TOP_K"] = 40 if i % 3 == 0 else None
+        jobs.append((p, kw))
+    return jobs
+
+
+def test_streams_tokens_and_audio(server):
+    r = run(server.url, "tts", prompt(50), MAX_TOKENS=25, TEMPERATURE=0.0)
+    assert r.error is None
+    assert r.rows.shape == (25, TINY_W)
+    assert r.audio.shape == (25 * SPR,)
+    assert r.responses >= 2
+
+
+def test_same_contract_and_parameters_as_mono(server):
+    with TTSClient(server.url, "tts") as a, TTSClient(server.url, "tts_mono") as b:
+        keys = ("row_width", "vocab_size", "sample_rate", "rows_per_second")
+        pa, pb = a.model_parameters(), b.model_parameters()
+        assert {k: pa[k] for k in keys} == {k: pb[k] for k in keys}
+
+
+def test_identical_tokens_to_mono_concurrent_mixed_and_prefix_hits(server):
+    jobs = _jobs(16, seed=3)
+    jobs += [jobs[0], jobs[1], (np.concatenate([jobs[2][0], prompt(7, seed=99)]), jobs[2][1])]  # cache hits
+    pd = run_concurrent(server.url, "tts", jobs)
+    mono = run_concurrent(server.url, "tts_mono", jobs)
+    for i, (a, b) in enumerate(zip(pd, mono, strict=True)):
+        assert a.error is None and b.error is None, (i, a.error, b.error)
+        np.testing.assert_array_equal(a.rows, b.rows, err_msg=f"job {i}")
+        np.testing.assert_array_equal(a.audio, b.audio, err_msg=f"job {i}")
+
+
+def test_waterfall_adds_up_to_client_time(server):
+    r = run(server.url, "tts", prompt(120, seed=4), MAX_TOKENS=10, TEMPERATURE=0.0)
+    stamps = dict(r.timings)
+    stamps["client_first_audio"] = r.first_response_ns
+    for stage in (
+        "entry",
+        "forward_start",
+        "forward_end",
+        "ticket",
+        "d_admit",
+        "copy_start",
+        "copy_end",
+        "verified",
+        "first_chunk",
+        "first_audio",
+    ):
+        assert stage in stamps, stage
+    stages = waterfall(stamps, FIRST_AUDIO_STAGES)
+    assert all(ms >= 0 for _, ms in stages), stages
+    assert sum(ms for _, ms in stages) == pytest.approx(r.ttfa_ms, abs=1e-3)
+
+
+@pytest.mark.parametrize("case", BAD, ids=[c[0] for c in BAD])
+def test_bad_input_rejected_like_mono(server, case):
+    _, make, needle = case
+    x, params = make()
+    a = run(server.url, "tts", x, **params)
+    b = run(server.url, "tts_mono", x, **params)
+    assert a.error is not None and "[INVALID_ARG]" in a.error and needle in a.error, a.error
+    assert b.error is not None and a.error.split("[INVALID_ARG]")[1] == b.error.split("[INVALID_ARG]")[1]
+
+
+def test_thousand_verified_transfers_no_mismatch(server):
+    text = metrics_text(server.metrics_url)
+    try:
+        ok0 = metric_value(text, "tandem_kv_verifications_total", model="decode", result="ok")
+    except KeyError:
+        ok0 = 0.0
+    n, width = 1000, 16
+    done = 0
+    for start in range(0, n, width):
+        jobs = [
+            (prompt(int(8 + (start + i) % 90), seed=start + i), {"MAX_TOKENS": 2, "TEMPERATURE": 0.0})
+            for i in range(width)
+        ]
+        for r in run_concurrent(server.url, "tts", jobs):
+            assert r.error is None, r.error
+            assert r.rows.shape == (2, TINY_W)
+            done += 1
+    assert done >= n
+    text = metrics_text(server.metrics_url)
+    ok = metric_value(text, "tandem_kv_verifications_total", model="decode", result="ok") - ok0
+    assert ok >= n
+    with pytest.raises(KeyError):
+        metric_value(text, "tandem_kv_verifications_total", model="decode", result="mismatch")
+    assert metric_value(text, "tandem_held_pages", model="decode") == 0
+
+
+def test_metrics_published(server):
+    run(server.url, "tts", prompt(30), MAX_TOKENS=5)
+    text = metrics_text(server.metrics_url)
+    assert metric_value(text, "tandem_transfer_path", model="decode", path="host_shm") == 1
+    assert metric_value(text, "tandem_transfer_bytes_count", model="decode") >= 1
+    assert metric_value(text, "tandem_transfer_latency_ms_count", model="decode") >= 1
+    assert metric_value(text, "tandem_transfers_total", model="decode", outcome="ok") >= 1
+    for name in (
+        "tandem_inflight_streams",
+        "tandem_admittable_streams",
+        "tandem_held_pages",
+        "tandem_draining",
+    ):
+        metric_value(text, name, model="decode")
