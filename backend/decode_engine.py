@@ -31,6 +31,7 @@ from tandem.backend.mono_engine import chunk_policy
 from tandem.backend.prefill_engine import wire_layout
 from tandem.backend.queueing import Intake
 from tandem.backend.settings import EngineSettings
+from tandem.backend.step_model import StepTimeModel
 from tandem.backend.stream import ChunkSink, Stream, StreamStatus
 from tandem.backend.timing import Timings
 from tandem.transfer import (
@@ -90,6 +91,7 @@ class DecodeEngine:
         self._events: list[TransferEvent] = []
         self._waiting: list[_Waiting] = []
         self._draining = False
+        self.step_model = StepTimeModel()
         self._verified = {"ok": 0, "mismatch": 0}
         self._thread = EngineThread("tandem-decode", self._iterate, self._fault)
         metrics.set("tandem_transfer_path", 1, path=self.path.name)
@@ -119,13 +121,32 @@ class DecodeEngine:
         for _ in self.intake.admit(self._admit):
             pass
         self._poll_transfers()
-        self.batch.step()
+        n, context = len(self.batch), self._context(running_only=True)
+        elapsed = self.batch.step()
+        if n:
+            self.step_model.observe(n, context, elapsed)
         self._publish()
+
+    def _context(self, running_only: bool = False) -> int:
+        """Total context tokens the next step attends over (waiting streams count at their prompt)."""
+        total = sum(s.position + 1 for s in self.batch.streams)
+        if not running_only:
+            total += sum(w.stream.prompt_len for w in self._waiting)
+        return total
 
     def _admit(self, req: DecodeRequest) -> bool:
         if self._draining or len(self.batch) + len(self._waiting) >= self.settings.batch.max_batch:
             return False
         h = req.handoff
+        b = self.settings.batch
+        if b.rate_admission and not self.step_model.admits(
+            len(self.batch) + len(self._waiting),
+            self._context(),
+            h.prompt_len,
+            b.rate_floor_tok_s,
+            b.rate_margin,
+        ):
+            return False
         capacity = h.prompt_len + h.max_new_rows
         try:
             pages = self.pool.allocate(self.pool.pages_for(capacity))
@@ -216,8 +237,17 @@ class DecodeEngine:
         m.set("tandem_free_pages", self.pool.num_free_pages)
         m.set("tandem_held_pages", -(-st.quarantined_bytes // page_bytes))
         m.set("tandem_draining", 1.0 if self._draining else 0.0)
-        free_streams = self.settings.batch.max_batch - len(self.batch) - len(self._waiting)
-        m.set("tandem_admittable_streams", 0 if self._draining else max(0, free_streams))
+        b = self.settings.batch
+        n = len(self.batch) + len(self._waiting)
+        typical = self._context() // n if n else 1024
+        free_streams = (
+            self.step_model.admittable(
+                n, self._context(), typical, b.rate_floor_tok_s, b.rate_margin, b.max_batch
+            )
+            if b.rate_admission
+            else max(0, b.max_batch - n)
+        )
+        m.set("tandem_admittable_streams", 0 if self._draining else free_streams)
         for result, total in (("ok", st.verify_ok), ("mismatch", st.verify_mismatch)):
             delta = total - self._verified[result]
             if delta:

@@ -40,6 +40,8 @@ class BatchSettings:
     chunk_growth: float = 2.0
     max_chunk_rows: int = 32
     rate_floor_tok_s: float = 42.0
+    rate_margin: float = 0.2  # admit only if predicted step time <= (1 - margin) / floor
+    rate_admission: bool = True
 
 
 @dataclass(frozen=True)

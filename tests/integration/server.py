@@ -7,17 +7,17 @@ overriding `tandem.*` parameters per model, starts the server, and waits until e
 from __future__ import annotations
 
 import os
-import re
-import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import tritonclient.grpc as grpcclient
+
+from tandem.serving.repository import render
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -28,31 +28,21 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def set_parameter(config: str, key: str, value: str) -> str:
-    """Replace (or append) `parameters { key: KEY value { string_value: ... } }` in a config.pbtxt."""
-    line = f'parameters {{ key: "{key}" value {{ string_value: "{value}" }} }}'
-    pattern = re.compile(r'parameters \{ key: "' + re.escape(key) + r'" value \{ string_value: "[^"]*" \} \}')
-    if pattern.search(config):
-        return pattern.sub(line, config)
-    return config.rstrip("\n") + "\n" + line + "\n"
-
-
 def prepare_repository(dest: Path, overrides: Mapping[str, Mapping[str, str]] | None = None) -> Path:
-    repo = dest / "model_repository"
-    shutil.copytree(REPO / "model_repository", repo, ignore=shutil.ignore_patterns("__pycache__"))
-    for model, params in (overrides or {}).items():
-        cfg = repo / model / "config.pbtxt"
-        text = cfg.read_text()
-        for key, value in params.items():
-            text = set_parameter(text, key, value)
-        cfg.write_text(text)
-    return repo
+    return render(REPO / "model_repository", dest / "model_repository", overrides)
 
 
 class TritonProcess:
-    def __init__(self, workdir: Path, overrides: Mapping[str, Mapping[str, str]] | None = None) -> None:
+    def __init__(
+        self,
+        workdir: Path,
+        overrides: Mapping[str, Mapping[str, str]] | None = None,
+        extra_args: Sequence[str] = (),
+    ) -> None:
+        """`extra_args` go to tritonserver after the defaults (e.g. `--model-control-mode=explicit`)."""
         self.workdir = workdir
         self.repo = prepare_repository(workdir, overrides)
+        self.extra_args = tuple(extra_args)
         self.grpc_port, self.http_port, self.metrics_port = free_port(), free_port(), free_port()
         self.log_path = workdir / "tritonserver.log"
         self.proc: subprocess.Popen[bytes] | None = None
@@ -80,6 +70,7 @@ class TritonProcess:
                     f"--http-port={self.http_port}",
                     f"--metrics-port={self.metrics_port}",
                     "--log-verbose=0",
+                    *self.extra_args,
                 ],
                 stdout=log,
                 stderr=subprocess.STDOUT,

@@ -1,0 +1,182 @@
+"""The engines without Triton: mono and P+D in one process (real transfer library, host path),
+with recording sinks. Checks tokens agree, every page returns, and admission bounds hold."""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from tandem.backend.config import preset
+from tandem.backend.decode_engine import DecodeEngine, DecodeRequest
+from tandem.backend.decoder import Decoder
+from tandem.backend.errors import Overloaded, TandemError
+from tandem.backend.handoff import Handoff
+from tandem.backend.metrics import RecordingMetrics
+from tandem.backend.mono_engine import MonoEngine
+from tandem.backend.prefill_engine import PrefillEngine, PrefillRequest
+from tandem.backend.sampling import SamplingParams
+from tandem.backend.settings import BatchSettings, EngineSettings, PoolSettings, TransferSettings
+from tandem.backend.step_model import StepTimeModel
+from tandem.backend.stream import Chunk, EngineRequest
+from tandem.backend.timing import Timings
+
+
+class ListSink:
+    def __init__(self) -> None:
+        self.chunks: list[Chunk] = []
+        self.error: TandemError | None = None
+        self.done = threading.Event()
+        self.cancel = False
+
+    def emit(self, chunk: Chunk) -> None:
+        self.chunks.append(chunk)
+        if chunk.final:
+            self.done.set()
+
+    def fail(self, error: TandemError) -> None:
+        self.error = error
+        self.done.set()
+
+    def cancelled(self) -> bool:
+        return self.cancel
+
+    def rows(self) -> np.ndarray:
+        return np.concatenate([c.rows for c in self.chunks])
+
+
+class HandoffBox:
+    def __init__(self) -> None:
+        self.handoff: Handoff | None = None
+        self.error: TandemError | None = None
+        self.done = threading.Event()
+
+    def send(self, handoff: Handoff) -> None:
+        self.handoff = handoff
+        self.done.set()
+
+    def fail(self, error: TandemError) -> None:
+        self.error = error
+        self.done.set()
+
+    def cancelled(self) -> bool:
+        return False
+
+
+@pytest.fixture(scope="module")
+def decoder() -> Decoder:
+    return Decoder.random(preset("tiny"), "cpu", seed=0)
+
+
+def _settings(tmp_path, **batch) -> EngineSettings:
+    return EngineSettings(
+        pool=PoolSettings(num_pages=512, page_size=16),
+        batch=replace(BatchSettings(admission_timeout_s=1.0), **batch),
+        transfer=TransferSettings(unit="t" + str(abs(hash(str(tmp_path))) % 10**8), arena_mb=16),
+    )
+
+
+def _prompt(n: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 1024, size=(n, 4), dtype=np.int64)
+
+
+def test_pd_in_process_matches_mono_and_returns_every_page(decoder, tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    s = _settings(tmp_path)
+    mono = MonoEngine(decoder, s, RecordingMetrics())
+    p = PrefillEngine(decoder, s, RecordingMetrics(), "p0", on_fatal=lambda r: pytest.fail(r))
+    d = DecodeEngine(decoder, s, RecordingMetrics())
+    for e in (mono, p, d):
+        e.start()
+    try:
+        free_mono, free_d = mono.cache.available_pages, d.pool.num_free_pages
+        jobs = [
+            (_prompt(10 + 13 * i, i), SamplingParams(temperature=0.7 * (i % 2), seed=i), 5 + i)
+            for i in range(8)
+        ]
+        mono_sinks, pd_sinks = [], []
+        for i, (x, sp, n) in enumerate(jobs):
+            ms = ListSink()
+            mono.submit(EngineRequest(i + 1, x, sp, n, ms, Timings()))
+            mono_sinks.append(ms)
+            box = HandoffBox()
+            p.submit(PrefillRequest(i + 1, x, sp, n, box, Timings()))
+            assert box.done.wait(10) and box.error is None
+            assert box.handoff is not None
+            ds = ListSink()
+            d.submit(DecodeRequest(i + 1, box.handoff, ds, Timings(box.handoff.timings)))
+            pd_sinks.append(ds)
+        for a, b, (_, _, n) in zip(mono_sinks, pd_sinks, jobs, strict=True):
+            assert a.done.wait(10) and b.done.wait(10)
+            assert a.error is None and b.error is None
+            np.testing.assert_array_equal(a.rows(), b.rows())
+            assert a.rows().shape == (n, 4)
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and (
+            mono.cache.available_pages != free_mono or d.pool.num_free_pages != free_d or p._open
+        ):
+            time.sleep(0.02)
+        assert mono.cache.available_pages == free_mono
+        assert d.pool.num_free_pages == free_d
+        assert not p._open  # every offer's source was released
+        assert d.receiver.stats().verify_ok == len(jobs)
+    finally:
+        for e in (mono, p, d):
+            e.close()
+
+
+def test_full_queue_is_unavailable_at_once(decoder, tmp_path):
+    mono = MonoEngine(decoder, _settings(tmp_path, max_queue=1), RecordingMetrics())  # not started
+    mono.submit(EngineRequest(1, _prompt(5, 0), SamplingParams(), 3, ListSink(), Timings()))
+    with pytest.raises(Overloaded, match="queue is full"):
+        mono.submit(EngineRequest(2, _prompt(5, 0), SamplingParams(), 3, ListSink(), Timings()))
+
+
+def test_admission_wait_is_bounded(decoder, tmp_path):
+    s = replace(_settings(tmp_path, admission_timeout_s=0.3), pool=PoolSettings(num_pages=4, page_size=16))
+    mono = MonoEngine(decoder, s, RecordingMetrics())
+    mono.start()
+    try:
+        sink = ListSink()  # needs 200 + 100 tokens = 19 pages; the pool has 4
+        mono.submit(EngineRequest(1, _prompt(200, 0), SamplingParams(), 100, sink, Timings()))
+        assert sink.done.wait(5)
+        assert isinstance(sink.error, Overloaded) and "admission wait" in str(sink.error)
+    finally:
+        mono.close()
+
+
+def test_cancelled_stream_returns_its_pages(decoder, tmp_path):
+    mono = MonoEngine(decoder, _settings(tmp_path), RecordingMetrics())
+    mono.start()
+    try:
+        free = mono.cache.available_pages
+        sink = ListSink()
+        mono.submit(EngineRequest(1, _prompt(50, 1), SamplingParams(), 2000, sink, Timings()))
+        deadline = time.monotonic() + 5
+        while not sink.chunks and time.monotonic() < deadline:
+            time.sleep(0.01)
+        sink.cancel = True
+        while mono.cache.available_pages != free and time.monotonic() < deadline + 5:
+            time.sleep(0.02)
+        assert mono.cache.available_pages == free
+        assert not sink.done.is_set()  # a cancelled stream gets no final chunk
+    finally:
+        mono.close()
+
+
+def test_step_model_admits_under_the_floor_only():
+    m = StepTimeModel(refit_every=8)
+    assert m.admits(100, 10**6, 1000, 42.0, 0.2)  # no data yet: admit and learn
+    rng = np.random.default_rng(0)
+    for _ in range(64):
+        b = int(rng.integers(1, 64))
+        ctx = b * int(rng.integers(100, 2000))
+        m.observe(b, ctx, 0.004 + 1e-4 * b + 1e-7 * ctx)
+    assert m.ready
+    assert m.predict(10, 10_000) == pytest.approx(0.004 + 1e-3 + 1e-3, rel=0.05)
+    budget = 0.8 / 42.0
+    k = m.admittable(10, 10_000, 1000, 42.0, 0.2, limit=500)
+    assert m.predict(10 + k, 10_000 + k * 1000) <= budget < m.predict(11 + k, 11_000 + k * 1000)
