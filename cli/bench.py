@@ -1,0 +1,283 @@
+"""`tandem-bench`: replay a trace against `tts` and `tts_mono` and find each one's capacity.
+
+For each model and each concurrency C of the sweep, C clients run closed-loop over the trace (each
+starts its next request when the previous one ends) for `--requests` requests. Per stream:
+- rate: rows/s after the first response (the player's clock starts there);
+- stalls: audio plays at `rows_per_second` from the first response on; a response that arrives
+  after the buffer ran dry is a stall (the listener hears it);
+- TTFA: client send -> first response with audio.
+A level passes when no stream stalled, none failed, and every stream kept the floor. Capacity is
+the largest passing C; per GPU it is divided by the GPUs the configuration uses (`--gpus`).
+
+    tandem-bench --url localhost:8001 --models tts,tts_mono --gpus tts=2,tts_mono=2 \\
+        --levels 8,16,24,32,40 --requests 64 --out docs/benchmarks/capacity
+    tandem-bench --url localhost:8001 --smoke --out /tmp/bench      # seconds, tiny model (CI)
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from tandem.backend.timing import FIRST_AUDIO_STAGES, waterfall
+from tandem.cli import benchutil
+from tandem.cli.trace import TraceRequest, generate, load
+from tandem.cli.tts_client import StreamResult, TTSClient
+
+
+def stalls(result: StreamResult, rows_per_second: float) -> tuple[int, float]:
+    """(number of stalls, total stalled seconds) of a stream played from its first response on."""
+    if not result.response_ns:
+        return 0, 0.0
+    t = [ns / 1e9 for ns in result.response_ns]
+    played_until = t[0] + result.response_rows[0] / rows_per_second
+    count, stalled = 0, 0.0
+    for arrival, rows in zip(t[1:], result.response_rows[1:], strict=True):
+        if arrival > played_until:
+            count += 1
+            stalled += arrival - played_until
+            played_until = arrival
+        played_until += rows / rows_per_second
+    return count, stalled
+
+
+def stream_record(r: StreamResult, rows_per_second: float, floor: float) -> dict[str, Any]:
+    n_stalls, stalled_s = stalls(r, rows_per_second)
+    stamps = dict(r.timings)
+    if r.first_response_ns:
+        stamps["client_first_audio"] = r.first_response_ns
+    rate = r.tokens_per_s
+    return {
+        "error": r.error,
+        "rows": 0 if r.rows is None else int(r.rows.shape[0]),
+        "ttfa_ms": r.ttfa_ms,
+        "rate_tok_s": rate,
+        "stalls": n_stalls,
+        "stalled_s": stalled_s,
+        "below_floor": bool(np.isfinite(rate) and rate < floor),
+        "waterfall_ms": dict(waterfall(stamps, FIRST_AUDIO_STAGES)),
+    }
+
+
+def run_level(
+    url: str,
+    model: str,
+    trace: list[TraceRequest],
+    concurrency: int,
+    requests: int,
+    width: int,
+    vocab: int,
+    rows_per_second: float,
+    floor: float,
+    timeout_s: float,
+) -> dict[str, Any]:
+    counter = itertools.count()
+    records: list[dict[str, Any]] = []
+    lock = threading.Lock()
+    t0 = time.monotonic()
+
+    def worker() -> None:
+        with TTSClient(url, model) as client:
+            while (i := next(counter)) < requests:
+                req = trace[i % len(trace)]
+                prompt = req.prompt(width, vocab, i)
+                r = client.run(
+                    prompt,
+                    timeout_s=timeout_s,
+                    MAX_TOKENS=req.output_rows,
+                    TEMPERATURE=0.0,
+                    VOICE_ID=req.voice,
+                )
+                with lock:
+                    records.append(stream_record(r, rows_per_second, floor))
+
+    threads = [threading.Thread(target=worker, daemon=True) for _ in range(concurrency)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    ok = [r for r in records if r["error"] is None]
+    ttfa = [r["ttfa_ms"] for r in ok]
+    rates = [r["rate_tok_s"] for r in ok if np.isfinite(r["rate_tok_s"])]
+    level = {
+        "concurrency": concurrency,
+        "streams": len(records),
+        "errors": len(records) - len(ok),
+        "stalls": sum(r["stalls"] for r in ok),
+        "streams_stalled": sum(1 for r in ok if r["stalls"]),
+        "streams_below_floor": sum(1 for r in ok if r["below_floor"]),
+        "ttfa_ms": {q: float(np.percentile(ttfa, p)) for q, p in (("p50", 50), ("p95", 95), ("p99", 99))}
+        if ttfa
+        else {},
+        "rate_tok_s": {
+            "min": min(rates),
+            "p1": float(np.percentile(rates, 1)),
+            "p50": float(np.median(rates)),
+        }
+        if rates
+        else {},
+        "wall_s": time.monotonic() - t0,
+        "records": records,
+    }
+    level["passed"] = (
+        bool(ok) and level["errors"] == 0 and level["stalls"] == 0 and level["streams_below_floor"] == 0
+    )
+    return level
+
+
+def plot(result: dict[str, Any], out: Path) -> None:
+    plt = benchutil.pyplot()
+    if plt is None:
+        return
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    models = list(result["models"])
+    per_gpu = [result["models"][m]["capacity_per_gpu"] for m in models]
+    axes[0].bar(models, per_gpu, color=["tab:blue", "tab:orange", "tab:green"][: len(models)])
+    axes[0].set_title(f"capacity per GPU (0 stalls, every stream >= {result['floor_tok_s']:g} tok/s)")
+    axes[0].set_ylabel("streams per GPU")
+    for m in models:
+        levels = result["models"][m]["levels"]
+        xs = [lv["concurrency"] for lv in levels if lv["ttfa_ms"]]
+        axes[1].plot(xs, [lv["ttfa_ms"]["p95"] for lv in levels if lv["ttfa_ms"]], marker="o", label=m)
+        rates = [r["rate_tok_s"] for lv in levels for r in lv["records"] if r["error"] is None]
+        rates = [x for x in rates if np.isfinite(x)]
+        if rates:
+            axes[2].hist(rates, bins=40, alpha=0.5, label=m)
+    axes[1].set_title("TTFA p95 vs concurrency")
+    axes[1].set_xlabel("concurrent streams")
+    axes[1].set_ylabel("ms")
+    axes[1].legend()
+    axes[2].axvline(result["floor_tok_s"], color="red", linestyle="--", label="floor")
+    axes[2].set_title("per-stream rate (all levels)")
+    axes[2].set_xlabel("tokens/s after first response")
+    axes[2].legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="tandem-bench", description=__doc__.split("\n")[0])
+    ap.add_argument("--url", default="localhost:8001")
+    ap.add_argument("--models", default="tts,tts_mono")
+    ap.add_argument("--gpus", default="", help="GPUs per model for per-GPU capacity, e.g. tts=2,tts_mono=2")
+    ap.add_argument("--levels", default="1,2,4,8")
+    ap.add_argument("--requests", type=int, default=32, help="requests per level")
+    ap.add_argument("--trace", type=Path, help="JSON-lines trace; default: a generated seed-like trace")
+    ap.add_argument("--trace-requests", type=int, default=256)
+    ap.add_argument("--floor", type=float, default=42.0)
+    ap.add_argument("--timeout", type=float, default=600.0)
+    ap.add_argument("--smoke", action="store_true", help="tiny prompts and outputs, two levels (CI)")
+    ap.add_argument("--out", type=Path, required=True, help="directory for bench.json and bench.png")
+    args = ap.parse_args(argv)
+
+    if args.trace:
+        trace = load(args.trace)
+    elif args.smoke:
+        trace = generate(32, prompt_rows=(20, 60), text_rows=(4, 10), output_rows=(8, 24), voices=4)
+        args.levels, args.requests = "1,2", 4
+    else:
+        trace = generate(args.trace_requests)
+    models = [m for m in args.models.split(",") if m]
+    gpus = {k: int(v) for k, v in (kv.split("=") for kv in args.gpus.split(",") if kv)}
+    levels = [int(x) for x in args.levels.split(",")]
+
+    with TTSClient(args.url, models[0]) as c:
+        published = c.model_parameters()
+    width, vocab = int(published["row_width"]), int(published["vocab_size"])
+    rps = float(published["rows_per_second"])
+
+    result: dict[str, Any] = {
+        **benchutil.provenance(torch.device("cpu"), "tandem-bench", argv),
+        "floor_tok_s": args.floor,
+        "rows_per_second": rps,
+        "trace_requests": len(trace),
+        "models": {},
+    }
+    table = []
+    for model in models:
+        runs = []
+        for c in levels:
+            lv = run_level(
+                args.url, model, trace, c, args.requests, width, vocab, rps, args.floor, args.timeout
+            )
+            runs.append(lv)
+            t = lv["ttfa_ms"]
+            table.append(
+                [
+                    model,
+                    c,
+                    lv["streams"],
+                    lv["errors"],
+                    lv["stalls"],
+                    lv["streams_below_floor"],
+                    t.get("p50", float("nan")),
+                    t.get("p95", float("nan")),
+                    lv["rate_tok_s"].get("min", float("nan")),
+                    "yes" if lv["passed"] else "no",
+                ]
+            )
+            print(
+                benchutil.format_table(
+                    [
+                        "model",
+                        "C",
+                        "streams",
+                        "err",
+                        "stalls",
+                        "<floor",
+                        "ttfa p50",
+                        "ttfa p95",
+                        "min tok/s",
+                        "pass",
+                    ],
+                    table[-1:],
+                ),
+                file=sys.stderr,
+            )
+        passing = [lv["concurrency"] for lv in runs if lv["passed"]]
+        capacity = max(passing) if passing else 0
+        n_gpu = gpus.get(model, 1)
+        result["models"][model] = {
+            "gpus": n_gpu,
+            "capacity": capacity,
+            "capacity_per_gpu": capacity / n_gpu,
+            "levels": runs,
+        }
+    print(
+        benchutil.format_table(
+            [
+                "model",
+                "C",
+                "streams",
+                "err",
+                "stalls",
+                "<floor",
+                "ttfa p50 ms",
+                "ttfa p95 ms",
+                "min tok/s",
+                "pass",
+            ],
+            table,
+        )
+    )
+    for m, r in result["models"].items():
+        per_gpu = r["capacity_per_gpu"]
+        print(f"{m}: capacity {r['capacity']} streams on {r['gpus']} GPU(s) = {per_gpu:.1f} per GPU")
+    args.out.mkdir(parents=True, exist_ok=True)
+    benchutil.write_json(args.out / "bench.json", result)
+    plot(result, args.out / "bench.png")
+    print(f"wrote {args.out / 'bench.json'} and bench.png")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

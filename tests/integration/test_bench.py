@@ -1,0 +1,44 @@
+"""`tandem-bench --smoke` end to end on the CPU: figures are produced and consistent (not their size)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+from tandem.cli.bench import main, stalls
+from tandem.cli.tts_client import StreamResult
+
+
+def test_bench_smoke_produces_consistent_figures(server, tmp_path):
+    assert main(["--url", server.url, "--smoke", "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "bench.json").read_text())
+    assert (tmp_path / "bench.png").stat().st_size > 0
+    assert result["commit"] and result["floor_tok_s"] == 42.0
+    assert set(result["models"]) == {"tts", "tts_mono"}
+    for model in result["models"].values():
+        levels = model["levels"]
+        assert [lv["concurrency"] for lv in levels] == [1, 2]
+        for lv in levels:
+            assert lv["streams"] == len(lv["records"]) == 4
+            assert lv["streams_stalled"] <= lv["streams"] and lv["stalls"] >= lv["streams_stalled"]
+            for r in lv["records"]:
+                assert r["error"] is None and r["rows"] > 0
+                assert r["ttfa_ms"] > 0
+                assert math.isnan(r["rate_tok_s"]) or r["rate_tok_s"] > 0
+                # the waterfall's stages add up to the client's time to first audio
+                assert abs(sum(r["waterfall_ms"].values()) - r["ttfa_ms"]) < 1e-3
+            clean = lv["errors"] == 0 and lv["stalls"] == 0 and lv["streams_below_floor"] == 0
+            assert lv["passed"] == clean
+        passing = [lv["concurrency"] for lv in levels if lv["passed"]]
+        assert model["capacity"] == (max(passing) if passing else 0)
+
+
+def test_stall_accounting():
+    r = StreamResult(stream_id=1)
+    # 21 rows/s playback: 4 rows last 190 ms; the next response 100 ms later is in time, the one after
+    # arrives 1 s after that, when the 8 + 4 rows (571 ms) have run out: one stall of ~0.53 s.
+    r.response_ns = [0, 100_000_000, 1_100_000_000]
+    r.response_rows = [4, 8, 8]
+    n, stalled = stalls(r, 21.0)
+    assert n == 1
+    assert abs(stalled - (1.1 - (4 + 8) / 21.0)) < 1e-9
