@@ -28,8 +28,12 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def prepare_repository(dest: Path, overrides: Mapping[str, Mapping[str, str]] | None = None) -> Path:
-    return render(REPO / "model_repository", dest / "model_repository", overrides)
+def prepare_repository(
+    dest: Path,
+    overrides: Mapping[str, Mapping[str, str]] | None = None,
+    groups: Mapping[str, str] | None = None,
+) -> Path:
+    return render(REPO / "model_repository", dest / "model_repository", overrides, groups)
 
 
 class TritonProcess:
@@ -38,10 +42,11 @@ class TritonProcess:
         workdir: Path,
         overrides: Mapping[str, Mapping[str, str]] | None = None,
         extra_args: Sequence[str] = (),
+        groups: Mapping[str, str] | None = None,
     ) -> None:
         """`extra_args` go to tritonserver after the defaults (e.g. `--model-control-mode=explicit`)."""
         self.workdir = workdir
-        self.repo = prepare_repository(workdir, overrides)
+        self.repo = prepare_repository(workdir, overrides, groups)
         self.extra_args = tuple(extra_args)
         self.grpc_port, self.http_port, self.metrics_port = free_port(), free_port(), free_port()
         self.log_path = workdir / "tritonserver.log"

@@ -19,7 +19,9 @@ class TritonPythonModel:
             self.settings.device, args["model_instance_kind"], int(args["model_instance_device_id"])
         )
         self.decoder = build_decoder(self.settings, device)
-        self.metrics = io.TritonMetrics(pb_utils, {"model": args["model_name"]})
+        self.metrics = io.TritonMetrics(
+            pb_utils, {"model": args["model_name"], "instance": args["model_instance_name"]}
+        )
         self.engine = DecodeEngine(self.decoder, self.settings, self.metrics)
         self.engine.start()
 

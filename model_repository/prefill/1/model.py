@@ -30,7 +30,9 @@ class TritonPythonModel:
         )
         self.decoder = build_decoder(self.settings, device)
         self.cfg = self.decoder.cfg
-        self.metrics = io.TritonMetrics(pb_utils, {"model": args["model_name"]})
+        self.metrics = io.TritonMetrics(
+            pb_utils, {"model": args["model_name"], "instance": args["model_instance_name"]}
+        )
         slot = args["model_instance_name"].replace(" ", "_")
         self.engine = PrefillEngine(self.decoder, self.settings, self.metrics, slot, _exit_for_proof)
         self.engine.start()

@@ -23,7 +23,9 @@ class TritonPythonModel:
         self.cfg = self.decoder.cfg
         io.check_published(config, self.cfg, self.settings.vocoder)
         self.vocoder = ReferenceVocoder(self.settings.vocoder)
-        self.metrics = io.TritonMetrics(pb_utils, {"model": args["model_name"]})
+        self.metrics = io.TritonMetrics(
+            pb_utils, {"model": args["model_name"], "instance": args["model_instance_name"]}
+        )
         self.engine = MonoEngine(self.decoder, self.settings, self.metrics)
         self.engine.start()
 
