@@ -15,6 +15,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from tandem.backend.cuda_graphs import GraphedDecode
 from tandem.backend.decoder import Decoder
 from tandem.backend.errors import StreamFailed
 from tandem.backend.kv_pool import KVPool
@@ -35,8 +36,13 @@ class DecodeBatch:
         chunking: ChunkPolicy,
         metrics: MetricsSink,
         rate_floor_tok_s: float,
+        cuda_graphs: bool = False,
+        max_batch: int = 64,
     ) -> None:
         self.decoder = decoder
+        self._graphed = (
+            GraphedDecode(decoder, pool, max_batch) if cuda_graphs and pool.device.type == "cuda" else None
+        )
         self.pool = pool
         self.chunking = chunking
         self.metrics = metrics
@@ -75,7 +81,11 @@ class DecodeBatch:
         rows = torch.from_numpy(np.stack([s.generated[-1] for s in active])).to(device)
         positions = [s.position for s in active]
         tables = [s.slots[: p + 1] for s, p in zip(active, positions, strict=True)]
-        logits = self.decoder.decode(rows, self.pool, tables, torch.tensor(positions, device=device))
+        pos = torch.tensor(positions, device=device)
+        if self._graphed is not None:
+            logits = self._graphed.decode(rows, tables, pos)
+        else:
+            logits = self.decoder.decode(rows, self.pool, tables, pos)
         new_rows = sample(logits, [s.sampling for s in active], [p + 1 for p in positions]).numpy()
         for s, row in zip(active, new_rows, strict=True):
             s.generated.append(row)

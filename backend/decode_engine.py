@@ -72,7 +72,13 @@ class DecodeEngine:
             decoder.kv_layout(), settings.pool.num_pages, settings.pool.page_size, decoder.device
         )
         self.batch = DecodeBatch(
-            decoder, self.pool, chunk_policy(settings), metrics, settings.batch.rate_floor_tok_s
+            decoder,
+            self.pool,
+            chunk_policy(settings),
+            metrics,
+            settings.batch.rate_floor_tok_s,
+            cuda_graphs=settings.batch.cuda_graphs,
+            max_batch=settings.batch.max_batch,
         )
         self.intake: Intake[DecodeRequest] = Intake(
             settings.batch.max_queue, settings.batch.admission_timeout_s

@@ -194,15 +194,34 @@ class Decoder(nn.Module):
         the longest context of the batch and masked, so results do not depend on batch companions.
         """
         self._check_pool(pool)
-        x = self._embed(rows)
-        b = x.shape[0]
+        b = rows.shape[0]
         if len(slot_tables) != b or positions.numel() != b:
             raise ValueError(f"batch of {b} rows needs {b} slot tables and positions")
         lengths_host = [int(t.numel()) for t in slot_tables]
-        longest = max(lengths_host)
         dev = pool.device
         lengths = torch.tensor(lengths_host, dtype=torch.long).to(dev, non_blocking=True)
         padded = torch.nn.utils.rnn.pad_sequence([t.to(dev) for t in slot_tables], batch_first=True)
+        return self.decode_padded(rows.to(dev), pool, padded, lengths, positions.to(dev, torch.long))
+
+    @torch.inference_mode()
+    def decode_padded(
+        self,
+        rows: torch.Tensor,
+        pool: KVPool,
+        padded: torch.Tensor,
+        lengths: torch.Tensor,
+        positions: torch.Tensor,
+    ) -> torch.Tensor:
+        """`decode` with every input a device tensor of static shape: what a CUDA graph captures.
+
+        padded LongTensor[B, S] holds each sequence's slots (its new row's slot at index lengths[i]-1;
+        entries past it are ignored), lengths LongTensor[B], positions LongTensor[B], rows [B, W].
+        No host synchronisation and no shape that depends on values, so one capture per (B, S) replays
+        for any batch that fits. Writes the new rows' KV into the pool; returns float32 [B, W, V].
+        """
+        x = self._embed(rows)
+        b, longest = padded.shape
+        dev = pool.device
         cols = torch.arange(longest, device=dev)
         valid = cols[None, :] < lengths[:, None]
         # Pad with each sequence's own newest slot (always written) so masked reads stay finite.
@@ -218,5 +237,5 @@ class Decoder(nn.Module):
             o = _sdpa(q[:, :, None, :], ctx[0], ctx[1], mask, False)  # [B, nh, 1, hd]
             return o.reshape(b, -1)
 
-        h = self._run(x, positions.to(x.device, torch.long), attend)
+        h = self._run(x, positions, attend)
         return self._logits(h)

@@ -41,7 +41,13 @@ class MonoEngine:
         self.pool = KVPool(decoder.kv_layout(), settings.pool.num_pages, settings.pool.page_size, device)
         self.cache = PrefixCache(self.pool, enabled=settings.pool.prefix_cache)
         self.batch = DecodeBatch(
-            decoder, self.pool, chunk_policy(settings), metrics, settings.batch.rate_floor_tok_s
+            decoder,
+            self.pool,
+            chunk_policy(settings),
+            metrics,
+            settings.batch.rate_floor_tok_s,
+            cuda_graphs=settings.batch.cuda_graphs,
+            max_batch=settings.batch.max_batch,
         )
         self.intake: Intake[EngineRequest] = Intake(
             settings.batch.max_queue, settings.batch.admission_timeout_s

@@ -42,6 +42,7 @@ class BatchSettings:
     rate_floor_tok_s: float = 42.0
     rate_margin: float = 0.2  # admit only if predicted step time <= (1 - margin) / floor
     rate_admission: bool = True
+    cuda_graphs: bool = True  # replay captured decode steps on CUDA devices (backend/cuda_graphs.py)
 
 
 @dataclass(frozen=True)
@@ -65,15 +66,21 @@ class FaultSettings:
     On P: every `delay_every`-th copy sleeps `delay_s` before crossing (so D's deadline passes while
     the write is still pending), every `corrupt_every`-th copy flips one staged byte after the
     checksum was taken (so D's verification must catch it).
+
+    `control_file` (an absolute path; "" = off) lets a test change those three at run time without
+    restarting the server: a JSON object such as `{"delay_every": 1, "delay_s": 4.0}`, re-read by P
+    whenever the file is replaced (write it elsewhere and rename it over). Keys it omits keep the
+    values above; a missing file means the values above. Each change restarts the copy count.
     """
 
     delay_every: int = 0
     delay_s: float = 0.0
     corrupt_every: int = 0
+    control_file: str = ""
 
     @property
     def active(self) -> bool:
-        return bool(self.delay_every or self.corrupt_every)
+        return bool(self.delay_every or self.corrupt_every or self.control_file)
 
 
 @dataclass(frozen=True)

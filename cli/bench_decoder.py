@@ -33,6 +33,7 @@ from typing import Any, TypeVar
 import torch
 
 from tandem.backend.config import ModelConfig, preset
+from tandem.backend.cuda_graphs import GraphedDecode
 from tandem.backend.decoder import Decoder
 from tandem.backend.kv_pool import KVLayout, KVPool
 from tandem.backend.sampling import SamplingParams, sample
@@ -83,16 +84,18 @@ def _shuffled_pool(
     return pool
 
 
+DecodeFn = Callable[[torch.Tensor, list[torch.Tensor], torch.Tensor], torch.Tensor]
+
+
 def _step(
-    dec: Decoder,
-    pool: KVPool,
+    decode: DecodeFn,
     rows: torch.Tensor,
     slot_tables: list[torch.Tensor],
     positions: torch.Tensor,
     params: list[SamplingParams],
 ) -> torch.Tensor:
     """One engine decode step: logits for every stream, then the sampled rows (on the host)."""
-    logits = dec.decode(rows, pool, slot_tables, positions)
+    logits = decode(rows, slot_tables, positions)
     return sample(logits, params, positions.tolist())
 
 
@@ -116,6 +119,7 @@ def bench_prefill(
 def bench_decode(
     dec: Decoder,
     pool: KVPool,
+    decode: DecodeFn,
     batch: int,
     context: int,
     warmup: int,
@@ -136,7 +140,7 @@ def bench_decode(
         pos = context + step  # tokens already in the pool = the new row's position
         slot_tables = [t[: pos + 1] for t in tables]
         positions = torch.full((batch,), pos, dtype=torch.long)
-        dt, rows = timer(partial(_step, dec, pool, rows, slot_tables, positions, per_stream))
+        dt, rows = timer(partial(_step, decode, rows, slot_tables, positions, per_stream))
         times.append(dt)
     for pages in owned:
         pool.free(pages)
@@ -241,6 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefill-reps", type=int, default=5)
     ap.add_argument("--prefill-warmup", type=int, default=2)
     ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--graphs", action="store_true", help="replay CUDA graphs of the decode step (GPU)")
     ap.add_argument("--temperature", type=float, default=0.8)
     ap.add_argument("--top-p", type=float, default=0.95)
     ap.add_argument("--seed", type=int, default=0)
@@ -266,16 +271,26 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     dec = Decoder.random(cfg, device, seed=args.seed)
     longest = max(args.context) + args.warmup + args.steps
-    pool_tokens = max(max(args.batches) * -(-longest // args.page_size) * args.page_size, max(args.prompts))
+    # one spare page: the CUDA-graph runner reserves a scratch page for padding rows
+    pages = max(args.batches) * -(-longest // args.page_size) + 1
+    pool_tokens = max(pages * args.page_size, max(args.prompts))
     pool = _shuffled_pool(cfg, pool_tokens, args.page_size, device, args.seed)
     setup_s = time.perf_counter() - t0
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p)
 
     prefill = bench_prefill(dec, pool, args.prompts, args.prefill_warmup, args.prefill_reps, timer)
+    decode_fn: DecodeFn
+    if args.graphs and device.type == "cuda":
+        decode_fn = GraphedDecode(dec, pool, max(args.batches)).decode
+    else:
+
+        def decode_fn(r: torch.Tensor, t: list[torch.Tensor], p: torch.Tensor) -> torch.Tensor:
+            return dec.decode(r, pool, t, p)
+
     decode = []
     for ctx in args.context:
         for b in args.batches:
-            decode.append(bench_decode(dec, pool, b, ctx, args.warmup, args.steps, params, timer))
+            decode.append(bench_decode(dec, pool, decode_fn, b, ctx, args.warmup, args.steps, params, timer))
             d = decode[-1]
             print(
                 f"  batch {b:3d} context {ctx}: step {d['step_median_ms']:.2f} ms, "
@@ -287,6 +302,7 @@ def main(argv: list[str] | None = None) -> int:
     meta = {
         **benchutil.provenance(device, "tandem-bench-decoder", argv),
         "benchmark": "decoder",
+        "cuda_graphs": bool(args.graphs and device.type == "cuda"),
         "preset": cfg.name,
         "dtype": cfg.dtype,
         "params": sum(p.numel() for p in dec.parameters()),
