@@ -14,6 +14,7 @@ server's own. It never falls back to anything that is not a real tritonserver.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import sys
@@ -27,14 +28,14 @@ class LauncherError(RuntimeError):
 
 
 def _pytriton_root() -> Path:
-    try:
-        import pytriton
-    except ImportError as exc:  # pragma: no cover - depends on the environment
+    # find_spec locates the wheel without importing pytriton (whose __init__ pulls in its client stack).
+    spec = importlib.util.find_spec("pytriton")
+    if spec is None or spec.origin is None:
         raise LauncherError(
             "no tritonserver found: install the server extra (`pip install tandem-tts[server]`, "
             "which brings nvidia-pytriton==0.7.0) or run inside the NGC tritonserver image"
-        ) from exc
-    return Path(pytriton.__file__).resolve().parent / "tritonserver"
+        )
+    return Path(spec.origin).resolve().parent / "tritonserver"
 
 
 def prepare_backend_dir(root: Path, prefix: Path) -> Path:
