@@ -8,7 +8,7 @@ GRPC_PORT ?= 8001
 HTTP_PORT ?= 8000
 METRICS_PORT ?= 8002
 
-.PHONY: setup serve test lint typecheck unit integration bench-smoke clean
+.PHONY: setup serve test lint typecheck unit integration cuda clean
 
 setup: $(VENV)/.installed
 
@@ -22,6 +22,10 @@ $(VENV)/.installed: pyproject.toml setup.py $(wildcard csrc/*.cpp csrc/*.h)
 serve: setup
 	$(VENV)/bin/tritonserver --model-repository model_repository \
 		--grpc-port $(GRPC_PORT) --http-port $(HTTP_PORT) --metrics-port $(METRICS_PORT)
+
+# CUDA kernels and GPU transfer paths (GPU hosts; CPU CI skips their tests honestly).
+cuda: setup
+	$(PY) csrc/build_cuda.py
 
 lint: setup
 	$(VENV)/bin/ruff check .

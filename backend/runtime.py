@@ -18,10 +18,18 @@ log = logging.getLogger("tandem")
 def resolve_device(setting: str, instance_kind: str = "CPU", instance_device_id: int = 0) -> torch.device:
     """`auto` follows Triton's placement: a KIND_GPU instance runs on its own GPU, others on the CPU."""
     if setting == "auto":
-        if instance_kind.upper() == "GPU":
-            return torch.device(f"cuda:{instance_device_id}")
-        return torch.device("cpu")
-    return torch.device(setting)
+        device = (
+            torch.device(f"cuda:{instance_device_id}")
+            if instance_kind.upper() == "GPU"
+            else torch.device("cpu")
+        )
+    else:
+        device = torch.device(setting)
+    if device.type == "cuda":
+        # Every GPU is visible to a Triton stub; make ours current for this (the initialising) thread so
+        # transfer paths probing "the current device" pick the instance's GPU, not GPU 0.
+        torch.cuda.set_device(device)
+    return device
 
 
 def build_decoder(settings: EngineSettings, device: torch.device) -> Decoder:

@@ -8,6 +8,7 @@ only with proof that no write for it can still land.
 from .arena import ALIGN, Region, RegionAllocator
 from .checksum import kv_checksum
 from .control import control_dir
+from .cuda_paths import register as _register_gpu_paths
 from .errors import (
     ArenaExhausted,
     ChecksumMismatch,
@@ -85,3 +86,6 @@ __all__ = [
     "kv_checksum",
     "select_path",
 ]
+
+# GPU paths register by name; importing them touches no CUDA (a CPU host can still select host_shm).
+_register_gpu_paths(PATHS)

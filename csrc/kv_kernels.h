@@ -1,0 +1,26 @@
+// KV row copies between a layer-major paged pool and a contiguous staging buffer (see kv_kernels.cu).
+//
+// Geometry shared by every entry point: `num_lt` = num_layers * 2 (K and V) outer rows; each holds a
+// token axis of rows of `row_bytes` (= num_kv_heads * head_dim * element size). A pool has `pool_rows`
+// slots on that axis (`kv[L, 2, S, H*D]`); staging has exactly `n_tokens` (`[L, 2, T, H*D]`).
+// Slots are int64 device arrays of length `n_tokens`. Pointers are device pointers (a peer-mapped
+// pointer is fine for the destination); nothing is checked here: the Python wrapper checks dtype,
+// device, contiguity and bounds before calling. Errors are thrown as std::runtime_error.
+#pragma once
+
+#include <cstdint>
+
+#include <cuda_runtime_api.h>
+
+namespace tandem {
+
+// dst[lt, d_row(t), :] = src[lt, s_row(t), :] for every lt < num_lt, t < n_tokens, where
+// s_row(t) = src_slots ? src_slots[t] : t (likewise d_row). Runs on `stream` of `device`.
+void copy_rows(const void* src, const int64_t* src_slots, int64_t src_rows, void* dst, const int64_t* dst_slots,
+               int64_t dst_rows, int64_t num_lt, int64_t n_tokens, int64_t row_bytes, int device,
+               cudaStream_t stream);
+
+// The vector width (bytes) copy_rows will use for these pointers and row size: 16, 8, 4, 2 or 1.
+int vector_bytes(const void* src, const void* dst, int64_t row_bytes);
+
+}  // namespace tandem

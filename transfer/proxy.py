@@ -1,0 +1,330 @@
+"""IPC proxy sidecar: copies P's staging into D's arena for processes that each see only their own GPU.
+
+Why: in containers that expose one GPU each, P cannot open D's IPC handle (design.md §1). The proxy is
+one process per P/D unit (never one per machine: a shared daemon became a queue) that requests no GPU
+but sees all of them. D registers its receive arena and P its staging buffers over the unit's socket
+`control_dir(unit)/proxy.sock`, sending legacy IPC handles and the PCI bus id of the GPU that owns the
+memory; the proxy opens both, enables peer access, and runs each copy in the destination's context on
+a dedicated stream, replying only after the stream synchronised.
+
+Wire: the control plane's framing (4-byte big-endian length + UTF-8 JSON), requests with an `op`:
+`register {role: staging|arena, handle, nbytes, bus_id, layout_fp}` -> `{ok, id}`; `unregister {id}`;
+`copy {src, src_offset, dst, dst_offset, nbytes}` -> `{ok, ns}`; `ping` -> `{ok, pid, devices}`.
+Errors come back as `{ok: false, error}` and close nothing else. A registration lives until its
+connection closes or it is unregistered; unregistering waits for copies that use it.
+
+Proof (docs/protocol.md): a connection's requests are served one at a time, and the proxy replies to
+`copy` only after the copy finished, so when P's `copy_to_peer` returns (reply, or the proxy's socket
+closed: the proxy finished the copy or died with its context) no byte can still land. Caveat: if P
+dies mid-copy, the proxy still finishes that copy (milliseconds) after P's instance lock is free;
+closing that window needs P to hand the proxy its lock fd for the copy's duration (not done yet).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import os
+import secrets
+import signal
+import socket
+import struct
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from .control import connect_unix, control_dir, listen_unix, same_user
+from .errors import ProtocolError, TransferError
+from .frames import MAX_FRAME_BYTES, send_frame
+
+log = logging.getLogger(__name__)
+_HEADER = struct.Struct(">I")
+
+
+def proxy_socket_path(unit: str, name: str = "proxy") -> str:
+    """The unit's proxy endpoint (inside the 0700 control directory both P and D resolve)."""
+    return str(control_dir(unit) / f"{name}.sock")
+
+
+def send_msg(sock: socket.socket, obj: dict[str, Any]) -> None:
+    body = json.dumps(obj, separators=(",", ":")).encode()
+    if len(body) > MAX_FRAME_BYTES:
+        raise ProtocolError(f"proxy frame of {len(body)} bytes exceeds {MAX_FRAME_BYTES}")
+    send_frame(sock, _HEADER.pack(len(body)) + body, timeout_s=10.0)
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = sock.recv(n - len(buf))
+        if not chunk:
+            raise EOFError("proxy connection closed")
+        buf.extend(chunk)
+    return bytes(buf)
+
+
+def recv_msg(sock: socket.socket) -> dict[str, Any]:
+    (length,) = _HEADER.unpack(_recv_exact(sock, _HEADER.size))
+    if length == 0 or length > MAX_FRAME_BYTES:
+        raise ProtocolError(f"bad proxy frame length {length}")
+    try:
+        msg = json.loads(_recv_exact(sock, length).decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ProtocolError(f"proxy frame is not UTF-8 JSON: {exc}") from None
+    if not isinstance(msg, dict):
+        raise ProtocolError("proxy frame is not a JSON object")
+    return msg
+
+
+@dataclass(eq=False)
+class _Entry:
+    """A registration: the handle, the GPU that owns the memory, and its mappings per issuing context."""
+
+    id: str
+    role: str
+    handle: bytes
+    nbytes: int
+    device: int
+    owner: socket.socket
+    maps: dict[int, int] = field(default_factory=dict)  # context device -> pointer in this process
+    busy: int = 0
+    closed: bool = False
+
+
+class ProxyServer:
+    """The sidecar. `start()` serves on a thread; `close()` stops it and closes every mapping."""
+
+    def __init__(self, unit: str, name: str = "proxy", issue: str = "dst") -> None:
+        """`issue`: whose context runs the copy — "dst" (default: D's GPU pulls P's staging) or "src"
+        (P's GPU pushes into D's arena). Both handles are opened in that context: a pointer opened in
+        the owning GPU's context and copied from another ran at ~36 GB/s (staged), not NVLink speed."""
+        from ._gpu import kernels  # imported here so `--help` works without CUDA
+
+        if issue not in ("dst", "src"):
+            raise ValueError(f"issue must be dst or src, got {issue!r}")
+        self.issue = issue
+        self._k = kernels()
+        self.path = proxy_socket_path(unit, name)
+        self._lock = threading.Condition()
+        self._entries: dict[str, _Entry] = {}
+        self._streams: dict[int, int] = {}
+        self._layout_fp: str | None = None
+        self._stop = threading.Event()
+        self._server: socket.socket | None = None
+        self._threads: list[threading.Thread] = []
+        self.copies = 0
+
+    def start(self) -> None:
+        from pathlib import Path
+
+        self._server = listen_unix(Path(self.path))
+        self._server.settimeout(0.1)
+        t = threading.Thread(target=self._accept_loop, name="tandem-proxy-accept", daemon=True)
+        t.start()
+        self._threads.append(t)
+
+    def close(self) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(5.0)
+        if self._server is not None:
+            self._server.close()
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)
+        with self._lock:
+            entries = list(self._entries.values())
+        for e in entries:
+            self._unregister(e.id)
+
+    def _accept_loop(self) -> None:
+        assert self._server is not None
+        while not self._stop.is_set():
+            try:
+                sock, _ = self._server.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            if not same_user(sock):
+                sock.close()
+                continue
+            sock.settimeout(None)
+            t = threading.Thread(target=self._serve, args=(sock,), name="tandem-proxy-conn", daemon=True)
+            t.start()
+
+    def _serve(self, sock: socket.socket) -> None:
+        try:
+            while not self._stop.is_set():
+                msg = recv_msg(sock)
+                try:
+                    reply = self._handle(sock, msg)
+                except (TransferError, RuntimeError, KeyError, TypeError, ValueError) as exc:
+                    reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+                send_msg(sock, reply)
+        except (EOFError, OSError, ProtocolError):
+            pass
+        finally:
+            with self._lock:
+                owned = [e.id for e in self._entries.values() if e.owner is sock]
+            for eid in owned:
+                self._unregister(eid)
+            sock.close()
+
+    def _handle(self, sock: socket.socket, msg: dict[str, Any]) -> dict[str, Any]:
+        op = msg.get("op")
+        if op == "ping":
+            return {"ok": True, "pid": os.getpid(), "devices": self._k.device_count()}
+        if op == "register":
+            return {"ok": True, "id": self._register(sock, msg)}
+        if op == "unregister":
+            self._unregister(str(msg["id"]))
+            return {"ok": True}
+        if op == "copy":
+            return {"ok": True, "ns": self._copy(msg)}
+        raise ValueError(f"unknown op {op!r}")
+
+    def _register(self, sock: socket.socket, msg: dict[str, Any]) -> str:
+        role, nbytes, layout_fp = str(msg["role"]), int(msg["nbytes"]), msg.get("layout_fp")
+        if role not in ("staging", "arena"):
+            raise ValueError(f"role must be staging or arena, got {role!r}")
+        handle = bytes.fromhex(str(msg["handle"]))
+        with self._lock:
+            if layout_fp is not None:
+                if self._layout_fp is None:
+                    self._layout_fp = str(layout_fp)
+                elif layout_fp != self._layout_fp:
+                    raise TransferError(
+                        f"layout mismatch: this unit's proxy serves layout {self._layout_fp}, "
+                        f"the {role} registration has {layout_fp}"
+                    )
+        dev = self._k.device_by_pci_bus_id(str(msg["bus_id"]))
+        for other in range(self._k.device_count()):
+            if other != dev and self._k.can_access_peer(dev, other):
+                self._k.enable_peer_access(dev, other)
+                self._k.enable_peer_access(other, dev)
+        if len(handle) != 64:
+            raise ValueError(f"IPC handle must be 64 bytes, got {len(handle)}")
+        entry = _Entry(secrets.token_hex(8), role, handle, nbytes, dev, sock)
+        with self._lock:
+            self._entries[entry.id] = entry
+        return entry.id
+
+    def _unregister(self, eid: str) -> None:
+        with self._lock:
+            entry = self._entries.get(eid)
+            if entry is None or entry.closed:
+                return
+            entry.closed = True
+            while entry.busy:
+                self._lock.wait()
+            del self._entries[eid]
+        for ctx_dev, ptr in entry.maps.items():
+            with contextlib.suppress(RuntimeError):
+                self._k.ipc_close_handle(ctx_dev, ptr)
+
+    def _mapped(self, entry: _Entry, ctx_dev: int) -> int:
+        """The entry's pointer in `ctx_dev`'s context, opened on first use (caller holds the lock)."""
+        ptr = entry.maps.get(ctx_dev)
+        if ptr is None:
+            try:
+                ptr = entry.maps[ctx_dev] = self._k.ipc_open_handle(ctx_dev, entry.handle)
+            except RuntimeError as exc:
+                raise TransferError(
+                    f"cannot open the {entry.role} IPC handle {entry.id} on device {ctx_dev}: {exc} "
+                    "(its process exited or restarted?)"
+                ) from exc
+        return ptr
+
+    def _copy(self, msg: dict[str, Any]) -> int:
+        nbytes, s_off, d_off = int(msg["nbytes"]), int(msg["src_offset"]), int(msg["dst_offset"])
+        with self._lock:
+            src, dst = self._entries.get(str(msg["src"])), self._entries.get(str(msg["dst"]))
+            if src is None or src.closed or src.role != "staging":
+                raise TransferError(f"unknown staging registration {msg['src']!r}")
+            if dst is None or dst.closed or dst.role != "arena":
+                raise TransferError(f"unknown arena registration {msg['dst']!r} (D gone or restarted?)")
+            if (
+                nbytes <= 0
+                or s_off < 0
+                or d_off < 0
+                or s_off + nbytes > src.nbytes
+                or d_off + nbytes > dst.nbytes
+            ):
+                raise TransferError(f"copy of {nbytes} bytes outside the registered ranges")
+            ctx = dst.device if self.issue == "dst" else src.device
+            if ctx not in self._streams:
+                self._streams[ctx] = self._k.stream_create(ctx)
+            stream = self._streams[ctx]
+            src_ptr, dst_ptr = self._mapped(src, ctx), self._mapped(dst, ctx)
+            src.busy += 1
+            dst.busy += 1
+        try:
+            t0 = time.perf_counter_ns()
+            try:
+                self._k.memcpy_async(ctx, dst_ptr + d_off, src_ptr + s_off, nbytes, stream)
+            finally:
+                self._k.stream_synchronize(stream)
+            self.copies += 1
+            return time.perf_counter_ns() - t0
+        finally:
+            with self._lock:
+                src.busy -= 1
+                dst.busy -= 1
+                self._lock.notify_all()
+
+
+class ProxyClient:
+    """One connection to the unit's proxy; requests are serialised on it (one reply per request)."""
+
+    def __init__(self, path: str, timeout_s: float = 2.0) -> None:
+        self.path = path
+        try:
+            self.sock = connect_unix(path, timeout_s)
+        except OSError as exc:
+            raise TransferError(
+                f"no IPC proxy at {path} ({exc}); start `tandem-proxy --unit <unit>`"
+            ) from exc
+        self._lock = threading.Lock()
+
+    def request(self, **msg: Any) -> dict[str, Any]:
+        """Send one request and block for its reply (no timeout: a copy's reply is its proof)."""
+        with self._lock:
+            try:
+                send_msg(self.sock, msg)
+                reply = recv_msg(self.sock)
+            except (EOFError, OSError, ProtocolError) as exc:
+                raise TransferError(f"IPC proxy connection failed: {exc}") from exc
+        if not reply.get("ok"):
+            raise TransferError(f"IPC proxy refused {msg.get('op')}: {reply.get('error')}")
+        return reply
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.sock.close()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`tandem-proxy --unit U`: serve the unit's proxy socket until SIGTERM/SIGINT."""
+    ap = argparse.ArgumentParser(description="tandem IPC proxy sidecar (one per P/D unit)")
+    ap.add_argument("--unit", default=os.environ.get("TANDEM_UNIT", "default"))
+    ap.add_argument("--name", default="proxy", help="socket name inside the unit's control directory")
+    ap.add_argument("--issue", default="dst", choices=["dst", "src"], help="whose GPU context runs copies")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s tandem-proxy %(levelname)s %(message)s")
+    server = ProxyServer(args.unit, args.name, args.issue)
+    server.start()
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    log.info("serving %s (pid %d)", server.path, os.getpid())
+    print(f"tandem-proxy ready {server.path}", flush=True)
+    stop.wait()
+    server.close()
+    log.info("stopped after %d copies", server.copies)
+
+
+if __name__ == "__main__":
+    main()

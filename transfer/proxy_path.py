@@ -1,0 +1,235 @@
+"""The `proxy` TransferPath: P and D each see only their own GPU; the unit's sidecar copies between them.
+
+D's arena is a cudaMalloc buffer registered with the proxy (`transfer/proxy.py`); the HELLO meta
+carries only its registration id, so no fd or handle reaches P. P's staging comes from a small pool
+of buffers registered once each (an IPC open costs far more than a copy, so never per transfer);
+`copy_to_peer` waits for the gather on P's stream, asks the proxy to copy, and returns only on its
+reply — which the proxy sends after its copy stream synchronised.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import threading
+import time
+from collections.abc import Mapping
+
+import torch
+
+from ._gpu import DeviceBuffer, check_range, check_staging, current_device, kernels
+from .arena import Region
+from .checksum import kv_checksum
+from .cuda_paths import DEFAULT_MIN_GBPS, GpuArena
+from .errors import PathUnavailable, TransferError
+from .layout import WireLayout
+from .paths import LocalArena, PeerArena, TransferPath
+from .proxy import ProxyClient, proxy_socket_path
+
+_SLAB_ALIGN = 2 << 20
+
+
+class ProxyPeer(PeerArena):
+    """P's reference to D's arena: just its registration id at the proxy (nothing is mapped in P)."""
+
+    def __init__(self, arena_id: str, nbytes: int) -> None:
+        self.arena_id = arena_id
+        self.nbytes = nbytes
+
+    def close(self) -> None:
+        pass
+
+
+class _Slab:
+    def __init__(self, ptr: int, nbytes: int, reg_id: str) -> None:
+        self.ptr, self.nbytes, self.reg_id = ptr, nbytes, reg_id
+
+
+class ProxyPath(TransferPath):
+    name = "proxy"
+
+    def __init__(
+        self,
+        unit: str | None = None,
+        device: int | None = None,
+        layout: WireLayout | None = None,
+        min_gbps: float = DEFAULT_MIN_GBPS,
+        socket_name: str = "proxy",
+    ) -> None:
+        """`unit` defaults to $TANDEM_UNIT (else "default"); `layout`, when given, is sent with every
+        registration so the proxy refuses a P or D of another layout with a clear error."""
+        self.unit = unit or os.environ.get("TANDEM_UNIT", "default")
+        self._device = device
+        self.layout = layout
+        self.min_gbps = min_gbps
+        self.socket_name = socket_name
+        self.probe_gbps: float | None = None
+        self._lock = threading.Lock()
+        self._owner: ProxyClient | None = None  # holds the staging registrations
+        self._local = threading.local()  # one request connection per copy worker thread
+        self._free: list[_Slab] = []
+        self._busy: dict[int, _Slab] = {}
+
+    @property
+    def device(self) -> int:
+        if self._device is None:
+            self._device = current_device()
+        return self._device
+
+    @property
+    def socket_path(self) -> str:
+        return proxy_socket_path(self.unit, self.socket_name)
+
+    def _fp(self) -> str | None:
+        return None if self.layout is None else self.layout.fingerprint()
+
+    def _client(self) -> ProxyClient:
+        c: ProxyClient | None = getattr(self._local, "client", None)
+        if c is None:
+            c = self._local.client = ProxyClient(self.socket_path)
+        return c
+
+    def _register(self, client: ProxyClient, role: str, ptr: int, nbytes: int) -> str:
+        k = kernels()
+        reply = client.request(
+            op="register",
+            role=role,
+            handle=k.ipc_get_handle(self.device, ptr).hex(),
+            nbytes=nbytes,
+            bus_id=k.pci_bus_id(self.device),
+            layout_fp=self._fp(),
+            pid=os.getpid(),
+        )
+        return str(reply["id"])
+
+    # ---- D side --------------------------------------------------------------------------------------
+
+    def create_arena(self, nbytes: int, label: str) -> LocalArena:
+        k = kernels()
+        dev = self.device
+        ptr = k.malloc(dev, nbytes)
+        try:
+            client = ProxyClient(self.socket_path)
+            arena_id = self._register(client, "arena", ptr, nbytes)
+        except BaseException:
+            k.free(dev, ptr)
+            raise
+
+        def release() -> None:
+            client.close()  # the proxy unregisters (waiting for its copies) when the connection closes
+            time.sleep(0)  # let the proxy thread run; cudaFree below is still safe: its mapping pins it
+            k.free(dev, ptr)
+
+        meta: dict[str, int | str] = {"kind": "proxy", "nbytes": nbytes, "arena_id": arena_id}
+        meta["proxy"] = self.socket_path
+        meta["label"] = label
+        return GpuArena(DeviceBuffer(ptr, nbytes, dev, release), nbytes, meta, ())
+
+    # ---- P side --------------------------------------------------------------------------------------
+
+    def open_peer_arena(self, meta: Mapping[str, object], fds: list[int]) -> PeerArena:
+        for fd in fds:
+            os.close(fd)
+        if meta.get("kind") != "proxy":
+            raise TransferError(f"proxy path expects a proxy arena, got meta kind {meta.get('kind')!r}")
+        if meta.get("proxy") != self.socket_path:
+            raise TransferError(
+                f"D registered with proxy {meta.get('proxy')!r}, this P uses {self.socket_path!r}"
+            )
+        nbytes, arena_id = meta.get("nbytes"), meta.get("arena_id")
+        if not isinstance(nbytes, int) or not isinstance(arena_id, str):
+            raise TransferError(f"bad proxy arena meta {dict(meta)!r}")
+        return ProxyPeer(arena_id, nbytes)
+
+    def alloc_staging(self, layout: WireLayout, n_tokens: int) -> torch.Tensor:
+        """A view into a registered slab; the slab returns to the pool when the tensor is freed."""
+        need = layout.staging_nbytes(n_tokens)
+        with self._lock:
+            fits = [s for s in self._free if s.nbytes >= need]
+            slab = min(fits, key=lambda s: s.nbytes) if fits else None
+            if slab is not None:
+                self._free.remove(slab)
+        if slab is None:
+            k = kernels()
+            size = -(-need // _SLAB_ALIGN) * _SLAB_ALIGN
+            ptr = k.malloc(self.device, size)
+            with self._lock:
+                if self._owner is None:
+                    self._owner = ProxyClient(self.socket_path)
+                owner = self._owner
+            try:
+                slab = _Slab(ptr, size, self._register(owner, "staging", ptr, size))
+            except BaseException:
+                k.free(self.device, ptr)
+                raise
+        with self._lock:
+            self._busy[slab.ptr] = slab
+        buf = DeviceBuffer(slab.ptr, need, self.device, functools.partial(self._give_back, slab))
+        return buf.tensor().view(layout.dtype).view(layout.staging_shape(n_tokens))
+
+    def _give_back(self, slab: _Slab) -> None:
+        with self._lock:
+            self._busy.pop(slab.ptr, None)
+            self._free.append(slab)
+
+    def copy_to_peer(self, staging: torch.Tensor, peer: PeerArena, offset: int) -> None:
+        if not isinstance(peer, ProxyPeer):
+            raise TransferError(f"proxy path cannot write a {type(peer).__name__}")
+        nbytes = check_staging(staging, self.device)
+        check_range(offset, nbytes, peer.nbytes)
+        with self._lock:
+            slab = self._busy.get(staging.data_ptr())
+        if slab is None:
+            raise TransferError("proxy path: staging must come from this path's alloc_staging")
+        torch.cuda.current_stream(staging.device).synchronize()  # the proxy cannot wait on our stream
+        self._client().request(
+            op="copy", src=slab.reg_id, src_offset=0, dst=peer.arena_id, dst_offset=offset, nbytes=nbytes
+        )
+
+    def probe(self) -> None:
+        """Ping the proxy, then move 64 MiB through it into an arena of our own, timed and verified."""
+        try:
+            kernels()
+            self._client().request(op="ping")
+            layout = self.layout or WireLayout(1, 1, 64, "bfloat16")
+            n_tokens = max(1, (64 << 20) // layout.token_bytes)
+            staging = self.alloc_staging(layout, n_tokens)
+            flat = staging.view(torch.uint8).reshape(-1)
+            flat.copy_(torch.randint(0, 256, (flat.numel(),), dtype=torch.uint8, device=staging.device))
+            nbytes = staging.numel() * staging.element_size()
+            arena = self.create_arena(nbytes, "probe")
+            try:
+                exp = arena.export()
+                peer = self.open_peer_arena(exp.meta, [])
+                self.copy_to_peer(staging, peer, 0)
+                t0 = time.perf_counter()
+                for _ in range(10):
+                    self.copy_to_peer(staging, peer, 0)
+                gbps = nbytes * 10 / (time.perf_counter() - t0) / 1e9
+                got = kv_checksum(arena.region_bytes(Region(0, nbytes, nbytes)))
+                if got != kv_checksum(staging):
+                    raise PathUnavailable("proxy probe: bytes differ after the copy")
+            finally:
+                arena.close()
+        except PathUnavailable:
+            raise
+        except Exception as exc:
+            raise PathUnavailable(f"proxy probe failed: {type(exc).__name__}: {exc}") from exc
+        self.probe_gbps = gbps
+        if gbps < self.min_gbps:
+            raise PathUnavailable(f"proxy probe: {gbps:.1f} GB/s, expected >= {self.min_gbps:.0f} GB/s")
+
+    def close(self) -> None:
+        """Drop the staging registrations (the proxy unmaps them) and free idle slabs."""
+        with self._lock:
+            owner, self._owner = self._owner, None
+            free, self._free = self._free, []
+        if owner is not None:
+            owner.close()
+        if free:
+            k = kernels()
+            for s in free:
+                k.free(self.device, s.ptr)
+
+
+__all__ = ["ProxyPath", "ProxyPeer"]
