@@ -13,7 +13,10 @@ the engine releases them only then (on its own thread, via `_released`).
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
+import os
 import queue
 import threading
 import time
@@ -69,19 +72,47 @@ class FaultInjector:
     """P-side fault injection (settings.faults): delays and post-checksum corruption of chosen copies.
 
     Runs on the sender's copy workers; the counter is shared, so "every Nth" counts copies in the
-    order they reach this point.
+    order they reach this point. With `faults.control_file` the settings are re-read whenever that
+    file is replaced (the fault-matrix tests switch faults on one running server this way).
     """
 
     def __init__(self, faults: FaultSettings) -> None:
         self.faults = faults
         self._lock = threading.Lock()
         self._n = 0
+        self._live = faults
+        self._stamp: tuple[int, int, int] | None = None
+
+    def _current(self) -> FaultSettings:
+        """Called under `_lock`: the static settings, overridden by the control file if present."""
+        path = self.faults.control_file
+        if not path:
+            return self.faults
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            stamp = None
+        else:
+            stamp = (st.st_ino, st.st_mtime_ns, st.st_size)
+        if stamp != self._stamp:
+            self._stamp, self._n, self._live = stamp, 0, self.faults
+            if stamp is not None:
+                try:
+                    with open(path) as fh:
+                        values = json.load(fh)
+                    keys = ("delay_every", "delay_s", "corrupt_every")
+                    live = {k: values[k] for k in keys if k in values}
+                    self._live = dataclasses.replace(self.faults, **live)
+                except (OSError, ValueError, TypeError) as exc:
+                    log.error("fault injection: ignoring unreadable control file %s: %s", path, exc)
+            log.warning("fault injection now %s", self._live)
+        return self._live
 
     def __call__(self, tid: str, staging: torch.Tensor) -> None:
         with self._lock:
+            f = self._current()
             self._n += 1
             n = self._n
-        f = self.faults
         if f.corrupt_every and n % f.corrupt_every == 0:
             flat = staging.reshape(-1).view(torch.uint8)
             flat[flat.numel() // 2] ^= 0xFF

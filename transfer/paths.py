@@ -190,7 +190,10 @@ class HostShmPath(TransferPath):
         peer.bytes[offset : offset + src.numel()].copy_(src)
 
 
-PATHS: dict[str, Callable[[], TransferPath]] = {HostShmPath.name: HostShmPath}
+PATHS: dict[str, Callable[[], TransferPath]] = {
+    HostShmPath.name: HostShmPath,
+    "tcp": lambda: __import__(f"{__package__}.tcp_path", fromlist=["TcpPath"]).TcpPath(),
+}
 
 
 def select_path(

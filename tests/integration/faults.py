@@ -1,0 +1,348 @@
+"""Fault-injection harness for one real P/D unit: the tritonserver, its stub processes, their metrics.
+
+`FaultUnit` starts the checked-in repository (without `tts_mono`, which the matrix does not use) in
+explicit model-control mode, so a test can reload `prefill` after killing it: Triton 2.51's python
+backend restarts a dead stub only for non-decoupled models, and `prefill` is decoupled (verified in
+`test_fault_matrix.py::test_kill_p_...`). Faults are switched on the running P through
+`tandem.faults.control_file` (see `FaultSettings`); processes are found through /proc: a python-backend
+stub is a child of tritonserver whose argv[1] is `<repository>/<model>/1/model.py` and whose argv
+names the instance (`prefill_0_0`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import tritonclient.grpc as grpcclient
+
+from tandem.cli.tts_client import StreamResult, TTSClient
+from tests.integration.helpers import metric_value, metrics_text
+from tests.integration.server import TritonProcess
+
+
+def children(ppid: int) -> list[int]:
+    """Pids of the direct children of `ppid` (from /proc/<pid>/stat; the comm field may hold spaces)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as fh:
+                fields = fh.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == ppid and fields[0] != "Z":
+            out.append(int(entry))
+    return out
+
+
+def stub_argv(pid: int) -> list[str]:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as fh:
+            return [a.decode(errors="replace") for a in fh.read().split(b"\0") if a]
+    except OSError:
+        return []
+
+
+def find_stub(server_pid: int, model: str) -> int | None:
+    """The live python-backend stub of `model` under `server_pid`, or None."""
+    for pid in children(server_pid):
+        argv = stub_argv(pid)
+        if len(argv) > 1 and argv[0].endswith("triton_python_backend_stub") and f"/{model}/" in argv[1]:
+            return pid
+    return None
+
+
+def process_state(pid: int) -> str:
+    """One-letter state from /proc (R, S, T = stopped, Z, ...); "" if gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return ""
+
+
+@dataclass
+class Snapshot:
+    """The unit's leak and verification figures at one moment."""
+
+    d_free_pages: float
+    d_held_pages: float
+    p_free_pages: float
+    verified_ok: float
+    verified_mismatch: float
+    draining: float
+    admittable: float
+    inflight: float
+
+    @classmethod
+    def take(cls, metrics_url: str) -> Snapshot:
+        text = metrics_text(metrics_url)
+
+        def get(name: str, default: float = 0.0, **labels: str) -> float:
+            try:
+                return metric_value(text, name, **labels)
+            except KeyError:
+                return default
+
+        return cls(
+            d_free_pages=get("tandem_free_pages", model="decode"),
+            d_held_pages=get("tandem_held_pages", model="decode"),
+            p_free_pages=get("tandem_free_pages", model="prefill"),
+            verified_ok=get("tandem_kv_verifications_total", model="decode", result="ok"),
+            verified_mismatch=get("tandem_kv_verifications_total", model="decode", result="mismatch"),
+            draining=get("tandem_draining", model="decode"),
+            admittable=get("tandem_admittable_streams", model="decode"),
+            inflight=get("tandem_inflight_streams", model="decode"),
+        )
+
+
+@dataclass
+class Row:
+    """One line of the fault matrix."""
+
+    row: str
+    transfers_verified: int = 0
+    streams: int = 0
+    failed_streams: int = 0
+    mismatches: int = 0
+    corrupted_injected: int = 0
+    leaked_d_pages: int = 0
+    leaked_p_pages: int = 0
+    held_pages_after: int = 0
+    max_error_latency_s: float = 0.0
+    seconds: float = 0.0
+    notes: dict[str, Any] = field(default_factory=dict)
+
+
+class FaultUnit:
+    """One real unit under test; `start()`/`stop()` are called by the module fixture."""
+
+    P_INSTANCE = "prefill_0_0"
+
+    def __init__(self, workdir: Path, overrides: Mapping[str, Mapping[str, str]]) -> None:
+        self.control_file = workdir / "faults.json"
+        merged = {m: dict(v) for m, v in overrides.items()}
+        merged.setdefault("prefill", {})["tandem.faults.control_file"] = str(self.control_file)
+        self.proc = TritonProcess(
+            workdir, merged, extra_args=("--model-control-mode=explicit", "--load-model=*")
+        )
+        shutil.rmtree(self.proc.repo / "tts_mono")  # not part of the matrix; saves a stub start
+        self.rows: list[Row] = []
+
+    @property
+    def url(self) -> str:
+        return self.proc.url
+
+    @property
+    def metrics_url(self) -> str:
+        return self.proc.metrics_url
+
+    @property
+    def server_pid(self) -> int:
+        assert self.proc.proc is not None
+        return self.proc.proc.pid
+
+    def start(self) -> FaultUnit:
+        self.proc.start()
+        return self
+
+    def stop(self) -> None:
+        """SIGTERM, then SIGKILL after a few seconds: a unit whose P was killed may keep Triton's
+        30 s exit timeout waiting on the dead stub, which the matrix has no time for."""
+        p = self.proc.proc
+        if p is None or p.poll() is not None:
+            return
+        os.killpg(p.pid, signal.SIGTERM)
+        try:
+            p.wait(5)
+        except Exception:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait(10)
+
+    # ---- processes -------------------------------------------------------------------------------
+
+    def stub(self, model: str) -> int:
+        pid = find_stub(self.server_pid, model)
+        assert pid is not None, f"no live stub for {model}"
+        return pid
+
+    def signal_stub(self, model: str, sig: signal.Signals) -> int:
+        pid = self.stub(model)
+        os.kill(pid, sig)
+        return pid
+
+    def reload(self, model: str) -> float:
+        """Explicit-mode load of `model`: Triton builds a new instance (a new stub process).
+
+        Triton 2.51 rebuilds an already-loaded model's instances only if a file of its version
+        directory changed since the last load; with nothing changed it reloads just the dependent
+        ensembles, and with only `config.pbtxt` changed it updates the model in place — either way the
+        dead stub stays dead. So the version's `model.py` mtime is bumped first; a watchdog
+        restarting P must do the same."""
+        code = self.proc.repo / model / "1" / "model.py"
+        now = time.time()
+        os.utime(code, (now, now))
+        t0 = time.monotonic()
+        client = grpcclient.InferenceServerClient(self.url)
+        try:
+            client.load_model(model)
+        finally:
+            client.close()
+        return time.monotonic() - t0
+
+    # ---- faults and figures ----------------------------------------------------------------------
+
+    def set_faults(self, **values: float) -> None:
+        """Replace P's fault control file (atomically: a rename gives it a new inode)."""
+        tmp = self.control_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps(values))
+        os.replace(tmp, self.control_file)
+
+    def clear_faults(self) -> None:
+        self.control_file.unlink(missing_ok=True)
+
+    def snapshot(self) -> Snapshot:
+        return Snapshot.take(self.metrics_url)
+
+    def wait_for(self, predicate: Callable[[Snapshot], bool], timeout_s: float, what: str) -> Snapshot:
+        deadline = time.monotonic() + timeout_s
+        snap = self.snapshot()
+        while not predicate(snap):
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{what}: not reached in {timeout_s} s; last {snap}")
+            time.sleep(0.1)
+            snap = self.snapshot()
+        return snap
+
+    def settle(self, baseline: Snapshot, timeout_s: float = 15.0) -> Snapshot:
+        """Wait until no stream is in flight and D's pages (free and held) are back to `baseline`."""
+        return self.wait_for(
+            lambda s: (
+                s.inflight == 0
+                and s.d_held_pages == 0
+                and s.d_free_pages == baseline.d_free_pages
+                and s.draining == 0
+            ),
+            timeout_s,
+            "D back to baseline",
+        )
+
+    def write_matrix(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        total = sum(r.transfers_verified for r in self.rows)
+        doc = {
+            "unit": "1P1D, tiny preset, CPU, host_shm",
+            "verified_transfers_total": total,
+            "mismatches_undetected": 0,
+            "rows": [asdict(r) for r in self.rows],
+        }
+        path.write_text(json.dumps(doc, indent=2) + "\n")
+
+
+def format_matrix(rows: list[Row]) -> str:
+    head = (
+        f"{'row':<34}{'verified':>9}{'streams':>8}{'failed':>7}{'mismatch':>9}"
+        f"{'leak D':>7}{'leak P':>7}{'err<=s':>8}{'secs':>7}"
+    )
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        lines.append(
+            f"{r.row:<34}{r.transfers_verified:>9}{r.streams:>8}{r.failed_streams:>7}{r.mismatches:>9}"
+            f"{r.leaked_d_pages:>7}{r.leaked_p_pages:>7}{r.max_error_latency_s:>8.2f}{r.seconds:>7.1f}"
+        )
+    lines.append(f"{'total':<34}{sum(r.transfers_verified for r in rows):>9}")
+    return "\n".join(lines)
+
+
+class Background:
+    """Runs `fn` on a thread and keeps its result or exception (for load that a fault hits)."""
+
+    def __init__(self, fn: Callable[[], Any]) -> None:
+        self.result: Any = None
+        self.error: BaseException | None = None
+        self._t = threading.Thread(target=self._run, args=(fn,), daemon=True)
+        self._t.start()
+
+    def _run(self, fn: Callable[[], Any]) -> None:
+        try:
+            self.result = fn()
+        except BaseException as exc:  # re-raised by join() in the test's thread
+            self.error = exc
+
+    def join(self, timeout_s: float) -> Any:
+        self._t.join(timeout_s)
+        assert not self._t.is_alive(), f"background load still running after {timeout_s} s"
+        if self.error is not None:
+            raise self.error
+        return self.result
+
+
+def streams(
+    url: str, jobs: list[tuple[np.ndarray, dict[str, Any]]], timeout_s: float = 60.0
+) -> list[StreamResult]:
+    """Every job as its own client and stream, all at once; each result has a client-side error or rows.
+    A stream that gets no final response within `timeout_s` is reported as an error, not raised."""
+    clients = [TTSClient(url, "tts") for _ in jobs]
+    try:
+        keys = [c.send(p, **kw) for c, (p, kw) in zip(clients, jobs, strict=True)]
+        out = []
+        deadline = time.monotonic() + timeout_s
+        for c, k in zip(clients, keys, strict=True):
+            try:
+                out.append(c.wait([k], max(0.1, deadline - time.monotonic()))[0])
+            except TimeoutError:
+                r = StreamResult(stream_id=int(k), error=f"no final response in {timeout_s} s")
+                out.append(r)
+        return out
+    finally:
+        for c in clients:
+            c.close(cancel=True)
+
+
+def volume(url: str, n_requests: int, n_clients: int, seed: int = 0) -> tuple[int, list[str]]:
+    """`n_requests` short streams (MAX_TOKENS 2..3, so every one crosses P -> D) over `n_clients`
+    persistent connections, each sending its next request when the previous one ends. Returns the
+    number of streams that finished with the right row count and the errors of the others."""
+    rng = np.random.default_rng(seed)
+    plan = [(int(rng.integers(4, 120)), int(rng.integers(2, 4))) for _ in range(n_requests)]
+    ok = [0] * n_clients
+    errors: list[str] = []
+    lock = threading.Lock()
+    next_i = [0]
+
+    def worker(w: int) -> None:
+        with TTSClient(url, "tts") as c:
+            while True:
+                with lock:
+                    i = next_i[0]
+                    next_i[0] += 1
+                if i >= n_requests:
+                    return
+                rows, max_tokens = plan[i]
+                x = np.random.default_rng(seed * 100_003 + i).integers(
+                    0, 1024, size=(rows, 4), dtype=np.int64
+                )
+                r = c.run(x, timeout_s=60, MAX_TOKENS=max_tokens, TEMPERATURE=0.0)
+                if r.error is None and r.rows is not None and r.rows.shape[0] == max_tokens:
+                    ok[w] += 1
+                else:
+                    with lock:
+                        errors.append(str(r.error))
+
+    threads = [threading.Thread(target=worker, args=(w,)) for w in range(n_clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return sum(ok), errors

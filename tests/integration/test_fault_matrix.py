@@ -1,0 +1,443 @@
+"""The fault matrix: real tritonserver, real P and D stub processes, real gRPC clients.
+
+Every row injects one fault into a running 1P1D unit and checks the same four things:
+* every transfer is verified: no KV mismatch unless corruption was injected, and then exactly the
+  injected ones are detected (and only their streams fail);
+* no page leaks: D's free and held pages and P's free pages return to their baseline;
+* every affected client hears of it within D's deadline + 1 s;
+* unaffected streams finish with the right number of rows.
+
+One unit serves every row (a server start costs ~15 s of the suite's budget); faults are switched on
+the running P through its control file, P is paused/killed with signals, and restarted with an
+explicit-mode model load — Triton 2.51 does not restart a dead decoupled stub (the kill row shows it).
+D runs with a 1 MiB receive arena so that a few quarantined transfers exceed the 25 % drain limit.
+
+The last test prints the matrix (`-s`) and writes docs/benchmarks/fault-matrix-cpu.json.
+`TANDEM_FAULT_VOLUME` sets the size of the volume row (default 10000 short streams).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+
+from tandem.cli.tts_client import StreamResult, TTSClient, build_inputs, next_stream_id
+from tests.integration.faults import (
+    Background,
+    FaultUnit,
+    Row,
+    Snapshot,
+    find_stub,
+    format_matrix,
+    process_state,
+    streams,
+    volume,
+)
+from tests.integration.helpers import TINY_W, metric_value, metrics_text, prompt
+from tests.integration.test_tts_faults import decode, handoff
+
+DEADLINE_S = 2.0
+ERROR_BOUND_S = DEADLINE_S + 1.0
+VOLUME = int(os.environ.get("TANDEM_FAULT_VOLUME", "10000"))
+OUT = Path(__file__).resolve().parents[2] / "docs" / "benchmarks" / "fault-matrix-cpu.json"
+
+OVERRIDES = {
+    "prefill": {"tandem.transfer.max_held_acks": "3", "tandem.transfer.ticket_ttl_s": "10"},
+    "decode": {
+        "tandem.transfer.deadline_s": str(DEADLINE_S),
+        "tandem.transfer.arena_mb": "1",
+        "tandem.transfer.abort_retry_s": "0.2",
+        "tandem.transfer.probe_interval_s": "0.5",
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def unit(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FaultUnit]:
+    u = FaultUnit(tmp_path_factory.mktemp("faultunit"), OVERRIDES).start()
+    yield u
+    u.stop()
+
+
+@pytest.fixture
+def row(unit: FaultUnit) -> Iterator[tuple[FaultUnit, Snapshot]]:
+    """Each row starts from a settled unit (its baseline) and leaves one behind: faults off, P running."""
+    unit.clear_faults()
+    base = unit.settle(unit.snapshot())
+    base = unit.wait_for(lambda s: s.p_free_pages > 0, 10, "P publishes")
+    yield unit, base
+    unit.clear_faults()
+    pid = find_stub(unit.server_pid, "prefill")
+    if pid is None:
+        unit.reload("prefill")
+    elif process_state(pid) == "T":
+        os.kill(pid, signal.SIGCONT)
+
+
+def jobs(n: int, rows: int, max_tokens: int, seed: int) -> list[tuple[np.ndarray, dict]]:
+    return [(prompt(rows + 7 * i, seed=seed * 1000 + i), {"MAX_TOKENS": max_tokens}) for i in range(n)]
+
+
+def error_latency(results: list[StreamResult]) -> float:
+    lat = [(r.done_ns - r.sent_ns) / 1e9 for r in results if r.error is not None and r.done_ns]
+    return max(lat, default=0.0)
+
+
+def finish(
+    unit: FaultUnit,
+    base: Snapshot,
+    name: str,
+    t0: float,
+    results: list[StreamResult],
+    max_tokens: int | list[int],
+    *,
+    injected: int = 0,
+    **notes: object,
+) -> Row:
+    """Checks common to every row, then records it: settle, no leak, errors prompt, others complete."""
+    end = unit.settle(base, timeout_s=20)
+    end = unit.wait_for(lambda s: s.p_free_pages == base.p_free_pages, 10, "P pages back")
+    wants = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(results)
+    failed = [r for r in results if r.error is not None]
+    for r, want in zip(results, wants, strict=True):
+        if r.error is None:
+            assert r.rows is not None and r.rows.shape == (want, TINY_W), (name, r.rows)
+    late = [r for r in failed if r.done_ns and (r.done_ns - r.sent_ns) / 1e9 > ERROR_BOUND_S]
+    assert not late, (
+        f"{name}: errors later than {ERROR_BOUND_S} s: {[(r.error, r.done_ns - r.sent_ns) for r in late]}"
+    )
+    assert all(r.done_ns for r in failed), f"{name}: a stream never heard of its failure"
+    mismatches = int(end.verified_mismatch - base.verified_mismatch)
+    assert mismatches == injected, f"{name}: {mismatches} mismatches, {injected} injected"
+    rec = Row(
+        row=name,
+        transfers_verified=int(end.verified_ok - base.verified_ok),
+        streams=len(results),
+        failed_streams=len(failed),
+        mismatches=mismatches,
+        corrupted_injected=injected,
+        leaked_d_pages=int(base.d_free_pages - end.d_free_pages),
+        leaked_p_pages=int(base.p_free_pages - end.p_free_pages),
+        held_pages_after=int(end.d_held_pages),
+        max_error_latency_s=round(error_latency(results), 3),
+        seconds=round(time.monotonic() - t0, 1),
+        notes=dict(notes),
+    )
+    assert rec.leaked_d_pages == 0 and rec.leaked_p_pages == 0 and rec.held_pages_after == 0, rec
+    unit.rows.append(rec)
+    return rec
+
+
+# ---- rows ------------------------------------------------------------------------------------------
+
+
+def test_pause_p_then_resume_releases_by_p_answer(row):
+    """SIGSTOP P while a delayed copy is crossing, past D's deadline, then SIGCONT. The stream whose
+    transfer was in flight errors at D's deadline; its region stays held for the whole pause (time is
+    never a proof) and returns only after P resumes and answers D's re-sent ABORT — the same P
+    process, so neither an instance change nor a free lock can have been the proof (seed bug #1)."""
+    unit, base = row
+    t0 = time.monotonic()
+    unit.set_faults(delay_every=3, delay_s=1.5)  # copies 3 and 6 of 8: at most 2 held, below the limit
+    load = Background(lambda: streams(unit.url, jobs(8, 100, 30, seed=1), timeout_s=40))
+    unit.wait_for(lambda s: s.verified_ok >= base.verified_ok + 2, 10, "first transfers verified")
+    pid = unit.signal_stub("prefill", signal.SIGSTOP)
+    time.sleep(DEADLINE_S + 1.0)
+    during = unit.snapshot()
+    assert during.d_held_pages > 0, "no quarantine while P is stopped"
+    time.sleep(1.0)  # still held: nothing but P's answer may free it
+    assert unit.snapshot().d_held_pages == during.d_held_pages
+    os.kill(pid, signal.SIGCONT)
+    resumed = time.monotonic()
+    unit.wait_for(lambda s: s.d_held_pages == 0, 10, "held pages back after resume")
+    release_s = time.monotonic() - resumed
+    results = load.join(40)
+    assert find_stub(unit.server_pid, "prefill") == pid, "P must be the same process"
+    assert any(r.error is not None for r in results)
+    for r in results:
+        assert r.error is None or "KV transfer" in r.error, r.error
+    finish(
+        unit,
+        base,
+        "pause P (SIGSTOP 4 s) + resume",
+        t0,
+        results,
+        30,
+        held_pages_during_pause=during.d_held_pages,
+        release_after_resume_s=round(release_s, 2),
+    )
+
+
+def test_kill_p_while_d_drains_then_reload(row):
+    """D drains (held > 25 % of its arena) behind a stopped P, with no new traffic; P is then killed.
+    D's probing alone must notice (the slot's instance lock is free) and release everything (seed bug
+    #2). Triton 2.51 does not restart the dead decoupled stub: requests fail "not healthy" until an
+    explicit load of `prefill` starts a new process, whose new instance id D then accepts."""
+    unit, base = row
+    t0 = time.monotonic()
+    before = json.loads(handoff(unit.url))["ticket"]["instance_id"]
+    unit.set_faults(delay_every=1, delay_s=3.0)
+    load = Background(lambda: streams(unit.url, jobs(3, 250, 20, seed=2), timeout_s=40))
+    unit.wait_for(lambda s: s.inflight >= 3, 10, "3 transfers in flight")
+    pid = unit.signal_stub("prefill", signal.SIGSTOP)
+    queued = Background(lambda: streams(unit.url, jobs(2, 30, 5, seed=3), timeout_s=30))
+    drain = unit.wait_for(lambda s: s.draining == 1, DEADLINE_S + 2, "D drains")
+    assert drain.admittable == 0 and drain.d_held_pages > 0
+    time.sleep(1.0)
+    assert unit.snapshot().draining == 1, "time alone released held pages"
+    os.kill(pid, signal.SIGKILL)
+    killed = time.monotonic()
+    unit.wait_for(lambda s: s.draining == 0 and s.d_held_pages == 0, 10, "dead P discovered")
+    discover_s = time.monotonic() - killed
+    results = load.join(40) + queued.join(40)
+    assert all(r.error is not None for r in results), [r.error for r in results]
+    unit.clear_faults()
+    # Who restarts P? Not Triton: the stub stays dead and every request fails until a reload.
+    time.sleep(0.5)
+    after_kill = streams(unit.url, jobs(1, 20, 3, seed=4))
+    assert after_kill[0].error is not None and "not healthy" in after_kill[0].error, after_kill[0].error
+    assert find_stub(unit.server_pid, "prefill") is None, "Triton restarted the stub by itself"
+    reload_s = unit.reload("prefill")
+    new_pid = unit.stub("prefill")
+    assert new_pid != pid
+    text = handoff(unit.url)
+    after = json.loads(text)["ticket"]["instance_id"]
+    assert after != before
+    out, err = decode(unit.url, text)
+    assert err is None and sum(o["TOKENS"].shape[0] for o in out) == 8
+    ok = streams(unit.url, jobs(4, 40, 10, seed=5))
+    assert all(r.error is None for r in ok), [r.error for r in ok]
+    finish(
+        unit,
+        base,
+        "kill P (draining D, no traffic)",
+        t0,
+        results + after_kill + ok,
+        [20] * 3 + [5] * 2 + [3] + [10] * 4,
+        held_pages_while_draining=drain.d_held_pages,
+        dead_p_discovered_s=round(discover_s, 2),
+        triton_restarted_stub=False,
+        reload_s=round(reload_s, 1),
+        new_instance_accepted=True,
+    )
+
+
+def test_three_held_acks_make_p_exit(row):
+    """Every copy stalls past D's deadline: D aborts, P cannot prove the copies over and holds 3 ACKs,
+    so P exits (os._exit(70)). Its death frees the slot lock — D's proof — and the reload's new
+    instance serves again."""
+    unit, base = row
+    t0 = time.monotonic()
+    unit.set_faults(delay_every=1, delay_s=8.0)
+    pid = unit.stub("prefill")
+    results = streams(unit.url, jobs(4, 60, 10, seed=6), timeout_s=20)
+    assert all(r.error is not None and "KV transfer" in r.error for r in results), [r.error for r in results]
+    deadline = time.monotonic() + 5
+    while process_state(pid) not in ("", "Z") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert process_state(pid) in ("", "Z"), "P did not exit with 3 held ACKs"
+    exit_logged = "prefill exits so that its restart proves" in unit.proc.log_path.read_text(errors="replace")
+    unit.wait_for(lambda s: s.d_held_pages == 0, 10, "held pages released after P's exit")
+    unit.clear_faults()
+    reload_s = unit.reload("prefill")
+    ok = streams(unit.url, jobs(4, 40, 10, seed=7))
+    assert all(r.error is None for r in ok), [r.error for r in ok]
+    finish(
+        unit,
+        base,
+        "3 held ACKs -> P exits",
+        t0,
+        results + ok,
+        10,
+        p_exit_logged=exit_logged,
+        reload_s=round(reload_s, 1),
+    )
+
+
+def test_deadline_expiry_fails_only_delayed_streams(row):
+    unit, base = row
+    t0 = time.monotonic()
+    unit.set_faults(delay_every=4, delay_s=3.0)  # copies 4 and 8: two held ACKs at most
+    results = streams(unit.url, jobs(8, 50, 40, seed=8), timeout_s=30)
+    failed = [r for r in results if r.error is not None]
+    assert len(failed) == 2 and all("no DONE within the deadline" in str(r.error) for r in failed), failed
+    rates = [r.tokens_per_s for r in results if r.error is None]
+    finish(
+        unit, base, "deadline expiry (2 of 8 delayed)", t0, results, 40, min_rate_ok_tok_s=round(min(rates))
+    )
+
+
+def test_corruption_is_detected_and_fails_only_its_streams(row):
+    unit, base = row
+    t0 = time.monotonic()
+    unit.set_faults(corrupt_every=3)
+    results: list[StreamResult] = []
+    for batch in range(3):  # sequential batches: the copy counter decides, every 3rd is corrupted
+        results += streams(unit.url, jobs(6, 30, 6, seed=9 + batch), timeout_s=30)
+    failed = [r for r in results if r.error is not None]
+    assert len(failed) == 6 and all("hashes to" in str(r.error) for r in failed), [r.error for r in failed]
+    finish(unit, base, "corruption (every 3rd copy)", t0, results, 6, injected=6)
+
+
+def test_client_cancel_mid_stream_returns_pages(row):
+    """Three clients hang up mid-stream. Triton 2.51 checks cancellation only between ensemble steps,
+    so `decode` (already running the stream) is not told: it decodes to MAX_TOKENS into a closed
+    stream and frees the pages at the end. Asserted: the pages come back and the others finish; the
+    row records whether decode saw the cancellation and how long the pages took."""
+    unit, base = row
+    t0 = time.monotonic()
+    cancelled_before = decode_cancelled(unit)
+    cancelled = [TTSClient(unit.url, "tts") for _ in range(3)]
+    for i, c in enumerate(cancelled):
+        c.send(prompt(150, seed=20 + i), MAX_TOKENS=600)
+    others = Background(lambda: streams(unit.url, jobs(3, 40, 100, seed=21), timeout_s=40))
+    unit.wait_for(lambda s: s.inflight >= 3, 10, "long streams decoding")
+    time.sleep(0.3)
+    for c in cancelled:
+        c.close(cancel=True)
+    hung_up = time.monotonic()
+    results = others.join(40)
+    assert all(r.error is None for r in results), [r.error for r in results]
+    unit.settle(base, timeout_s=30)
+    pages_back_s = time.monotonic() - hung_up
+    finish(
+        unit,
+        base,
+        "client cancel mid-stream (3 of 6)",
+        t0,
+        results,
+        100,
+        cancelled_streams=3,
+        decode_saw_cancel=decode_cancelled(unit) - cancelled_before,
+        pages_back_after_hangup_s=round(pages_back_s, 1),
+    )
+
+
+def decode_cancelled(unit: FaultUnit) -> int:
+    try:
+        text = metrics_text(unit.metrics_url)
+        return int(metric_value(text, "tandem_streams_total", model="decode", outcome="cancelled"))
+    except KeyError:
+        return 0
+
+
+def slow_stream(url: str, x: np.ndarray, max_tokens: int, sleep_s: float) -> dict[str, object]:
+    """A client whose callback sleeps `sleep_s` per response (it reads slowly)."""
+    done: queue.Queue[str | None] = queue.Queue()
+    rows = [0]
+    t0 = time.monotonic()
+
+    def cb(result=None, error=None) -> None:
+        time.sleep(sleep_s)
+        if error is not None:
+            done.put(str(error))
+            return
+        tokens = result.as_numpy("TOKENS")
+        if tokens is not None:
+            rows[0] += tokens.shape[0]
+        if result.get_response().parameters["triton_final_response"].bool_param:
+            done.put(None)
+
+    client = grpcclient.InferenceServerClient(url)
+    client.start_stream(callback=cb)
+    sid = next_stream_id()
+    client.async_stream_infer(
+        "tts",
+        build_inputs(x, MAX_TOKENS=max_tokens),
+        sequence_id=sid,
+        sequence_start=True,
+        sequence_end=True,
+        enable_empty_final_response=True,
+    )
+    err = done.get(timeout=60)
+    client.stop_stream()
+    client.close()
+    return {"error": err, "rows": rows[0], "seconds": time.monotonic() - t0}
+
+
+def test_slow_consumer_and_many_streams(row):
+    unit, base = row
+    t0 = time.monotonic()
+    slow = Background(lambda: slow_stream(unit.url, prompt(80, seed=30), 300, 0.25))
+    results = streams(unit.url, jobs(16, 30, 60, seed=31), timeout_s=40)
+    s = slow.join(60)
+    assert s["error"] is None and s["rows"] == 300, s
+    assert all(r.error is None for r in results), [r.error for r in results]
+    rates = [r.tokens_per_s for r in results]
+    assert min(rates) >= 42.0, rates  # the slow reader does not slow the others below the floor
+    finish(
+        unit,
+        base,
+        "slow consumer + 16 streams",
+        t0,
+        results,
+        60,
+        slow_reader_s=round(float(s["seconds"]), 1),  # type: ignore[arg-type]
+        min_rate_others_tok_s=round(min(rates)),
+    )
+
+
+def test_duplicate_handoff_concurrently(row):
+    """A HANDOFF replayed to `decode` twice at once: one stream decodes, the other is refused (P
+    serves one PULL per offer; D refuses a transfer id it already requested)."""
+    unit, base = row
+    t0 = time.monotonic()
+    pairs = 0
+    for _ in range(5):
+        text = handoff(unit.url)
+        a = Background(lambda t=text: decode(unit.url, t))
+        b = Background(lambda t=text: decode(unit.url, t))
+        outs = [a.join(30), b.join(30)]
+        good = [o for o, e in outs if e is None]
+        bad = [e for _, e in outs if e is not None]
+        assert len(good) == 1 and len(bad) == 1 and "KV transfer" in bad[0], outs
+        assert sum(o["TOKENS"].shape[0] for o in good[0]) == 8
+        pairs += 1
+    rec = finish(unit, base, "duplicate HANDOFF (concurrent)", t0, [], [], replayed_pairs=pairs)
+    rec.streams, rec.failed_streams = 2 * pairs, pairs  # one of each pair refused, by design
+
+
+def test_volume(row):
+    unit, base = row
+    t0 = time.monotonic()
+    ok, errors = volume(unit.url, VOLUME, n_clients=8)
+    assert not errors, errors[:5]
+    assert ok == VOLUME
+    rec = finish(unit, base, f"volume ({VOLUME} short streams, 8 clients)", t0, [], [])
+    rec.streams = VOLUME
+    assert rec.transfers_verified == VOLUME
+
+
+def test_matrix_totals_and_report(unit):
+    """Runs last: prints the matrix and writes docs/benchmarks/fault-matrix-cpu.json."""
+    assert unit.rows, "no row ran"
+    print("\n" + format_matrix(unit.rows))
+    total = sum(r.transfers_verified for r in unit.rows)
+    names = {r.row.split(" (")[0] for r in unit.rows}
+    if len(unit.rows) >= 9:  # the whole matrix ran (not a -k selection): record it
+        try:
+            commit = subprocess.run(
+                ["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=OUT.parents[2], check=False
+            ).stdout.strip()
+        except OSError:
+            commit = ""
+        unit.write_matrix(OUT)
+        doc = json.loads(OUT.read_text())
+        doc.update(
+            commit=commit, volume=VOLUME, cpus=os.cpu_count(), written=time.strftime("%Y-%m-%dT%H:%M:%S")
+        )
+        OUT.write_text(json.dumps(doc, indent=2) + "\n")
+    assert all(r.leaked_d_pages == 0 and r.leaked_p_pages == 0 for r in unit.rows)
+    assert names and total > 0
+    if VOLUME >= 10_000:
+        assert total >= 10_000

@@ -1,0 +1,356 @@
+"""The TCP path: the degraded / cross-host fallback, with the seed's "protocol v3" semantics.
+
+P streams a transfer's staging bytes as chunks over TCP to D's data listener (127.0.0.1 by default;
+`bind_host`, or `TANDEM_TCP_BIND`, for a cross-host unit). It is ~300x slower than a same-machine
+path and is never chosen silently: only when named in `transfer.paths` (and `select_path` logs any
+path it skipped to get here).
+
+Wire (one TCP connection per copy, big-endian):
+    D -> P  b"TKV3" + nonce_d[32]
+    P -> D  HMAC(secret, b"p" + nonce_d + nonce_p)[32] + nonce_p[32]
+    D -> P  HMAC(secret, b"d" + nonce_p + nonce_d)[32]          (mutual: P never streams KV to an impostor)
+    P -> D  chunk: kind u8 (1=DATA, 2=END), tid[16], epoch[16], offset u64, length u32, then `length` bytes
+    D -> P  after END: tid[16], status u8 (1=COMPLETE, 2=DROPPED), received u64
+The secret is 32 random bytes in `<control_dir(unit)>/tcp.secret` (0600 inside the unit's 0700 dir),
+created by D; D names the file in HELLO's arena metadata (HELLO travels over the unit's unix socket,
+peer uid checked), P reads it. Anyone without it — another local user, another host reaching the
+port — cannot finish the handshake, so cannot write D's memory nor receive P's KV.
+
+Every chunk names its transfer id, D's arena epoch (random per arena, so a restarted D drops chunks
+meant for its previous incarnation even on a reused port) and its absolute offset. D copies a chunk
+into its own memory only while it still expects that transfer at that range, and the check and the
+copy happen under one lock. Hence this path's own proof: once the receiver has called
+`forget(region)` (it stopped expecting the transfer), no byte of it can land — a late chunk is
+counted and dropped. D may free a failed transfer's region at once, without waiting for P's
+ABORT_ACK, DONE, FAILED, instance change or lock (`receiver_writes = True`). END gets D's
+confirmation of the transfer's terminal state: COMPLETE (all `nbytes` written) or DROPPED, which
+`copy_to_peer` turns into an exception (P then reports FAILED COPY_ERROR, itself a proof).
+
+Wiring still owed by the sender and receiver (docs/failure-semantics.md, "TCP path"):
+`copy_to_peer` needs the transfer id (`tid=`), and the receiver must call `arena.expect(region, tid)`
+before sending PULL and `arena.forget(region)` before any region goes back to the allocator.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import hmac
+import os
+import secrets
+import socket
+import struct
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .arena import Region
+from .checksum import kv_checksum
+from .control import control_dir
+from .errors import PathUnavailable, TransferError
+from .layout import WireLayout
+from .paths import ArenaExport, LocalArena, PeerArena, TransferPath
+
+MAGIC = b"TKV3"
+DATA, END = 1, 2
+COMPLETE, DROPPED = 1, 2
+CHUNK_HEADER = struct.Struct(">B16s16sQI")
+REPLY = struct.Struct(">16sBQ")
+SECRET_NAME = "tcp.secret"
+SECRET_BYTES = 32
+DEFAULT_CHUNK = 1 << 20
+MAX_CHUNK = 16 << 20
+
+
+def unit_secret(directory: Path) -> bytes:
+    """The unit's shared secret, created (0600, atomically) if missing. Called by both sides."""
+    path = directory / SECRET_NAME
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        tmp = directory / f".{SECRET_NAME}.{os.getpid()}.{secrets.token_hex(4)}"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        try:
+            os.write(fd, secrets.token_bytes(SECRET_BYTES))
+        finally:
+            os.close(fd)
+        with contextlib.suppress(FileExistsError):
+            os.link(tmp, path)  # atomic: the first creator wins, everyone reads the winner's bytes
+        tmp.unlink()
+        data = path.read_bytes()
+    if len(data) != SECRET_BYTES:
+        raise TransferError(f"{path} holds {len(data)} bytes, expected {SECRET_BYTES}")
+    return data
+
+
+def _mac(secret: bytes, role: bytes, a: bytes, b: bytes) -> bytes:
+    return hmac.new(secret, role + a + b, hashlib.sha256).digest()
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        k = sock.recv_into(view[got:], n - got)
+        if k == 0:
+            raise EOFError("peer closed the data connection")
+        got += k
+    return bytes(buf)
+
+
+@dataclass(frozen=True)
+class TcpStats:
+    chunks_written: int
+    chunks_dropped: int
+    auth_failures: int
+    expected: int
+
+
+class TcpArena(LocalArena):
+    """D's receive memory (plain host memory) plus the data listener that writes into it.
+
+    `expect(region, tid)` / `forget(region)` are the receiver's hooks (see module docstring); the
+    listener's threads are the only writers, and only for expected (tid, epoch, range)."""
+
+    def __init__(self, nbytes: int, secret_path: Path, bind_host: str) -> None:
+        self.nbytes = nbytes
+        self.epoch = secrets.token_bytes(16)
+        self.secret_path = secret_path
+        self._secret = secret_path.read_bytes()
+        self._bytes = torch.zeros(nbytes, dtype=torch.uint8)
+        self._lock = threading.Lock()
+        self._expected: dict[bytes, tuple[Region, int]] = {}  # tid -> (region, bytes received)
+        self._counts = {"written": 0, "dropped": 0, "auth": 0}
+        self._conns: set[socket.socket] = set()
+        self._server = socket.create_server((bind_host, 0))
+        self._server.settimeout(0.2)
+        self.host, self.port = bind_host, self._server.getsockname()[1]
+        self._stop = threading.Event()
+        self._accept = threading.Thread(target=self._accept_loop, name="tandem-tcp-accept", daemon=True)
+        self._accept.start()
+
+    # ---- receiver hooks --------------------------------------------------------------------------
+
+    def expect(self, region: Region, tid: str) -> None:
+        """Called once per transfer before its PULL leaves D: chunks of `tid` may now fill `region`."""
+        with self._lock:
+            self._expected[bytes.fromhex(tid)] = (region, 0)
+
+    def forget(self, region: Region) -> None:
+        """Called before `region` is freed or reused. Returns only when no chunk is being written into
+        it; every later chunk for it is dropped — the path's proof that no write can still land."""
+        with self._lock:
+            for tid, (r, _) in list(self._expected.items()):
+                if r.offset == region.offset:
+                    del self._expected[tid]
+
+    def stats(self) -> TcpStats:
+        with self._lock:
+            c = self._counts
+            return TcpStats(c["written"], c["dropped"], c["auth"], len(self._expected))
+
+    # ---- LocalArena ------------------------------------------------------------------------------
+
+    def export(self) -> ArenaExport:
+        meta: dict[str, int | str] = {
+            "kind": "tcp",
+            "host": self.host,
+            "port": self.port,
+            "epoch": self.epoch.hex(),
+            "nbytes": self.nbytes,
+            "secret_path": str(self.secret_path),
+        }
+        return ArenaExport(meta=meta)
+
+    def region_bytes(self, region: Region) -> torch.Tensor:
+        return self._bytes[region.offset : region.offset + region.nbytes]
+
+    def close(self) -> None:
+        self._stop.set()
+        self._server.close()
+        with self._lock:
+            conns = list(self._conns)
+        for c in conns:
+            with contextlib.suppress(OSError):
+                c.shutdown(socket.SHUT_RDWR)
+        self._accept.join(2.0)
+
+    # ---- listener --------------------------------------------------------------------------------
+
+    def _accept_loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                sock, _ = self._server.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            sock.settimeout(None)
+            with self._lock:
+                self._conns.add(sock)
+            threading.Thread(target=self._serve, args=(sock,), name="tandem-tcp-data", daemon=True).start()
+
+    def _serve(self, sock: socket.socket) -> None:
+        try:
+            sock.settimeout(5.0)  # the handshake must be quick; data may then take its time
+            nonce_d = secrets.token_bytes(32)
+            sock.sendall(MAGIC + nonce_d)
+            reply = _recv_exact(sock, 64)
+            mac, nonce_p = reply[:32], reply[32:]
+            if not hmac.compare_digest(mac, _mac(self._secret, b"p", nonce_d, nonce_p)):
+                with self._lock:
+                    self._counts["auth"] += 1
+                return
+            sock.sendall(_mac(self._secret, b"d", nonce_p, nonce_d))
+            sock.settimeout(None)
+            while True:
+                kind, tid, epoch, offset, length = CHUNK_HEADER.unpack(_recv_exact(sock, CHUNK_HEADER.size))
+                if kind == DATA:
+                    if length > MAX_CHUNK:
+                        return
+                    payload = _recv_exact(sock, length)
+                    self._write(tid, epoch, offset, payload)
+                elif kind == END:
+                    sock.sendall(self._end(tid, epoch, offset))
+                else:
+                    return
+        except (EOFError, OSError, struct.error):
+            pass
+        finally:
+            with self._lock:
+                self._conns.discard(sock)
+            sock.close()
+
+    def _write(self, tid: bytes, epoch: bytes, offset: int, payload: bytes) -> None:
+        n = len(payload)
+        with self._lock:  # check and copy under one lock: `forget` cannot slip in between
+            want = self._expected.get(tid)
+            ok = (
+                epoch == self.epoch
+                and want is not None
+                and want[0].offset <= offset
+                and offset + n <= want[0].offset + want[0].nbytes
+            )
+            if not ok or want is None:
+                self._counts["dropped"] += 1
+                return
+            self._bytes[offset : offset + n].copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
+            self._expected[tid] = (want[0], want[1] + n)
+            self._counts["written"] += 1
+
+    def _end(self, tid: bytes, epoch: bytes, nbytes: int) -> bytes:
+        with self._lock:
+            want = self._expected.get(tid)
+            done = epoch == self.epoch and want is not None and want[1] == nbytes == want[0].nbytes
+            received = 0 if want is None else want[1]
+        return REPLY.pack(tid, COMPLETE if done else DROPPED, received)
+
+
+class TcpPeerArena(PeerArena):
+    """P's handle on one D's data listener: where to connect, D's epoch and the unit secret."""
+
+    def __init__(self, host: str, port: int, epoch: bytes, nbytes: int, secret: bytes) -> None:
+        self.host, self.port, self.epoch, self.nbytes = host, port, epoch, nbytes
+        self.secret = secret
+
+    def close(self) -> None:
+        pass
+
+
+class TcpPath(TransferPath):
+    """Chunks over TCP into D's memory; D drops what it no longer expects (see module docstring)."""
+
+    name = "tcp"
+    receiver_writes = True  # D itself writes every byte, so `forget` is proof (module docstring)
+
+    def __init__(
+        self,
+        bind_host: str | None = None,
+        chunk_bytes: int = DEFAULT_CHUNK,
+        connect_timeout_s: float = 5.0,
+        confirm_timeout_s: float = 30.0,
+    ) -> None:
+        self.bind_host = bind_host or os.environ.get("TANDEM_TCP_BIND", "127.0.0.1")
+        if not 0 < chunk_bytes <= MAX_CHUNK:
+            raise ValueError(f"chunk_bytes must be in (0, {MAX_CHUNK}]")
+        self.chunk_bytes = chunk_bytes
+        self.connect_timeout_s = connect_timeout_s
+        self.confirm_timeout_s = confirm_timeout_s
+
+    def probe(self) -> None:
+        try:
+            arena = self.create_arena(2 * 4096, "probe")
+            try:
+                peer = self.open_peer_arena(arena.export().meta, [])
+                staging = torch.randn(self.alloc_staging(WireLayout(1, 1, 8, "float32"), 16).shape)
+                region = Region(offset=4096, nbytes=staging.numel() * 4, alloc_bytes=4096)
+                tid = secrets.token_hex(16)
+                arena.expect(region, tid)
+                self.copy_to_peer(staging, peer, region.offset, tid=tid)
+                if kv_checksum(arena.region_bytes(region)) != kv_checksum(staging):
+                    raise PathUnavailable("tcp probe: bytes differ after the copy")
+            finally:
+                arena.close()
+        except PathUnavailable:
+            raise
+        except Exception as exc:
+            raise PathUnavailable(f"tcp probe failed: {exc!r}") from exc
+
+    def create_arena(self, nbytes: int, label: str) -> TcpArena:
+        """`label` is the receiver's `<unit>-<instance>`: the secret lives in that unit's control dir."""
+        directory = control_dir(label.rsplit("-", 1)[0])
+        unit_secret(directory)  # create it if this is the unit's first data path
+        return TcpArena(nbytes, directory / SECRET_NAME, self.bind_host)
+
+    def open_peer_arena(self, meta: Mapping[str, object], fds: list[int]) -> PeerArena:
+        for fd in fds:
+            os.close(fd)
+        try:
+            if meta.get("kind") != "tcp":
+                raise ValueError(f"kind {meta.get('kind')!r}")
+            epoch = bytes.fromhex(str(meta["epoch"]))
+            host, port, nbytes = str(meta["host"]), int(str(meta["port"])), int(str(meta["nbytes"]))
+            secret = Path(str(meta["secret_path"])).read_bytes()
+        except (KeyError, ValueError, OSError) as exc:
+            raise TransferError(f"tcp path: bad arena metadata {dict(meta)}: {exc}") from None
+        return TcpPeerArena(host, port, epoch, nbytes, secret)
+
+    def alloc_staging(self, layout: WireLayout, n_tokens: int) -> torch.Tensor:
+        return torch.empty(layout.staging_shape(n_tokens), dtype=layout.dtype)
+
+    def copy_to_peer(self, staging: torch.Tensor, peer: PeerArena, offset: int, tid: str = "") -> None:
+        """Stream `staging` to D at `offset` as transfer `tid`; returns when D confirmed COMPLETE.
+        Raises `TransferError` on DROPPED, a failed handshake, or a lost connection."""
+        assert isinstance(peer, TcpPeerArena)
+        if not tid:
+            raise TransferError("tcp path: copy_to_peer needs the transfer id (tid=); see tcp_path.py")
+        src = staging.contiguous().reshape(-1).view(torch.uint8).numpy()
+        n = src.nbytes
+        if offset < 0 or offset + n > peer.nbytes:
+            raise TransferError(f"copy of {n} bytes at {offset} outside {peer.nbytes} bytes")
+        tid_b = bytes.fromhex(tid)
+        try:
+            with socket.create_connection((peer.host, peer.port), timeout=self.connect_timeout_s) as sock:
+                hello = _recv_exact(sock, len(MAGIC) + 32)
+                if hello[:4] != MAGIC:
+                    raise TransferError("tcp path: not a tandem data listener")
+                nonce_d, nonce_p = hello[4:], secrets.token_bytes(32)
+                sock.sendall(_mac(peer.secret, b"p", nonce_d, nonce_p) + nonce_p)
+                if not hmac.compare_digest(_recv_exact(sock, 32), _mac(peer.secret, b"d", nonce_p, nonce_d)):
+                    raise TransferError("tcp path: D failed authentication")
+                sock.settimeout(self.confirm_timeout_s)
+                view = src.data
+                for pos in range(0, n, self.chunk_bytes):
+                    chunk = view[pos : pos + self.chunk_bytes]
+                    sock.sendall(CHUNK_HEADER.pack(DATA, tid_b, peer.epoch, offset + pos, len(chunk)))
+                    sock.sendall(chunk)
+                sock.sendall(CHUNK_HEADER.pack(END, tid_b, peer.epoch, n, 0))
+                _, status, received = REPLY.unpack(_recv_exact(sock, REPLY.size))
+        except (OSError, EOFError) as exc:
+            raise TransferError(f"tcp path: data connection failed: {exc!r}") from exc
+        if status != COMPLETE:
+            raise TransferError(f"tcp path: D dropped transfer {tid} ({received} of {n} bytes written)")
