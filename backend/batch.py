@@ -9,6 +9,7 @@ plus `max_new_rows`, so a step never allocates and a running stream can never be
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 
@@ -24,6 +25,8 @@ from tandem.backend.sampling import sample
 from tandem.backend.stream import Chunk, Stream, StreamStatus
 from tandem.backend.vocoder import ChunkPolicy
 
+log = logging.getLogger("tandem")
+
 # How often (in steps) running streams are asked whether their client is still there.
 _CANCEL_CHECK_EVERY = 8
 
@@ -38,11 +41,17 @@ class DecodeBatch:
         rate_floor_tok_s: float,
         cuda_graphs: bool = False,
         max_batch: int = 64,
+        graph_warmup_context: int = 0,
     ) -> None:
         self.decoder = decoder
-        self._graphed = (
-            GraphedDecode(decoder, pool, max_batch) if cuda_graphs and pool.device.type == "cuda" else None
-        )
+        self._graphed = None
+        if cuda_graphs and pool.device.type == "cuda":
+            self._graphed = GraphedDecode(decoder, pool, max_batch)
+            if graph_warmup_context > 0:
+                n = self._graphed.warm_up(graph_warmup_context)
+                log.info(
+                    "captured %d decode graphs up to batch %d, context %d", n, max_batch, graph_warmup_context
+                )
         self.pool = pool
         self.chunking = chunking
         self.metrics = metrics

@@ -49,6 +49,19 @@ class GraphedDecode:
         self._mempool = torch.cuda.graph_pool_handle()
         self._stream = torch.cuda.Stream(device=pool.device)
 
+    def warm_up(self, max_context: int) -> int:
+        """Capture every bucket up to (max_batch, max_context) now, so no capture stalls live streams.
+
+        Called once by the engine at start when configured; returns the number of graphs held.
+        """
+        bb = 1
+        while bb <= self.max_batch:
+            for s in range(self.context_step, max_context + self.context_step, self.context_step):
+                if (bb, s) not in self._graphs:
+                    self._graphs[(bb, s)] = self._capture(bb, s)
+            bb *= 2
+        return len(self._graphs)
+
     def _bucket(self, b: int, longest: int) -> tuple[int, int]:
         bb = 1
         while bb < b:

@@ -79,6 +79,7 @@ class DecodeEngine:
             settings.batch.rate_floor_tok_s,
             cuda_graphs=settings.batch.cuda_graphs,
             max_batch=settings.batch.max_batch,
+            graph_warmup_context=settings.batch.graph_warmup_context,
         )
         self.intake: Intake[DecodeRequest] = Intake(
             settings.batch.max_queue, settings.batch.admission_timeout_s

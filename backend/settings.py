@@ -43,6 +43,7 @@ class BatchSettings:
     rate_margin: float = 0.2  # admit only if predicted step time <= (1 - margin) / floor
     rate_admission: bool = True
     cuda_graphs: bool = True  # replay captured decode steps on CUDA devices (backend/cuda_graphs.py)
+    graph_warmup_context: int = 0  # >0: capture every bucket up to this context at start (no lazy stalls)
 
 
 @dataclass(frozen=True)

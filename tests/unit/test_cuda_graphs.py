@@ -46,3 +46,12 @@ def test_graphed_decode_matches_eager(cuda, batches):
         torch.testing.assert_close(pool.kv, after_eager)
         for p in pages:
             pool.free(p)
+
+
+def test_warm_up_captures_every_bucket(cuda):
+    from tandem.backend.cuda_graphs import GraphedDecode
+
+    dec = Decoder.random(preset("tiny"), cuda, seed=1)
+    pool = KVPool(dec.kv_layout(), 64, 16, cuda)
+    graphed = GraphedDecode(dec, pool, max_batch=8, context_step=64)
+    assert graphed.warm_up(256) == 4 * 4  # batch buckets 1, 2, 4, 8 x contexts 64..256

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# PD (1P1D: P on GPU0, D on GPU1) against monolithic (one tts_mono instance per GPU) on one trace,
+# on a 2-GPU machine where tandem is not installed: Triton comes from a carried tarball of the
+# nvidia-pytriton wheel's server, binary and libraries (plus tritonclient's gRPC client), the repo
+# goes on PYTHONPATH as the `tandem` namespace. Writes server logs and bench results into OUT.
+#
+#   cli/run_capacity.sh CARRY.tar.xz OUT PATH [tandem-bench args...]
+set -euo pipefail
+carry=${1:?carry tarball}; out=${2:?output dir}; path=${3:?transfer path}; shift 3
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+mkdir -p /tmp/carry "$out" && tar -C /tmp/carry -xJf "$carry"
+mkdir -p /tmp/pkg/tandem
+for d in backend transfer cli csrc serving; do ln -sfn "$PWD/$d" "/tmp/pkg/tandem/$d"; done
+export PYTHONPATH=/tmp/pkg:/tmp/carry
+python3 csrc/build_cuda.py > "$out/build_cuda.log" 2>&1 || { tail -20 "$out/build_cuda.log"; exit 1; }
+export XDG_RUNTIME_DIR=/tmp/run && mkdir -p -m 0700 "$XDG_RUNTIME_DIR"
+python3 -m tandem.cli.make_repository --out /tmp/repo --preset qwen3-4b-shape --dtype bfloat16 \
+  --prefill-gpus 0 --decode-gpus 1 --mono-gpus 0,1 --pool-pages 12288 --max-batch 64 \
+  --set "prefill:tandem.transfer.paths=$path" --set "prefill:tandem.transfer.require_path=$path" \
+  --set "decode:tandem.transfer.paths=$path" --set "decode:tandem.transfer.require_path=$path" \
+  --set "decode:tandem.transfer.arena_mb=8192" --set "decode:tandem.transfer.deadline_s=10" \
+  --set "tts_mono:tandem.batch.max_queue=1024" --set "decode:tandem.batch.max_queue=1024" \
+  --set "tts_mono:tandem.batch.graph_warmup_context=2560" --set "decode:tandem.batch.graph_warmup_context=2560"
+python3 -m tandem.cli.tritonserver --model-repository /tmp/repo --grpc-port 8001 --http-port 8000 \
+  --metrics-port 8002 > "$out/server.log" 2>&1 &
+server=$!
+trap 'kill $server 2>/dev/null || true; wait $server 2>/dev/null || true' EXIT
+for _ in $(seq 1 240); do
+  if python3 -c "import urllib.request as u; u.urlopen('http://localhost:8000/v2/health/ready', timeout=2)" 2>/dev/null; then
+    break
+  fi
+  kill -0 $server 2>/dev/null || { tail -40 "$out/server.log"; exit 1; }
+  sleep 1
+done
+nvidia-smi --query-gpu=index,name,memory.used --format=csv > "$out/gpus.csv"
+python3 -m tandem.cli.bench --url localhost:8001 --models tts,tts_mono --gpus tts=2,tts_mono=2 --out "$out" "$@"
+python3 -c "import urllib.request as u; print(u.urlopen('http://localhost:8002/metrics').read().decode())" \
+  | grep '^tandem_' > "$out/metrics.txt" || true
