@@ -243,15 +243,17 @@ def main(argv: list[str] | None = None) -> int:
                 ),
                 file=sys.stderr,
             )
-        passing = [lv["concurrency"] for lv in runs if lv["passed"]]
-        capacity = max(passing) if passing else 0
-        n_gpu = gpus.get(model, 1)
-        result["models"][model] = {
-            "gpus": n_gpu,
-            "capacity": capacity,
-            "capacity_per_gpu": capacity / n_gpu,
-            "levels": runs,
-        }
+            passing = [lv["concurrency"] for lv in runs if lv["passed"]]
+            capacity = max(passing) if passing else 0
+            n_gpu = gpus.get(model, 1)
+            result["models"][model] = {
+                "gpus": n_gpu,
+                "capacity": capacity,
+                "capacity_per_gpu": capacity / n_gpu,
+                "levels": runs,
+            }
+            args.out.mkdir(parents=True, exist_ok=True)
+            benchutil.write_json(args.out / "bench.json", result)  # partial results survive a timeout
     print(
         benchutil.format_table(
             [
