@@ -148,7 +148,7 @@ class _GpuPath(TransferPath):
             layout.staging_shape(n_tokens), dtype=layout.dtype, device=torch.device("cuda", self.device)
         )
 
-    def copy_to_peer(self, staging: torch.Tensor, peer: PeerArena, offset: int) -> None:
+    def copy_to_peer(self, staging: torch.Tensor, peer: PeerArena, offset: int, tid: str = "") -> None:
         if not isinstance(peer, MappedPeer):
             raise TransferError(f"{self.name} cannot write a {type(peer).__name__}")
         nbytes = check_staging(staging, self.device)

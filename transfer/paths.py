@@ -52,6 +52,15 @@ class LocalArena(ABC):
     def region_bytes(self, region: Region) -> torch.Tensor:
         """uint8 view of the region's first `region.nbytes` bytes (no copy); valid until it is freed."""
 
+    def expect(self, region: Region, tid: str) -> None:  # noqa: B027 - a no-op hook, not abstract
+        """Called by the receiver just before the PULL for `tid` leaves D: `region` now belongs to that
+        transfer. Only paths whose receiver writes every byte itself (`receiver_writes`) act on it."""
+
+    def forget(self, region: Region) -> None:  # noqa: B027 - a no-op hook, not abstract
+        """Called by the receiver before `region` goes back to the allocator (for every region, on every
+        path). With `receiver_writes` it must return only when no byte of the transfer that `region`
+        was expecting can still land; elsewhere a no-op."""
+
     @abstractmethod
     def close(self) -> None:
         """Called once by the receiver's `close()` after every region was freed or abandoned."""
@@ -70,6 +79,11 @@ class TransferPath(ABC):
     """One way of moving bytes P -> D. Instances are stateless apart from configuration."""
 
     name: str
+    receiver_writes: bool = False
+    """True when D itself writes every byte (it receives chunks and copies them into its arena) and
+    drops chunks of a transfer once `LocalArena.forget` returned. Then `forget` is this path's own proof:
+    D frees a failed transfer's region at once (`ReleaseReason.RECEIVER_DROPS`) instead of quarantining
+    it. False when P writes D's memory directly (host_shm, the GPU paths, the proxy)."""
 
     @abstractmethod
     def probe(self) -> None:
@@ -88,9 +102,11 @@ class TransferPath(ABC):
         """P side, once per copy: a contiguous tensor of `layout.staging_shape(n_tokens)` for `gather`."""
 
     @abstractmethod
-    def copy_to_peer(self, staging: torch.Tensor, peer: PeerArena, offset: int) -> None:
+    def copy_to_peer(self, staging: torch.Tensor, peer: PeerArena, offset: int, tid: str = "") -> None:
         """P side, once per copy, on a copy worker: one copy of all of `staging` into the peer at
-        `offset`. Must return only when no byte of it can still land (synchronise async engines)."""
+        `offset`, for transfer `tid` (the sender always passes it; probes and benchmarks outside the
+        protocol may omit it, and paths that P writes directly ignore it). Must return only when no
+        byte of it can still land (synchronise async engines)."""
 
 
 class HostArena(LocalArena):
@@ -182,7 +198,7 @@ class HostShmPath(TransferPath):
     def alloc_staging(self, layout: WireLayout, n_tokens: int) -> torch.Tensor:
         return torch.empty(layout.staging_shape(n_tokens), dtype=layout.dtype)
 
-    def copy_to_peer(self, staging: torch.Tensor, peer: PeerArena, offset: int) -> None:
+    def copy_to_peer(self, staging: torch.Tensor, peer: PeerArena, offset: int, tid: str = "") -> None:
         assert isinstance(peer, HostPeerArena)
         src = staging.reshape(-1).view(torch.uint8)
         if offset < 0 or offset + src.numel() > peer.nbytes:

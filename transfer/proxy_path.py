@@ -172,7 +172,7 @@ class ProxyPath(TransferPath):
             self._busy.pop(slab.ptr, None)
             self._free.append(slab)
 
-    def copy_to_peer(self, staging: torch.Tensor, peer: PeerArena, offset: int) -> None:
+    def copy_to_peer(self, staging: torch.Tensor, peer: PeerArena, offset: int, tid: str = "") -> None:
         if not isinstance(peer, ProxyPeer):
             raise TransferError(f"proxy path cannot write a {type(peer).__name__}")
         nbytes = check_staging(staging, self.device)

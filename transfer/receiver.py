@@ -10,6 +10,11 @@ alone never does. Meanwhile the maintenance thread re-sends ABORT every `abort_r
 connection, after reconnects, after a stopped P resumes) and probes every known endpoint every
 `probe_interval_s` even with no traffic, so a restarted P is discovered by a draining D.
 
+On a path whose receiver writes every byte itself (`path.receiver_writes`: tcp) D needs none of those
+proofs: `arena.expect(region, tid)` goes before the PULL, `arena.forget(region)` before every free, and
+after `forget` every chunk of the transfer is dropped. So a failed transfer's region is freed at once
+(`ReleaseReason.RECEIVER_DROPS`), never quarantined, and no ABORT is sent for it.
+
 Threads: the engine's (request/poll/complete), one maintenance thread, one reader per P connection.
 `on_event` and `on_quarantine_change` run on whichever of them made the change, never under the lock.
 """
@@ -51,6 +56,7 @@ _RELEASE_COUNTER = {
     ReleaseReason.REFUSED: "released_by_refusal",
     ReleaseReason.INSTANCE_CHANGED: "released_by_restart",
     ReleaseReason.INSTANCE_GONE: "released_by_gone",
+    ReleaseReason.RECEIVER_DROPS: "released_by_drop",
 }
 
 
@@ -243,6 +249,7 @@ class TransferReceiver:
                     actions,
                 )
                 continue
+            self._arena.expect(h.region, h.transfer_id)  # receiver-written paths: chunks may land from now
             h.sent_instance, h.sent_gen = ep.instance, ep.gen  # from here on P may write the region
             h.stamps.request_sent_ns = time.time_ns()
             ep.handles.add(h)
@@ -260,8 +267,9 @@ class TransferReceiver:
     def _fail(
         self, h: TransferHandle, exc: TransferError, actions: Actions, proof: ReleaseReason | None = None
     ) -> None:
-        """Engine-visible failure. With `proof` (or if the PULL never left) the region is freed,
-        otherwise quarantined until a proof arrives."""
+        """Engine-visible failure. With `proof` (or if the PULL never left, or the path's receiver
+        writes every byte and drops what it no longer expects) the region is freed, otherwise
+        quarantined until a proof arrives."""
         if h.state not in (TransferState.REQUESTED, TransferState.DONE):
             return
         h.state, h.error = TransferState.FAILED, exc
@@ -270,6 +278,8 @@ class TransferReceiver:
             self._free(h, ReleaseReason.NEVER_SENT)
         elif proof is not None:
             self._free(h, proof)
+        elif self.path.receiver_writes:
+            self._free(h, ReleaseReason.RECEIVER_DROPS)  # `_free` forgets first: no late chunk can land
         else:
             h.region_state, h.last_abort = RegionState.QUARANTINED, 0.0
             if self._on_quarantine_change is not None:
@@ -289,6 +299,7 @@ class TransferReceiver:
         self._forget_if_done(h)
 
     def _free(self, h: TransferHandle, reason: ReleaseReason | None) -> None:
+        self._arena.forget(h.region)  # receiver-written paths: returns once no chunk for it can land
         self._alloc.free(h.region)
         h.region_state, h.released_by = RegionState.FREE, reason
         if reason is not None and reason in _RELEASE_COUNTER:

@@ -363,7 +363,7 @@ class TransferSender:
             if self._copy_hook is not None:
                 self._copy_hook(offer.tid, staging)
             assert peer.arena is not None
-            self.path.copy_to_peer(staging, peer.arena, offer.pull_offset)
+            self.path.copy_to_peer(staging, peer.arena, offer.pull_offset, offer.tid)
         except Exception as exc:  # the engine's gather or the path failed; the copy call has returned
             error = f"{type(exc).__name__}: {exc}"
         with self._lock:

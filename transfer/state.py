@@ -50,6 +50,7 @@ class ReleaseReason(IntEnum):
     INSTANCE_CHANGED = 4  # a different P instance answers at the endpoint: the old one is gone
     INSTANCE_GONE = 5  # the endpoint's instance lock is free: no process that held it remains
     NEVER_SENT = 6  # the PULL never left D
+    RECEIVER_DROPS = 7  # D writes every byte itself (tcp) and stopped expecting the transfer: no chunk lands
 
 
 @dataclass(frozen=True)
@@ -132,6 +133,7 @@ class ReceiverStats:
     released_by_refusal: int
     released_by_restart: int
     released_by_gone: int
+    released_by_drop: int
 
 
 @dataclass(frozen=True)

@@ -26,9 +26,10 @@ ABORT_ACK, DONE, FAILED, instance change or lock (`receiver_writes = True`). END
 confirmation of the transfer's terminal state: COMPLETE (all `nbytes` written) or DROPPED, which
 `copy_to_peer` turns into an exception (P then reports FAILED COPY_ERROR, itself a proof).
 
-Wiring still owed by the sender and receiver (docs/failure-semantics.md, "TCP path"):
-`copy_to_peer` needs the transfer id (`tid=`), and the receiver must call `arena.expect(region, tid)`
-before sending PULL and `arena.forget(region)` before any region goes back to the allocator.
+Wiring: the sender passes the transfer id to `copy_to_peer` (a copy without one is refused); the
+receiver calls `arena.expect(region, tid)` just before it sends the PULL and `arena.forget(region)`
+before any region goes back to the allocator, and on a failure frees the region at once with
+`ReleaseReason.RECEIVER_DROPS` (docs/protocol.md, "The TCP path").
 """
 
 from __future__ import annotations

@@ -1,24 +1,30 @@
 """Test support (fault injection), importable by spawn children: never used by production code.
 
 `sender_child` runs a `TransferSender` in its own process, driven over a multiprocessing pipe, so tests
-can SIGSTOP, SIGKILL and restart a real P. `FailingPath` is a path whose probe always fails.
+can SIGSTOP, SIGKILL and restart a real P; `SenderProcess` starts and drives one from the test.
+`FailingPath` is a path whose probe always fails.
 """
 
 from __future__ import annotations
 
+import contextlib
+import multiprocessing as mp
 import os
+import signal
 import threading
 import time
 from collections.abc import Mapping
 from dataclasses import asdict
 from multiprocessing.connection import Connection as Pipe
+from typing import Any
 
 import torch
 
 from .errors import PathUnavailable
 from .layout import WireLayout
-from .paths import HostShmPath, LocalArena, PeerArena, TransferPath
+from .paths import PATHS, LocalArena, PeerArena, TransferPath
 from .sender import TransferSender
+from .state import Ticket
 
 
 def fake_kv(layout: WireLayout, n_tokens: int, seed: int) -> torch.Tensor:
@@ -28,18 +34,30 @@ def fake_kv(layout: WireLayout, n_tokens: int, seed: int) -> torch.Tensor:
 
 
 class HookControl:
-    """What the sender's `copy_hook` does: "none", "block" (until `release`), or "until_abort" (until the
-    sender holds an ABORT_ACK for the copy, so the ACK — not DONE — is what answers D)."""
+    """What the sender's `copy_hook` does: "none", "block" (every copy, until `release`), "block_one"
+    (only the first copy to enter after the mode was set, until `release`; later copies pass), or
+    "until_abort" (until the sender holds an ABORT_ACK for the copy, so the ACK — not DONE — is what
+    answers D). `set_mode` also re-arms "block_one" and clears `entered`."""
 
     def __init__(self) -> None:
         self.mode = "none"
         self.entered = threading.Event()
         self.gate = threading.Event()
         self.sender: TransferSender | None = None
+        self._blocked: str | None = None
+        self._lock = threading.Lock()
+
+    def set_mode(self, mode: str) -> None:
+        with self._lock:
+            self.mode, self._blocked = mode, None
+            self.entered.clear()
 
     def __call__(self, tid: str, staging: object = None) -> None:
+        with self._lock:
+            if self.mode == "block_one" and self._blocked is None:
+                self._blocked = tid
         self.entered.set()
-        if self.mode == "block":
+        if self.mode == "block" or (self.mode == "block_one" and tid == self._blocked):
             self.gate.wait()
         elif self.mode == "until_abort":
             end = time.monotonic() + 30.0
@@ -47,8 +65,10 @@ class HookControl:
                 time.sleep(0.005)
 
 
-def sender_child(unit: str, slot: str, layout: dict[str, object], xdg_dir: str, pipe: Pipe) -> None:
-    """Entry point of a P child process. Commands (tuples) on `pipe`:
+def sender_child(
+    unit: str, slot: str, layout: dict[str, object], xdg_dir: str, pipe: Pipe, path: str = "host_shm"
+) -> None:
+    """Entry point of a P child process serving over `PATHS[path]`. Commands (tuples) on `pipe`:
     ("offer", n_tokens, seed, ttl_s) -> ticket json; ("hook", mode) / ("release",) -> "ok";
     ("entered", timeout_s) -> bool;
     ("stats",) -> dict (with "sources_released"); ("close",) -> "closed" and the process exits."""
@@ -57,7 +77,7 @@ def sender_child(unit: str, slot: str, layout: dict[str, object], xdg_dir: str, 
     hook = HookControl()
     released: list[str] = []
     fatal: list[str] = []
-    sender = TransferSender(wl, unit, HostShmPath(), released.append, fatal.append, slot=slot, copy_hook=hook)
+    sender = TransferSender(wl, unit, PATHS[path](), released.append, fatal.append, slot=slot, copy_hook=hook)
     hook.sender = sender
     sender.start()
     pipe.send(("ready", sender.instance_id, sender.endpoint))
@@ -72,8 +92,7 @@ def sender_child(unit: str, slot: str, layout: dict[str, object], xdg_dir: str, 
 
             pipe.send(sender.offer(n_tokens, gather, ttl_s).to_json())
         elif cmd[0] == "hook":
-            hook.mode = cmd[1]
-            hook.entered.clear()
+            hook.set_mode(cmd[1])
             pipe.send("ok")
         elif cmd[0] == "release":
             hook.gate.set()
@@ -87,6 +106,45 @@ def sender_child(unit: str, slot: str, layout: dict[str, object], xdg_dir: str, 
             sender.close()
             pipe.send("closed")
             return
+
+
+class SenderProcess:
+    """A P child (`sender_child`) started with spawn, driven from the test over its pipe."""
+
+    def __init__(
+        self, unit: str, xdg: str, layout: WireLayout, slot: str = "p0", path: str = "host_shm"
+    ) -> None:
+        ctx = mp.get_context("spawn")
+        self.pipe, child = ctx.Pipe()
+        args = (unit, slot, layout.to_dict(), xdg, child, path)
+        self.proc = ctx.Process(target=sender_child, args=args, daemon=True)
+        self.proc.start()
+        assert self.pipe.poll(60), "P child did not start"
+        _, self.instance, self.endpoint = self.pipe.recv()
+
+    def call(self, *cmd: Any) -> Any:
+        self.pipe.send(cmd)
+        return self.pipe.recv()
+
+    def offer(self, n: int, seed: int, ttl: float = 30.0) -> Ticket:
+        return Ticket.from_json(self.call("offer", n, seed, ttl))
+
+    def kill(self) -> None:
+        assert self.proc.pid is not None
+        os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.join(10)
+
+    def stop(self) -> None:
+        """Resume it if stopped, close the sender, and wait for the exit (kill after 10 s)."""
+        if self.proc.is_alive() and self.proc.pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.proc.pid, signal.SIGCONT)
+            self.pipe.send(("close",))
+            if self.pipe.poll(10):
+                self.pipe.recv()
+            self.proc.join(10)
+        if self.proc.is_alive():
+            self.proc.kill()
 
 
 class FailingPath(TransferPath):
@@ -106,8 +164,8 @@ class FailingPath(TransferPath):
     def alloc_staging(self, layout: WireLayout, n_tokens: int) -> torch.Tensor:
         raise PathUnavailable("failing path")
 
-    def copy_to_peer(self, staging: torch.Tensor, peer: PeerArena, offset: int) -> None:
+    def copy_to_peer(self, staging: torch.Tensor, peer: PeerArena, offset: int, tid: str = "") -> None:
         raise PathUnavailable("failing path")
 
 
-__all__ = ["FailingPath", "HookControl", "fake_kv", "sender_child"]
+__all__ = ["FailingPath", "HookControl", "SenderProcess", "fake_kv", "sender_child"]

@@ -7,7 +7,6 @@ a draining D must discover a restarted P by probing, and a dead P's region is re
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import random
 import signal
@@ -22,17 +21,15 @@ from tandem.transfer import (
     HostShmPath,
     RegionState,
     ReleaseReason,
-    Ticket,
     TransferHandle,
     TransferReceiver,
     TransferState,
     WireLayout,
 )
-from tandem.transfer.testing import fake_kv, sender_child
+from tandem.transfer.testing import SenderProcess, fake_kv
 
 LAYOUT = WireLayout(2, 2, 32, "bfloat16")
 ARENA = 1 << 24
-CTX = mp.get_context("spawn")
 BUSY = (TransferState.REQUESTED, TransferState.DONE)
 
 
@@ -43,35 +40,9 @@ def wait_for(pred: Callable[[], bool], timeout: float = 10.0) -> bool:
     return pred()
 
 
-class ChildP:
+class ChildP(SenderProcess):
     def __init__(self, unit: str, xdg: str, slot: str = "p0") -> None:
-        self.pipe, child = CTX.Pipe()
-        args = (unit, slot, LAYOUT.to_dict(), xdg, child)
-        self.proc = CTX.Process(target=sender_child, args=args, daemon=True)
-        self.proc.start()
-        assert self.pipe.poll(60), "P child did not start"
-        _, self.instance, self.endpoint = self.pipe.recv()
-
-    def call(self, *cmd: Any) -> Any:
-        self.pipe.send(cmd)
-        return self.pipe.recv()
-
-    def offer(self, n: int, seed: int, ttl: float = 30.0) -> Ticket:
-        return Ticket.from_json(self.call("offer", n, seed, ttl))
-
-    def kill(self) -> None:
-        assert self.proc.pid is not None
-        os.kill(self.proc.pid, signal.SIGKILL)
-        self.proc.join(10)
-
-    def stop(self) -> None:
-        if self.proc.is_alive():
-            self.pipe.send(("close",))
-            if self.pipe.poll(10):
-                self.pipe.recv()
-            self.proc.join(10)
-        if self.proc.is_alive():
-            self.proc.kill()
+        super().__init__(unit, xdg, LAYOUT, slot=slot)
 
 
 @pytest.fixture
@@ -86,9 +57,7 @@ def children() -> Iterator[list[ChildP]]:
     started: list[ChildP] = []
     yield started
     for c in started:
-        if c.proc.is_alive() and c.proc.pid is not None:
-            os.kill(c.proc.pid, signal.SIGCONT)
-        c.stop()
+        c.stop()  # resumes a stopped child first
 
 
 def receiver(**kw: Any) -> TransferReceiver:

@@ -1,24 +1,43 @@
 """The TCP path: round trip, the receiver's drop rule (its own proof), authentication, epochs.
 
-Drives the path and D's `TcpArena` directly, doing what the receiver does: `expect(region, tid)`
-before the PULL, `forget(region)` before the region is freed or reused.
+The first tests drive the path and D's `TcpArena` directly, doing what the receiver does:
+`expect(region, tid)` before the PULL, `forget(region)` before the region is freed or reused. The
+last ones run the real `TransferSender` / `TransferReceiver` over it, with P in a thread of this
+process and in a spawned child.
 """
 
 from __future__ import annotations
 
 import contextlib
+import multiprocessing as mp
 import os
+import random
 import secrets
 import socket
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
-from tandem.transfer import PATHS, RegionAllocator, TransferError, WireLayout, kv_checksum, select_path
-from tandem.transfer.tcp_path import SECRET_NAME, TcpArena, TcpPath, TcpPeerArena
+from tandem.transfer import (
+    PATHS,
+    CopyFailed,
+    RegionAllocator,
+    RegionState,
+    ReleaseReason,
+    TransferError,
+    TransferReceiver,
+    TransferState,
+    TransferTimeout,
+    WireLayout,
+    kv_checksum,
+    select_path,
+)
+from tandem.transfer.tcp_path import MAGIC, SECRET_NAME, TcpArena, TcpPath, TcpPeerArena
+from tandem.transfer.testing import SenderProcess, fake_kv, sender_child
 
 LAYOUT = WireLayout(2, 2, 16, "float32")  # 512 bytes per token
 
@@ -176,3 +195,172 @@ def test_forget_waits_for_a_chunk_in_progress(path: TcpPath, arena: TcpArena) ->
 def test_secret_file_is_private(arena: TcpArena) -> None:
     st = os.stat(arena.secret_path)
     assert arena.secret_path.name == SECRET_NAME and st.st_mode & 0o777 == 0o600 and st.st_size == 32
+
+
+def test_p_refuses_a_listener_that_fails_authentication(path: TcpPath) -> None:
+    """Mutual: P sends no KV to a listener that cannot prove it holds the unit secret."""
+    server = socket.create_server(("127.0.0.1", 0))
+    got: list[bytes] = []
+
+    def impostor() -> None:
+        conn, _ = server.accept()
+        with conn:
+            conn.sendall(MAGIC + os.urandom(32))
+            conn.recv(64)  # P's proof
+            conn.sendall(os.urandom(32))  # a made-up answer
+            conn.settimeout(5)
+            with contextlib.suppress(OSError):
+                while chunk := conn.recv(65536):
+                    got.append(chunk)
+
+    t = threading.Thread(target=impostor)
+    t.start()
+    peer = TcpPeerArena("127.0.0.1", server.getsockname()[1], os.urandom(16), 1 << 20, os.urandom(32))
+    with pytest.raises(TransferError, match="D failed authentication"):
+        path.copy_to_peer(staged(20, 8), peer, 0, tid=secrets.token_hex(16))
+    t.join(10)
+    server.close()
+    assert got == []  # not one chunk header, let alone KV bytes
+
+
+# ---- the sender and receiver over the TCP path -------------------------------------------------------
+
+UNIT = "ut"
+ARENA = 1 << 24
+BUSY = (TransferState.REQUESTED, TransferState.DONE)
+
+
+def wait_for(pred: Callable[[], bool], timeout: float = 10.0) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end and not pred():
+        time.sleep(0.005)
+    return pred()
+
+
+class ThreadP(SenderProcess):
+    """`sender_child` in a thread of this process: the same driver as the spawned child."""
+
+    def __init__(self, xdg: str) -> None:
+        self.pipe, child = mp.Pipe()
+        args = (UNIT, "p0", LAYOUT.to_dict(), xdg, child, "tcp")
+        self.thread = threading.Thread(target=sender_child, args=args, daemon=True)
+        self.thread.start()
+        assert self.pipe.poll(30), "P thread did not start"
+        _, self.instance, self.endpoint = self.pipe.recv()
+
+    def stop(self) -> None:
+        if self.thread.is_alive():
+            self.call("release")
+            self.call("close")
+        self.thread.join(10)
+
+
+@pytest.fixture(params=["thread", "spawn"])
+def p(request: pytest.FixtureRequest, runtime_dir: Path) -> Iterator[SenderProcess]:
+    """P serving over the TCP path, in this process or in a spawned child."""
+    sp = ThreadP(str(runtime_dir)) if request.param == "thread" else None
+    sp = sp or SenderProcess(UNIT, str(runtime_dir), LAYOUT, path="tcp")
+    yield sp
+    sp.stop()
+
+
+@pytest.fixture
+def r() -> Iterator[TransferReceiver]:
+    # lock_proof off: a region must come back through the path's own proof, never the lock.
+    rec = TransferReceiver(
+        LAYOUT, UNIT, ARENA, TcpPath(), abort_retry_s=0.05, probe_interval_s=0.1, lock_proof=False
+    )
+    yield rec
+    rec.close()
+
+
+def tcp_arena(r: TransferReceiver) -> TcpArena:
+    arena = r._arena
+    assert isinstance(arena, TcpArena)
+    return arena
+
+
+def test_sender_receiver_round_trip(p: SenderProcess, r: TransferReceiver) -> None:
+    rng = random.Random(7)
+    n_chunks_min = 0
+    for i in range(40):
+        n = 5000 if i % 10 == 0 else rng.randint(1, 600)  # 5000 tokens: three 1 MiB chunks
+        n_chunks_min += -(-LAYOUT.staging_nbytes(n) // (1 << 20))
+        h = r.request(p.offer(n, i), 10.0)
+        assert wait_for(lambda h=h: r.poll(h) not in BUSY)  # type: ignore[misc]
+        assert r.poll(h) is TransferState.VERIFIED, h.error  # D hashed the region: checksum matched
+        assert torch.equal(h.tensor(), fake_kv(LAYOUT, n, i))
+        r.complete(h)
+    st, ast, pst = r.stats(), tcp_arena(r).stats(), p.call("stats")
+    assert (st.verify_ok, st.verify_mismatch, st.transfers_failed) == (40, 0, 0)
+    assert st.free_bytes == ARENA and st.quarantined_count == 0
+    assert ast.expected == 0 and ast.chunks_dropped == 0 and ast.chunks_written >= n_chunks_min
+    assert (pst["copies_ok"], pst["copies_failed"], pst["sources_released"]) == (40, 0, 40)
+
+
+def test_blocked_copy_past_deadline_frees_at_once_and_late_chunks_are_dropped(
+    p: SenderProcess, r: TransferReceiver
+) -> None:
+    """D gives up on A while P's copy is stuck before it crosses: the stream fails at the deadline and
+    the region is free at that same moment (RECEIVER_DROPS), with no ABORT and no ACK. B then gets the
+    same range; when A's copy finally runs, every chunk of it is dropped and B's bytes are untouched."""
+    n = 5000  # three chunks
+    warm = r.request(p.offer(1, 99), 10.0)  # connect first, so A's PULL surely leaves before its deadline
+    assert wait_for(lambda: r.poll(warm) is TransferState.VERIFIED)
+    r.complete(warm)
+
+    assert p.call("hook", "block_one") == "ok"
+    ha = r.request(p.offer(n, 1), 1.0)
+    assert p.call("entered", 5.0), "A's copy never started"
+    assert wait_for(lambda: r.poll(ha) is TransferState.FAILED, 3.0)
+    assert isinstance(ha.error, TransferTimeout)
+    assert ha.region_state is RegionState.FREE and ha.released_by is ReleaseReason.RECEIVER_DROPS
+    st = r.stats()
+    assert st.released_by_drop == 1 and st.quarantined_count == 0 and r.held_fraction() == 0.0
+    assert st.aborts_sent == 0 and st.free_bytes == ARENA
+    r.complete(ha)
+
+    hb = r.request(p.offer(n, 2), 10.0)  # block_one: only A's copy is held
+    assert hb.region.offset == ha.region.offset  # B owns A's old range
+    assert wait_for(lambda: r.poll(hb) is TransferState.VERIFIED), hb.error
+    b_bytes = fake_kv(LAYOUT, n, 2)
+    assert torch.equal(hb.tensor(), b_bytes)
+    dropped_before = tcp_arena(r).stats().chunks_dropped
+
+    assert p.call("release") == "ok"  # A's late copy now streams into B's range
+
+    def copies_ended() -> int:
+        pst = p.call("stats")
+        return int(pst["copies_ok"] + pst["copies_failed"])
+
+    assert wait_for(lambda: copies_ended() == 3), "A's copy never ended"  # warm-up, B, A
+    assert torch.equal(hb.tensor(), b_bytes)  # B's bytes untouched by A's chunks
+    assert tcp_arena(r).stats().chunks_dropped >= dropped_before + 3
+    r.complete(hb)
+
+    pst = p.call("stats")  # A's copy ended DROPPED: P reported FAILED COPY_ERROR, which D ignores now
+    assert (pst["copies_ok"], pst["copies_failed"], pst["held_acks"], pst["acks_sent"]) == (2, 1, 0, 0)
+    assert pst["fatal"] == []
+    st = r.stats()
+    assert st.free_bytes == ARENA and st.aborts_sent == 0 and (st.verify_ok, st.transfers_failed) == (2, 1)
+
+
+def test_sender_with_a_wrong_secret_is_refused(
+    p: SenderProcess, r: TransferReceiver, runtime_dir: Path
+) -> None:
+    """P reads another secret than D's (the file was replaced after D loaded it): D refuses the data
+    connection, nothing is written, P reports the copy failed, and that refusal frees the region."""
+    secret = tcp_arena(r).secret_path
+    tmp = secret.with_name("new.secret")
+    tmp.write_bytes(os.urandom(32))
+    tmp.chmod(0o600)
+    tmp.replace(secret)
+    h = r.request(p.offer(300, 3), 10.0)
+    assert wait_for(lambda: r.poll(h) not in BUSY)
+    assert r.poll(h) is TransferState.FAILED and isinstance(h.error, CopyFailed), h.error
+    assert h.released_by is ReleaseReason.REFUSED and h.region_state is RegionState.FREE
+    ast = tcp_arena(r).stats()
+    assert ast.auth_failures == 1 and ast.chunks_written == 0 and ast.expected == 0
+    assert not tcp_arena(r).region_bytes(h.region).any()
+    r.complete(h)
+    assert r.stats().free_bytes == ARENA and p.call("stats")["copies_failed"] == 1
