@@ -20,7 +20,7 @@ $(VENV)/.installed: pyproject.toml setup.py $(wildcard csrc/*.cpp csrc/*.h)
 	touch $@
 
 serve: setup
-	$(VENV)/bin/tritonserver --model-repository model_repository \
+	$(VENV)/bin/tandem-unit -- --model-repository model_repository \
 		--grpc-port $(GRPC_PORT) --http-port $(HTTP_PORT) --metrics-port $(METRICS_PORT)
 
 # CUDA kernels and GPU transfer paths (GPU hosts; CPU CI skips their tests honestly).

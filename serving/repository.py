@@ -24,6 +24,19 @@ def set_parameter(config: str, key: str, value: str) -> str:
     return config.rstrip("\n") + "\n" + line + "\n"
 
 
+def get_parameter(config: str, key: str) -> str | None:
+    """The string value of `parameters { key: KEY ... }` in a config.pbtxt, or None if it has none."""
+    m = re.search(
+        r'parameters \{ key: "' + re.escape(key) + r'" value \{ string_value: "([^"]*)" \} \}', config
+    )
+    return m.group(1) if m else None
+
+
+def model_parameter(repository: Path, model: str, key: str) -> str | None:
+    """`get_parameter` of `<repository>/<model>/config.pbtxt`."""
+    return get_parameter((repository / model / "config.pbtxt").read_text(), key)
+
+
 def set_instance_group(config: str, group: str) -> str:
     """Replace the single-line `instance_group [ ... ]` of a config.pbtxt."""
     if not _GROUP.search(config):

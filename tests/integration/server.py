@@ -43,11 +43,15 @@ class TritonProcess:
         overrides: Mapping[str, Mapping[str, str]] | None = None,
         extra_args: Sequence[str] = (),
         groups: Mapping[str, str] | None = None,
+        launcher: Sequence[str] = (),
     ) -> None:
-        """`extra_args` go to tritonserver after the defaults (e.g. `--model-control-mode=explicit`)."""
+        """`extra_args` go to tritonserver after the defaults (e.g. `--model-control-mode=explicit`).
+        `launcher`, if given, replaces this environment's `tritonserver` in front of the server's
+        arguments (e.g. `tandem-unit --restart-grace 2 --`)."""
         self.workdir = workdir
         self.repo = prepare_repository(workdir, overrides, groups)
         self.extra_args = tuple(extra_args)
+        self.launcher = tuple(launcher)
         self.grpc_port, self.http_port, self.metrics_port = free_port(), free_port(), free_port()
         self.log_path = workdir / "tritonserver.log"
         self.proc: subprocess.Popen[bytes] | None = None
@@ -69,7 +73,7 @@ class TritonProcess:
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(
                 [
-                    str(binary),
+                    *(self.launcher or (str(binary),)),
                     f"--model-repository={self.repo}",
                     f"--grpc-port={self.grpc_port}",
                     f"--http-port={self.http_port}",

@@ -15,8 +15,9 @@ log = logging.getLogger("tandem")
 
 
 def _exit_for_proof(reason):
-    """P holds ABORT_ACKs it cannot prove; at the limit its restart is the proof (docs/failure-semantics.md).
-    Triton's python backend restarts the stub on the model's next request."""
+    """P holds ABORT_ACKs it cannot prove; at the limit its death (the free slot lock) and then its restart
+    (a new instance id) are the proof (docs/failure-semantics.md). Triton 2.51 does not restart a dead
+    decoupled stub: `tandem-unit` (cli/unit.py) sees the free slot lock and loads `prefill` again."""
     log.critical("prefill exits so that its restart proves no late KV write can land: %s", reason)
     os._exit(70)
 
