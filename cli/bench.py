@@ -171,6 +171,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gpus", default="", help="GPUs per model for per-GPU capacity, e.g. tts=2,tts_mono=2")
     ap.add_argument("--levels", default="1,2,4,8")
     ap.add_argument("--requests", type=int, default=32, help="requests per level")
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=0,
+        help="requests per level = rounds x concurrency (steady state: arrivals land on playing streams)",
+    )
     ap.add_argument("--trace", type=Path, help="JSON-lines trace; default: a generated seed-like trace")
     ap.add_argument("--trace-requests", type=int, default=256)
     ap.add_argument("--floor", type=float, default=42.0)
@@ -206,9 +212,8 @@ def main(argv: list[str] | None = None) -> int:
     for model in models:
         runs = []
         for c in levels:
-            lv = run_level(
-                args.url, model, trace, c, args.requests, width, vocab, rps, args.floor, args.timeout
-            )
+            n_req = args.rounds * c if args.rounds else args.requests
+            lv = run_level(args.url, model, trace, c, n_req, width, vocab, rps, args.floor, args.timeout)
             runs.append(lv)
             t = lv["ttfa_ms"]
             table.append(
