@@ -26,7 +26,7 @@ from tandem.backend.engine_thread import EngineThread
 from tandem.backend.errors import PoolExhausted, StreamFailed
 from tandem.backend.handoff import Handoff
 from tandem.backend.kv_pool import KVPool
-from tandem.backend.metrics import MetricsSink
+from tandem.backend.metrics import MetricsSink, PublishTimer
 from tandem.backend.mono_engine import chunk_policy
 from tandem.backend.prefill_engine import wire_layout
 from tandem.backend.queueing import Intake
@@ -68,6 +68,7 @@ class DecodeEngine:
         self.decoder = decoder
         self.settings = settings
         self.metrics = metrics
+        self._publish_timer = PublishTimer()
         self.pool = KVPool(
             decoder.kv_layout(), settings.pool.num_pages, settings.pool.page_size, decoder.device
         )
@@ -132,7 +133,8 @@ class DecodeEngine:
         elapsed = self.batch.step()
         if n:
             self.step_model.observe(n, context, elapsed)
-        self._publish()
+        if self._publish_timer.due():
+            self._publish()
 
     def _context(self, running_only: bool = False) -> int:
         """Total context tokens the next step attends over (waiting streams count at their prompt)."""
@@ -224,6 +226,13 @@ class DecodeEngine:
         self._events.append(event)  # list.append is atomic; drained on the engine thread
 
     def _account_events(self) -> None:
+        """Counters are published as events happen (gauges only every ~0.1 s, in `_publish`)."""
+        st = self.receiver.stats()
+        for result, total in (("ok", st.verify_ok), ("mismatch", st.verify_mismatch)):
+            delta = total - self._verified[result]
+            if delta:
+                self.metrics.inc("tandem_kv_verifications_total", delta, result=result)
+                self._verified[result] = total
         while self._events:
             e = self._events.pop(0)
             ok = e.state in ("VERIFIED", "RELEASED")
@@ -255,11 +264,6 @@ class DecodeEngine:
             else max(0, b.max_batch - n)
         )
         m.set("tandem_admittable_streams", 0 if self._draining else free_streams)
-        for result, total in (("ok", st.verify_ok), ("mismatch", st.verify_mismatch)):
-            delta = total - self._verified[result]
-            if delta:
-                m.inc("tandem_kv_verifications_total", delta, result=result)
-                self._verified[result] = total
         m.set("tandem_transfer_path", 1, path=self.path.name)
 
     def _fault(self, reason: str) -> None:

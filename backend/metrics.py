@@ -7,6 +7,7 @@ Names are declared once here so the adapter can create every family at start-up.
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
 from dataclasses import dataclass
 from enum import IntEnum
@@ -87,3 +88,24 @@ class RecordingMetrics:
 
     def get(self, name: str, **labels: str) -> float:
         return self.values.get(_key(name, labels), 0.0)
+
+
+class PublishTimer:
+    """Limits how often an engine loop publishes its gauges.
+
+    Each gauge update through Triton's python backend is a round trip to the server process; done on
+    every decode step it costs the loop milliseconds per iteration. Gauges are read by scrapers every
+    few seconds, so publishing every `interval_s` loses nothing. Counters and histograms are still
+    recorded as events happen.
+    """
+
+    def __init__(self, interval_s: float = 0.1) -> None:
+        self.interval_s = interval_s
+        self._next = 0.0
+
+    def due(self) -> bool:
+        now = time.monotonic()
+        if now < self._next:
+            return False
+        self._next = now + self.interval_s
+        return True

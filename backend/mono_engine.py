@@ -18,7 +18,7 @@ from tandem.backend.decoder import Decoder
 from tandem.backend.engine_thread import EngineThread
 from tandem.backend.errors import PoolExhausted, StreamFailed
 from tandem.backend.kv_pool import KVPool
-from tandem.backend.metrics import MetricsSink
+from tandem.backend.metrics import MetricsSink, PublishTimer
 from tandem.backend.prefix_cache import PrefixCache
 from tandem.backend.queueing import Intake
 from tandem.backend.sampling import sample
@@ -37,6 +37,7 @@ class MonoEngine:
         self.decoder = decoder
         self.settings = settings
         self.metrics = metrics
+        self._publish_timer = PublishTimer()
         device = next(decoder.parameters()).device
         self.pool = KVPool(decoder.kv_layout(), settings.pool.num_pages, settings.pool.page_size, device)
         self.cache = PrefixCache(self.pool, enabled=settings.pool.prefix_cache)
@@ -70,7 +71,8 @@ class MonoEngine:
         for _ in self.intake.admit(self._prefill):
             pass
         self.batch.step()
-        self._publish()
+        if self._publish_timer.due():
+            self._publish()
 
     def _prefill(self, req: EngineRequest) -> bool:
         if len(self.batch) >= self.settings.batch.max_batch:

@@ -32,7 +32,7 @@ from tandem.backend.engine_thread import EngineThread
 from tandem.backend.errors import PoolExhausted, StreamFailed, TandemError
 from tandem.backend.handoff import Handoff
 from tandem.backend.kv_pool import KVPool
-from tandem.backend.metrics import MetricsSink
+from tandem.backend.metrics import MetricsSink, PublishTimer
 from tandem.backend.prefix_cache import PrefixAllocation, PrefixCache
 from tandem.backend.queueing import Intake
 from tandem.backend.sampling import SamplingParams, sample
@@ -134,6 +134,7 @@ class PrefillEngine:
         self.decoder = decoder
         self.settings = settings
         self.metrics = metrics
+        self._publish_timer = PublishTimer()
         self.pool = KVPool(
             decoder.kv_layout(), settings.pool.num_pages, settings.pool.page_size, decoder.device
         )
@@ -179,7 +180,8 @@ class PrefillEngine:
         self.intake.pull(0.02)
         for _ in self.intake.admit(self._prefill):
             pass
-        self._publish()
+        if self._publish_timer.due():
+            self._publish()
 
     def _release_sources(self) -> None:
         while True:

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from tandem.cli.tts_client import run_concurrent
-from tests.integration.helpers import metric_value, metrics_text, prompt
+from tests.integration.helpers import metric_value, metrics_text, prompt, wait_metric
 from tests.integration.server import TritonProcess
 
 
@@ -30,6 +30,13 @@ def test_one_prefill_feeds_two_decoders_with_identical_tokens(unit_1p2d):
     for a, b in zip(pd, mono, strict=True):
         assert a.error is None and b.error is None, (a.error, b.error)
         np.testing.assert_array_equal(a.rows, b.rows)
+    wait_metric(
+        unit_1p2d.metrics_url,
+        "tandem_kv_verifications_total",
+        lambda v: v == len(jobs),
+        model="decode",
+        result="ok",
+    )
     text = metrics_text(unit_1p2d.metrics_url)
     served = [
         metric_value(text, "tandem_streams_total", model="decode", instance=name, outcome="finished")

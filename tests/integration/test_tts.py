@@ -8,7 +8,7 @@ import pytest
 
 from tandem.backend.timing import FIRST_AUDIO_STAGES, waterfall
 from tandem.cli.tts_client import TTSClient, run_concurrent
-from tests.integration.helpers import SPR, TINY_W, metric_value, metrics_text, prompt, run
+from tests.integration.helpers import SPR, TINY_W, metric_value, metrics_text, prompt, run, wait_metric
 from tests.integration.test_mono import BAD
 
 
@@ -104,9 +104,15 @@ def test_thousand_verified_transfers_no_mismatch(server):
             assert r.rows.shape == (2, TINY_W)
             done += 1
     assert done >= n
+    # gauges and verification counts are published every ~0.1 s by D's loop
+    wait_metric(
+        server.metrics_url,
+        "tandem_kv_verifications_total",
+        lambda v: v - ok0 >= n,
+        model="decode",
+        result="ok",
+    )
     text = metrics_text(server.metrics_url)
-    ok = metric_value(text, "tandem_kv_verifications_total", model="decode", result="ok") - ok0
-    assert ok >= n
     with pytest.raises(KeyError):
         metric_value(text, "tandem_kv_verifications_total", model="decode", result="mismatch")
     assert metric_value(text, "tandem_held_pages", model="decode") == 0
