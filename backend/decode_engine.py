@@ -20,16 +20,12 @@ import logging
 import time
 from dataclasses import dataclass
 
-from tandem.backend.batch import DecodeBatch
 from tandem.backend.decoder import Decoder
+from tandem.backend.engine_parts import make_batch, make_intake, make_pool, transfer_path, wire_layout
 from tandem.backend.engine_thread import EngineThread
 from tandem.backend.errors import PoolExhausted, StreamFailed
 from tandem.backend.handoff import Handoff
-from tandem.backend.kv_pool import KVPool
 from tandem.backend.metrics import MetricsSink, PublishTimer
-from tandem.backend.mono_engine import chunk_policy
-from tandem.backend.prefill_engine import wire_layout
-from tandem.backend.queueing import Intake
 from tandem.backend.settings import EngineSettings
 from tandem.backend.step_model import StepTimeModel
 from tandem.backend.stream import ChunkSink, Stream, StreamStatus
@@ -41,7 +37,6 @@ from tandem.transfer import (
     TransferHandle,
     TransferReceiver,
     TransferState,
-    select_path,
 )
 
 log = logging.getLogger("tandem")
@@ -69,24 +64,11 @@ class DecodeEngine:
         self.settings = settings
         self.metrics = metrics
         self._publish_timer = PublishTimer()
-        self.pool = KVPool(
-            decoder.kv_layout(), settings.pool.num_pages, settings.pool.page_size, decoder.device
-        )
-        self.batch = DecodeBatch(
-            decoder,
-            self.pool,
-            chunk_policy(settings),
-            metrics,
-            settings.batch.rate_floor_tok_s,
-            cuda_graphs=settings.batch.cuda_graphs,
-            max_batch=settings.batch.max_batch,
-            graph_warmup_context=settings.batch.graph_warmup_context,
-        )
-        self.intake: Intake[DecodeRequest] = Intake(
-            settings.batch.max_queue, settings.batch.admission_timeout_s
-        )
+        self.pool = make_pool(decoder, settings)
+        self.batch = make_batch(decoder, self.pool, settings, metrics)
+        self.intake = make_intake(settings, DecodeRequest)
         t = settings.transfer
-        self.path = select_path([p.strip() for p in t.paths.split(",") if p.strip()], t.require_path or None)
+        self.path = transfer_path(settings)
         self.receiver = TransferReceiver(
             wire_layout(decoder),
             t.unit,

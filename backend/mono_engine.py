@@ -13,23 +13,15 @@ import time
 
 import torch
 
-from tandem.backend.batch import DecodeBatch
 from tandem.backend.decoder import Decoder
+from tandem.backend.engine_parts import make_batch, make_intake, make_pool
 from tandem.backend.engine_thread import EngineThread
 from tandem.backend.errors import PoolExhausted, StreamFailed
-from tandem.backend.kv_pool import KVPool
 from tandem.backend.metrics import MetricsSink, PublishTimer
 from tandem.backend.prefix_cache import PrefixCache
-from tandem.backend.queueing import Intake
 from tandem.backend.sampling import sample
 from tandem.backend.settings import EngineSettings
 from tandem.backend.stream import EngineRequest, Stream
-from tandem.backend.vocoder import ChunkPolicy
-
-
-def chunk_policy(settings: EngineSettings) -> ChunkPolicy:
-    b = settings.batch
-    return ChunkPolicy(first_rows=b.first_chunk_rows, growth=b.chunk_growth, max_rows=b.max_chunk_rows)
 
 
 class MonoEngine:
@@ -38,22 +30,10 @@ class MonoEngine:
         self.settings = settings
         self.metrics = metrics
         self._publish_timer = PublishTimer()
-        device = next(decoder.parameters()).device
-        self.pool = KVPool(decoder.kv_layout(), settings.pool.num_pages, settings.pool.page_size, device)
+        self.pool = make_pool(decoder, settings)
         self.cache = PrefixCache(self.pool, enabled=settings.pool.prefix_cache)
-        self.batch = DecodeBatch(
-            decoder,
-            self.pool,
-            chunk_policy(settings),
-            metrics,
-            settings.batch.rate_floor_tok_s,
-            cuda_graphs=settings.batch.cuda_graphs,
-            max_batch=settings.batch.max_batch,
-            graph_warmup_context=settings.batch.graph_warmup_context,
-        )
-        self.intake: Intake[EngineRequest] = Intake(
-            settings.batch.max_queue, settings.batch.admission_timeout_s
-        )
+        self.batch = make_batch(decoder, self.pool, settings, metrics)
+        self.intake = make_intake(settings, EngineRequest)
         self._thread = EngineThread("tandem-mono", self._iterate, self._fault)
 
     def start(self) -> None:

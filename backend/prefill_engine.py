@@ -28,17 +28,16 @@ import numpy as np
 import torch
 
 from tandem.backend.decoder import Decoder
+from tandem.backend.engine_parts import make_intake, make_pool, transfer_path, wire_layout
 from tandem.backend.engine_thread import EngineThread
 from tandem.backend.errors import PoolExhausted, StreamFailed, TandemError
 from tandem.backend.handoff import Handoff
-from tandem.backend.kv_pool import KVPool
 from tandem.backend.metrics import MetricsSink, PublishTimer
 from tandem.backend.prefix_cache import PrefixAllocation, PrefixCache
-from tandem.backend.queueing import Intake
 from tandem.backend.sampling import SamplingParams, sample
 from tandem.backend.settings import EngineSettings, FaultSettings
 from tandem.backend.timing import Timings
-from tandem.transfer import TransferSender, WireLayout, select_path
+from tandem.transfer import TransferSender
 
 log = logging.getLogger("tandem")
 
@@ -60,12 +59,6 @@ class PrefillRequest:
     sink: HandoffSink
     timings: Timings
     received_s: float = 0.0
-
-
-def wire_layout(decoder: Decoder) -> WireLayout:
-    """The transfer library's view of this decoder's KV (it knows nothing of decoders)."""
-    kv = decoder.kv_layout()
-    return WireLayout(kv.num_layers, kv.num_kv_heads, kv.head_dim, str(kv.dtype).removeprefix("torch."))
 
 
 class FaultInjector:
@@ -135,15 +128,11 @@ class PrefillEngine:
         self.settings = settings
         self.metrics = metrics
         self._publish_timer = PublishTimer()
-        self.pool = KVPool(
-            decoder.kv_layout(), settings.pool.num_pages, settings.pool.page_size, decoder.device
-        )
+        self.pool = make_pool(decoder, settings)
         self.cache = PrefixCache(self.pool, enabled=settings.pool.prefix_cache)
-        self.intake: Intake[PrefillRequest] = Intake(
-            settings.batch.max_queue, settings.batch.admission_timeout_s
-        )
+        self.intake = make_intake(settings, PrefillRequest)
         t = settings.transfer
-        self.path = select_path([p.strip() for p in t.paths.split(",") if p.strip()], t.require_path or None)
+        self.path = transfer_path(settings)
         self._open: dict[str, PrefixAllocation] = {}
         self._released: queue.SimpleQueue[str] = queue.SimpleQueue()
         self.sender = TransferSender(

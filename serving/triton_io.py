@@ -13,14 +13,17 @@ import json
 import logging
 import sys
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from tandem.backend.config import Limits, ModelConfig, VocoderConfig
+from tandem.backend.decoder import Decoder
 from tandem.backend.errors import ErrorCode, InvalidInput, TandemError
 from tandem.backend.metrics import METRICS, Kind
 from tandem.backend.prompt import RequestParams, check_prompt, parse_params
+from tandem.backend.runtime import build_decoder, resolve_device
 from tandem.backend.settings import EngineSettings, parse_settings, triton_parameters
 from tandem.backend.stream import Chunk
 from tandem.backend.timing import Timings
@@ -223,3 +226,26 @@ class HandoffResponder:
 
     def cancelled(self) -> bool:
         return bool(self._sender.is_cancelled())
+
+
+@dataclass(frozen=True)
+class EngineContext:
+    """What every engine model builds in `initialize`: settings, its config, decoder and metrics."""
+
+    settings: EngineSettings
+    config: dict[str, Any]
+    decoder: Decoder
+    metrics: TritonMetrics
+
+
+def engine_context(pb: Any, args: Mapping[str, Any]) -> EngineContext:
+    """Logging, typed settings, the decoder on the instance's device, and metrics labelled with the
+    model and instance — the common start of the `prefill`, `decode` and `tts_mono` adapters."""
+    setup_logging(args["model_name"])
+    settings, config = load_settings(args)
+    device = resolve_device(
+        settings.device, args["model_instance_kind"], int(args["model_instance_device_id"])
+    )
+    decoder = build_decoder(settings, device)
+    metrics = TritonMetrics(pb, {"model": args["model_name"], "instance": args["model_instance_name"]})
+    return EngineContext(settings, config, decoder, metrics)

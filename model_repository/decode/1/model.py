@@ -6,22 +6,14 @@ import triton_python_backend_utils as pb_utils
 from tandem.backend.decode_engine import DecodeEngine, DecodeRequest
 from tandem.backend.errors import InvalidInput, TandemError
 from tandem.backend.handoff import Handoff
-from tandem.backend.runtime import build_decoder, resolve_device
 from tandem.backend.timing import Timings
 from tandem.serving import triton_io as io
 
 
 class TritonPythonModel:
     def initialize(self, args):
-        io.setup_logging(args["model_name"])
-        self.settings, _ = io.load_settings(args)
-        device = resolve_device(
-            self.settings.device, args["model_instance_kind"], int(args["model_instance_device_id"])
-        )
-        self.decoder = build_decoder(self.settings, device)
-        self.metrics = io.TritonMetrics(
-            pb_utils, {"model": args["model_name"], "instance": args["model_instance_name"]}
-        )
+        ctx = io.engine_context(pb_utils, args)
+        self.settings, self.decoder, self.metrics = ctx.settings, ctx.decoder, ctx.metrics
         self.engine = DecodeEngine(self.decoder, self.settings, self.metrics)
         self.engine.start()
 

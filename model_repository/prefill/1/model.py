@@ -7,7 +7,6 @@ import triton_python_backend_utils as pb_utils
 
 from tandem.backend.errors import TandemError
 from tandem.backend.prefill_engine import PrefillEngine, PrefillRequest
-from tandem.backend.runtime import build_decoder, resolve_device
 from tandem.backend.timing import Timings
 from tandem.serving import triton_io as io
 
@@ -24,16 +23,9 @@ def _exit_for_proof(reason):
 
 class TritonPythonModel:
     def initialize(self, args):
-        io.setup_logging(args["model_name"])
-        self.settings, _ = io.load_settings(args)
-        device = resolve_device(
-            self.settings.device, args["model_instance_kind"], int(args["model_instance_device_id"])
-        )
-        self.decoder = build_decoder(self.settings, device)
+        ctx = io.engine_context(pb_utils, args)
+        self.settings, self.decoder, self.metrics = ctx.settings, ctx.decoder, ctx.metrics
         self.cfg = self.decoder.cfg
-        self.metrics = io.TritonMetrics(
-            pb_utils, {"model": args["model_name"], "instance": args["model_instance_name"]}
-        )
         slot = args["model_instance_name"].replace(" ", "_")
         self.engine = PrefillEngine(self.decoder, self.settings, self.metrics, slot, _exit_for_proof)
         self.engine.start()

@@ -5,7 +5,6 @@ import triton_python_backend_utils as pb_utils
 
 from tandem.backend.errors import TandemError
 from tandem.backend.mono_engine import MonoEngine
-from tandem.backend.runtime import build_decoder, resolve_device
 from tandem.backend.stream import EngineRequest
 from tandem.backend.timing import Timings
 from tandem.backend.vocoder import ReferenceVocoder
@@ -14,18 +13,11 @@ from tandem.serving import triton_io as io
 
 class TritonPythonModel:
     def initialize(self, args):
-        io.setup_logging(args["model_name"])
-        self.settings, config = io.load_settings(args)
-        device = resolve_device(
-            self.settings.device, args["model_instance_kind"], int(args["model_instance_device_id"])
-        )
-        self.decoder = build_decoder(self.settings, device)
+        ctx = io.engine_context(pb_utils, args)
+        self.settings, self.decoder, self.metrics = ctx.settings, ctx.decoder, ctx.metrics
         self.cfg = self.decoder.cfg
-        io.check_published(config, self.cfg, self.settings.vocoder)
+        io.check_published(ctx.config, self.cfg, self.settings.vocoder)
         self.vocoder = ReferenceVocoder(self.settings.vocoder)
-        self.metrics = io.TritonMetrics(
-            pb_utils, {"model": args["model_name"], "instance": args["model_instance_name"]}
-        )
         self.engine = MonoEngine(self.decoder, self.settings, self.metrics)
         self.engine.start()
 

@@ -1,0 +1,61 @@
+"""The pieces every engine builds the same way from its settings.
+
+The monolithic engine, P and D each own a KV pool, most own a decode batch and a bounded intake, and P
+and D select a transfer path; building them here keeps the three engines from drifting apart (equal
+settings must mean equal behaviour, or `tts` and `tts_mono` stop producing identical tokens).
+"""
+
+from __future__ import annotations
+
+from typing import TypeVar
+
+from tandem.backend.batch import DecodeBatch
+from tandem.backend.decoder import Decoder
+from tandem.backend.kv_pool import KVPool
+from tandem.backend.metrics import MetricsSink
+from tandem.backend.queueing import Intake, _HasSink
+from tandem.backend.settings import EngineSettings
+from tandem.backend.vocoder import ChunkPolicy
+from tandem.transfer import TransferPath, WireLayout, select_path
+
+R = TypeVar("R", bound=_HasSink)
+
+
+def make_pool(decoder: Decoder, settings: EngineSettings) -> KVPool:
+    return KVPool(decoder.kv_layout(), settings.pool.num_pages, settings.pool.page_size, decoder.device)
+
+
+def chunk_policy(settings: EngineSettings) -> ChunkPolicy:
+    b = settings.batch
+    return ChunkPolicy(first_rows=b.first_chunk_rows, growth=b.chunk_growth, max_rows=b.max_chunk_rows)
+
+
+def make_batch(decoder: Decoder, pool: KVPool, settings: EngineSettings, metrics: MetricsSink) -> DecodeBatch:
+    b = settings.batch
+    return DecodeBatch(
+        decoder,
+        pool,
+        chunk_policy(settings),
+        metrics,
+        b.rate_floor_tok_s,
+        cuda_graphs=b.cuda_graphs,
+        max_batch=b.max_batch,
+        graph_warmup_context=b.graph_warmup_context,
+    )
+
+
+def make_intake(settings: EngineSettings, _kind: type[R]) -> Intake[R]:
+    """A bounded intake for requests of type `_kind` (the argument only fixes the type)."""
+    return Intake(settings.batch.max_queue, settings.batch.admission_timeout_s)
+
+
+def transfer_path(settings: EngineSettings) -> TransferPath:
+    """Probe the configured paths in order; with `require_path` set, that one or a start-up error."""
+    t = settings.transfer
+    return select_path([p.strip() for p in t.paths.split(",") if p.strip()], t.require_path or None)
+
+
+def wire_layout(decoder: Decoder) -> WireLayout:
+    """The transfer library's view of this decoder's KV (it knows nothing of decoders)."""
+    kv = decoder.kv_layout()
+    return WireLayout(kv.num_layers, kv.num_kv_heads, kv.head_dim, str(kv.dtype).removeprefix("torch."))
