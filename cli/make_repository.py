@@ -44,6 +44,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-batch", type=int)
     ap.add_argument("--unit", help="transfer unit name (socket dir, lock names)")
     ap.add_argument(
+        "--path",
+        help="KV transfer path P and D require (host_shm, cuda_ipc, cuda_vmm, proxy, tcp); "
+        "default: cuda_ipc when P or D is placed on a GPU, else the repository's (host_shm)",
+    )
+    ap.add_argument(
         "--set",
         action="append",
         default=[],
@@ -72,6 +77,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.unit:
         for m in ("prefill", "decode"):
             params[m]["tandem.transfer.unit"] = args.unit
+    path = args.path or ("cuda_ipc" if (args.prefill_gpus or args.decode_gpus) else None)
+    if path:
+        for m in ("prefill", "decode"):
+            params[m]["tandem.transfer.paths"] = path
+            params[m]["tandem.transfer.require_path"] = path
     for published in ("tts", "tts_mono"):
         params.setdefault(published, {})
         params[published]["row_width"] = str(cfg.row_width)

@@ -25,8 +25,7 @@ export XDG_RUNTIME_DIR=/tmp/run && mkdir -p -m 0700 "$XDG_RUNTIME_DIR"
 rm -rf /tmp/repo
 python3 -m tandem.cli.make_repository --out /tmp/repo --preset qwen3-4b-shape --dtype bfloat16 \
   --prefill-gpus 0 --decode-gpus 1 --mono-gpus 0,1 --pool-pages 12288 --max-batch 64 \
-  --set "prefill:tandem.transfer.paths=$path" --set "prefill:tandem.transfer.require_path=$path" \
-  --set "decode:tandem.transfer.paths=$path" --set "decode:tandem.transfer.require_path=$path" \
+  --path "$path" \
   --set "decode:tandem.transfer.arena_mb=8192" --set "decode:tandem.transfer.deadline_s=10" \
   --set "tts_mono:tandem.batch.max_queue=1024" --set "decode:tandem.batch.max_queue=1024" \
   --set "tts_mono:tandem.batch.graph_warmup_context=2560" --set "decode:tandem.batch.graph_warmup_context=2560"
