@@ -32,6 +32,19 @@ from tandem.cli import benchutil
 from tandem.cli.trace import TraceRequest, generate, load
 from tandem.cli.tts_client import StreamResult, TTSClient
 
+TABLE_HEADERS = [
+    "model",
+    "C",
+    "streams",
+    "err",
+    "stalls",
+    "<floor",
+    "ttfa p50 ms",
+    "ttfa p95 ms",
+    "min tok/s",
+    "pass",
+]
+
 
 def stalls(result: StreamResult, rows_per_second: float) -> tuple[int, float]:
     """(number of stalls, total stalled seconds) of a stream played from its first response on."""
@@ -232,18 +245,7 @@ def main(argv: list[str] | None = None) -> int:
             )
             print(
                 benchutil.format_table(
-                    [
-                        "model",
-                        "C",
-                        "streams",
-                        "err",
-                        "stalls",
-                        "<floor",
-                        "ttfa p50",
-                        "ttfa p95",
-                        "min tok/s",
-                        "pass",
-                    ],
+                    TABLE_HEADERS,
                     table[-1:],
                 ),
                 file=sys.stderr,
@@ -261,18 +263,7 @@ def main(argv: list[str] | None = None) -> int:
             benchutil.write_json(args.out / "bench.json", result)  # partial results survive a timeout
     print(
         benchutil.format_table(
-            [
-                "model",
-                "C",
-                "streams",
-                "err",
-                "stalls",
-                "<floor",
-                "ttfa p50 ms",
-                "ttfa p95 ms",
-                "min tok/s",
-                "pass",
-            ],
+            TABLE_HEADERS,
             table,
         )
     )

@@ -92,26 +92,24 @@ def bytes_tensor(pb: Any, name: str, text: str) -> Any:
     return pb.Tensor(name, np.array([text.encode()], dtype=np.object_))
 
 
-class ResponseSink:
-    """ChunkSink over a decoupled response sender.
+class _DecoupledResponder:
+    """One stream's decoupled response sender: data responses, then FINAL, or one FINAL error.
 
-    `render(chunk)` builds the output tensors of one response; the final chunk's response carries
-    the FINAL flag, an error ends the stream with the FINAL flag too. Called from the engine thread.
+    After the final response or the error nothing more is sent (a late emit from the engine thread
+    is dropped rather than sent after FINAL, which Triton would reject).
     """
 
-    def __init__(self, pb: Any, request: Any, render: Callable[[Chunk], list[Any]]) -> None:
+    def __init__(self, pb: Any, request: Any) -> None:
         self._pb = pb
-        self._request = request
         self._sender = request.get_response_sender()
-        self._render = render
         self._closed = False
 
-    def emit(self, chunk: Chunk) -> None:
+    def _send(self, outputs: list[Any], final: bool) -> None:
         if self._closed:
             return
-        flags = self._pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if chunk.final else 0
-        self._closed = chunk.final
-        self._sender.send(self._pb.InferenceResponse(output_tensors=self._render(chunk)), flags=flags)
+        self._closed = final
+        flags = self._pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0
+        self._sender.send(self._pb.InferenceResponse(output_tensors=outputs), flags=flags)
 
     def fail(self, error: TandemError) -> None:
         if self._closed:
@@ -124,6 +122,19 @@ class ResponseSink:
 
     def cancelled(self) -> bool:
         return bool(self._sender.is_cancelled())
+
+
+class ResponseSink(_DecoupledResponder):
+    """ChunkSink: `render(chunk)` builds one response's outputs; the final chunk's carries FINAL.
+    Called from the engine thread."""
+
+    def __init__(self, pb: Any, request: Any, render: Callable[[Chunk], list[Any]]) -> None:
+        super().__init__(pb, request)
+        self._render = render
+
+    def emit(self, chunk: Chunk) -> None:
+        if not self._closed:
+            self._send(self._render(chunk), chunk.final)
 
 
 def timings_text(chunk: Chunk, extra: Mapping[str, int] | None = None) -> str:
@@ -197,35 +208,11 @@ def sampling_params(params: RequestParams) -> Any:
     return SamplingParams(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k, seed=seed)
 
 
-class HandoffResponder:
-    """HandoffSink over a decoupled sender: exactly one response (HANDOFF) or one error, FINAL."""
-
-    def __init__(self, pb: Any, request: Any) -> None:
-        self._pb = pb
-        self._sender = request.get_response_sender()
-        self._closed = False
+class HandoffResponder(_DecoupledResponder):
+    """HandoffSink: exactly one response (HANDOFF) or one error, FINAL."""
 
     def send(self, handoff: Any) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        out = [bytes_tensor(self._pb, "HANDOFF", handoff.to_json())]
-        self._sender.send(
-            self._pb.InferenceResponse(output_tensors=out),
-            flags=self._pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL,
-        )
-
-    def fail(self, error: TandemError) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        self._sender.send(
-            self._pb.InferenceResponse(error=triton_error(self._pb, error)),
-            flags=self._pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL,
-        )
-
-    def cancelled(self) -> bool:
-        return bool(self._sender.is_cancelled())
+        self._send([bytes_tensor(self._pb, "HANDOFF", handoff.to_json())], final=True)
 
 
 @dataclass(frozen=True)
