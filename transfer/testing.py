@@ -13,7 +13,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict
 from multiprocessing.connection import Connection as Pipe
 from typing import Any
@@ -25,6 +25,14 @@ from .layout import WireLayout
 from .paths import PATHS, LocalArena, PeerArena, TransferPath
 from .sender import TransferSender
 from .state import Ticket
+
+
+def wait_for(pred: Callable[[], bool], timeout: float = 10.0) -> bool:
+    """Poll `pred` every 5 ms until it holds or `timeout` passes; returns its last value (tests only)."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end and not pred():
+        time.sleep(0.005)
+    return pred()
 
 
 def fake_kv(layout: WireLayout, n_tokens: int, seed: int) -> torch.Tensor:

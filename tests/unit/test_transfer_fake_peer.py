@@ -22,6 +22,7 @@ from tandem.transfer import (
     TransferTimeout,
     WireLayout,
     kv_checksum,
+    testing,
 )
 from tandem.transfer._conn import Connection
 from tandem.transfer.checksum import format_checksum
@@ -35,10 +36,7 @@ ARENA = 1 << 20
 
 
 def wait_for(pred: Callable[[], bool], timeout: float = 5.0) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end and not pred():
-        time.sleep(0.005)
-    return pred()
+    return testing.wait_for(pred, timeout)
 
 
 class ScriptedP:

@@ -11,7 +11,7 @@ import os
 import random
 import signal
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -26,18 +26,11 @@ from tandem.transfer import (
     TransferState,
     WireLayout,
 )
-from tandem.transfer.testing import SenderProcess, fake_kv
+from tandem.transfer.testing import SenderProcess, fake_kv, wait_for
 
 LAYOUT = WireLayout(2, 2, 32, "bfloat16")
 ARENA = 1 << 24
 BUSY = (TransferState.REQUESTED, TransferState.DONE)
-
-
-def wait_for(pred: Callable[[], bool], timeout: float = 10.0) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end and not pred():
-        time.sleep(0.005)
-    return pred()
 
 
 class ChildP(SenderProcess):

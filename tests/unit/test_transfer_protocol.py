@@ -27,6 +27,7 @@ from tandem.transfer import (
     TransferTimeout,
     UnknownTransfer,
     WireLayout,
+    testing,
 )
 from tandem.transfer.control import connect_unix
 from tandem.transfer.frames import FrameReader, MsgType, encode, send_frame
@@ -37,12 +38,7 @@ ARENA = 1 << 22
 
 
 def wait_for(pred: Callable[[], bool], timeout: float = 5.0) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if pred():
-            return True
-        time.sleep(0.005)
-    return pred()
+    return testing.wait_for(pred, timeout)
 
 
 def settle(r: TransferReceiver, h: TransferHandle, timeout: float = 5.0) -> TransferState:

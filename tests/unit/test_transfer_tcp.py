@@ -15,8 +15,7 @@ import random
 import secrets
 import socket
 import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -37,7 +36,7 @@ from tandem.transfer import (
     select_path,
 )
 from tandem.transfer.tcp_path import MAGIC, SECRET_NAME, TcpArena, TcpPath, TcpPeerArena
-from tandem.transfer.testing import SenderProcess, fake_kv, sender_child
+from tandem.transfer.testing import SenderProcess, fake_kv, sender_child, wait_for
 
 LAYOUT = WireLayout(2, 2, 16, "float32")  # 512 bytes per token
 
@@ -228,13 +227,6 @@ def test_p_refuses_a_listener_that_fails_authentication(path: TcpPath) -> None:
 UNIT = "ut"
 ARENA = 1 << 24
 BUSY = (TransferState.REQUESTED, TransferState.DONE)
-
-
-def wait_for(pred: Callable[[], bool], timeout: float = 10.0) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end and not pred():
-        time.sleep(0.005)
-    return pred()
 
 
 class ThreadP(SenderProcess):
