@@ -57,8 +57,12 @@ class StepTimeModel:
         return float(a + b * batch + c * context)
 
     def admits(self, batch: int, context: int, new_context: int, floor_tok_s: float, margin: float) -> bool:
-        """Would every stream stay >= floor if one stream with `new_context` tokens joined?"""
-        if not self.ready:
+        """Would every stream stay >= floor if one stream with `new_context` tokens joined?
+
+        An idle engine always admits: one stream is the best it can do, and only running steps refresh
+        the fit — refusing with an empty batch would keep a pessimistic model forever (D admits nothing).
+        """
+        if not self.ready or batch == 0:
             return True
         budget = (1.0 - margin) / floor_tok_s
         return self.predict(batch + 1, context + new_context) <= budget

@@ -180,3 +180,13 @@ def test_step_model_admits_under_the_floor_only():
     budget = 0.8 / 42.0
     k = m.admittable(10, 10_000, 1000, 42.0, 0.2, limit=500)
     assert m.predict(10 + k, 10_000 + k * 1000) <= budget < m.predict(11 + k, 11_000 + k * 1000)
+
+
+def test_step_model_never_locks_out_an_idle_engine():
+    m = StepTimeModel(refit_every=8)
+    for _ in range(32):  # a slow stretch (e.g. the process was paused): one stream took 100 ms a step
+        m.observe(1, 500, 0.1)
+    assert m.ready and m.predict(1, 500) > 0.8 / 42.0
+    assert m.admits(0, 0, 500, 42.0, 0.2)  # idle: admit, so steps run and refresh the fit
+    assert m.admittable(0, 0, 500, 42.0, 0.2, limit=64) == 1
+    assert not m.admits(1, 500, 500, 42.0, 0.2)  # busy: the floor still protects running streams
