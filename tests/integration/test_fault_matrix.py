@@ -150,8 +150,11 @@ def test_pause_p_then_resume_releases_by_p_answer(row):
     process, so neither an instance change nor a free lock can have been the proof (seed bug #1)."""
     unit, base = row
     t0 = time.monotonic()
-    unit.set_faults(delay_every=3, delay_s=1.5)  # copies 3 and 6 of 8: at most 2 held, below the limit
-    load = Background(lambda: streams(unit.url, jobs(8, 100, 30, seed=1), timeout_s=40))
+    # Three streams, the 3rd copy delayed: P is stopped once the first two are verified, so the delayed
+    # copy is the only one that can be mid-flight and P holds exactly one ACK, below its limit of 3 (with
+    # more streams a copy caught mid-flight by SIGSTOP on a busy machine makes P exit, correctly).
+    unit.set_faults(delay_every=3, delay_s=1.5)
+    load = Background(lambda: streams(unit.url, jobs(3, 100, 30, seed=1), timeout_s=40))
     unit.wait_for(lambda s: s.verified_ok >= base.verified_ok + 2, 10, "first transfers verified")
     pid = unit.signal_stub("prefill", signal.SIGSTOP)
     time.sleep(DEADLINE_S + 1.0)
