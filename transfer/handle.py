@@ -44,7 +44,6 @@ class TransferHandle:
     sent_gen: int = -1  # which control connection carried the PULL
     last_abort: float = 0.0
     engine_done: bool = False  # the engine called complete()
-    done_checksum: str = ""  # P's checksum from DONE, verified by the next `poll`
     stamps: _Stamps = field(default_factory=_Stamps)
 
     @property

@@ -157,12 +157,9 @@ class TransferReceiver:
     def poll(self, handle: TransferHandle) -> TransferState:
         """Called by the engine loop every iteration for each open handle; non-blocking.
 
-        REQUESTED: keep waiting. VERIFIED: scatter `handle.tensor()`, then `complete()`. FAILED:
+        REQUESTED/DONE: keep waiting. VERIFIED: scatter `handle.tensor()`, then `complete()`. FAILED:
         error the client stream now (`handle.error` says why), then `complete()`; the region may stay
         quarantined in the background — the engine does not own it and must not wait for it.
-
-        A DONE is verified here, on the caller's thread: hashing on a socket reader would have to win
-        the GIL back from a busy engine loop for every device call (tens of ms per transfer).
         """
         actions: Actions = []
         with self._lock:
@@ -172,9 +169,6 @@ class TransferReceiver:
                 )
             state = handle.state
         _run(actions)
-        if state is TransferState.DONE:
-            self._verify(handle, handle.done_checksum)
-            state = handle.state
         return state
 
     def complete(self, handle: TransferHandle) -> None:
@@ -366,6 +360,7 @@ class TransferReceiver:
 
     def _on_message(self, ep: Endpoint, gen: int, kind: MsgType, msg: dict[str, object]) -> None:
         actions: Actions = []
+        verify: TransferHandle | None = None
         with self._lock:
             if ep.gen != gen:
                 return
@@ -401,10 +396,7 @@ class TransferReceiver:
                     h.stamps.copy_start_ns = int(msg["copy_start_ns"])  # type: ignore[call-overload]
                     h.stamps.copy_end_ns = int(msg["copy_end_ns"])  # type: ignore[call-overload]
                     h.stamps.done_received_ns = time.time_ns()
-                    h.done_checksum = str(msg["checksum"])
-                    # P's part is over (DONE proves its copy returned): a later loss of this connection
-                    # or instance must not fail it; `poll` verifies it on the engine's thread.
-                    self._handles_ep_discard(h)
+                    verify = h
                 else:  # a DONE after D gave up still proves the copy is over
                     self._release(h, ReleaseReason.DONE, actions)
             elif kind is MsgType.FAILED:
@@ -416,9 +408,11 @@ class TransferReceiver:
             else:
                 raise ProtocolError(f"unexpected {kind.name} from P")
         _run(actions)
+        if verify is not None:
+            self._verify(verify, str(msg["checksum"]))
 
     def _verify(self, h: TransferHandle, theirs: str) -> None:
-        """`poll`, once per DONE: hash the region (owned by the transfer in state DONE)."""
+        """Reader thread, once per DONE: hash the region (owned by the transfer in state DONE)."""
         ours = format_checksum(kv_checksum(self._arena.region_bytes(h.region)))
         actions: Actions = []
         with self._lock:
