@@ -89,7 +89,12 @@ def faulty(tmp_path_factory: pytest.TempPathFactory):
             "tandem.transfer.ticket_ttl_s": "1.0",
             "tandem.transfer.max_held_acks": "1000",
         },
-        "decode": {"tandem.transfer.deadline_s": "0.5", "tandem.transfer.abort_retry_s": "0.1"},
+        # Admission is not under test here (see test_fault_matrix.OVERRIDES): admit every stream.
+        "decode": {
+            "tandem.batch.rate_admission": "false",
+            "tandem.transfer.deadline_s": "0.5",
+            "tandem.transfer.abort_retry_s": "0.1",
+        },
     }
     proc = TritonProcess(tmp_path_factory.mktemp("faulty"), overrides).start()
     yield proc
