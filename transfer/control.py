@@ -82,6 +82,13 @@ class InstanceLock:
         self._fd = fd
         return True
 
+    @property
+    def fd(self) -> int:
+        """The locked descriptor (to share with a process that writes for this P, see the proxy)."""
+        if self._fd is None:
+            raise TransferError("the instance lock is not held")
+        return self._fd
+
     def release(self) -> None:
         """Only after every copy this instance started has finished (or by process exit)."""
         if self._fd is not None:

@@ -108,6 +108,14 @@ class TransferPath(ABC):
         protocol may omit it, and paths that P writes directly ignore it). Must return only when no
         byte of it can still land (synchronise async engines)."""
 
+    def share_instance_lock(self, fd: int | None) -> None:
+        """P side, by `TransferSender`: with the slot's instance-lock fd right after `start` took the
+        lock (the fd stays owned by the sender), and with None in `close` once every copy finished,
+        just before the sender lets go of it. A path whose bytes a third process writes for P (the
+        proxy) must keep the lock held there for as long as such a write can land, so that P's death
+        alone never looks like proof to D. Paths where P itself writes ignore it."""
+        return None
+
 
 class HostArena(LocalArena):
     """A sealed memfd mapped into D; P maps the same pages from the fd. Dies with its last holder."""

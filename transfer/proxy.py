@@ -9,21 +9,27 @@ a dedicated stream, replying only after the stream synchronised.
 
 Wire: the control plane's framing (4-byte big-endian length + UTF-8 JSON), requests with an `op`:
 `register {role: staging|arena, handle, nbytes, bus_id, layout_fp}` -> `{ok, id}`; `unregister {id}`;
-`copy {src, src_offset, dst, dst_offset, nbytes}` -> `{ok, ns}`; `ping` -> `{ok, pid, devices}`.
+`copy {src, src_offset, dst, dst_offset, nbytes}` -> `{ok, ns}`; `ping` -> `{ok, pid, devices}`;
+`hold_lock {}` with one fd (SCM_RIGHTS) -> `{ok}`.
 Errors come back as `{ok: false, error}` and close nothing else. A registration lives until its
 connection closes or it is unregistered; unregistering waits for copies that use it.
 
 Proof (docs/protocol.md): a connection's requests are served one at a time, and the proxy replies to
 `copy` only after the copy finished, so when P's `copy_to_peer` returns (reply, or the proxy's socket
-closed: the proxy finished the copy or died with its context) no byte can still land. Caveat: if P
-dies mid-copy, the proxy still finishes that copy (milliseconds) after P's instance lock is free;
-closing that window needs P to hand the proxy its lock fd for the copy's duration (not done yet).
+closed: the proxy finished the copy or died with its context) no byte can still land.
+
+P's death is D's other proof (its slot's instance lock is free), but a proxy copy started for P
+finishes after P is gone. So every connection P copies on first sends `hold_lock` with P's instance
+lock fd; the proxy keeps that descriptor (the same open file description, so the same flock) until
+the connection's thread has finished its last request and seen the connection close. P's lock is
+therefore free only when P is dead *and* no copy the proxy runs for it can still land.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import fcntl
 import json
 import logging
 import os
@@ -36,7 +42,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from .control import connect_unix, control_dir, listen_unix, same_user
+from .control import connect_unix, control_dir, listen_unix, peer_cred, same_user
 from .errors import ProtocolError, TransferError
 from .frames import MAX_FRAME_BYTES, send_frame
 
@@ -49,29 +55,49 @@ def proxy_socket_path(unit: str, name: str = "proxy") -> str:
     return str(control_dir(unit) / f"{name}.sock")
 
 
-def send_msg(sock: socket.socket, obj: dict[str, Any]) -> None:
+def send_msg(sock: socket.socket, obj: dict[str, Any], fds: tuple[int, ...] = ()) -> None:
     body = json.dumps(obj, separators=(",", ":")).encode()
     if len(body) > MAX_FRAME_BYTES:
         raise ProtocolError(f"proxy frame of {len(body)} bytes exceeds {MAX_FRAME_BYTES}")
-    send_frame(sock, _HEADER.pack(len(body)) + body, timeout_s=10.0)
+    send_frame(sock, _HEADER.pack(len(body)) + body, fds, timeout_s=10.0)
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
+def lock_is_held(fd: int) -> bool:
+    """Does some process hold an exclusive flock on the file `fd` refers to? Tested through a new
+    open file description (a flock on `fd` itself would convert the holder's lock)."""
+    probe = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        fcntl.flock(probe, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(probe)
+    return False
+
+
+def _recv_exact(sock: socket.socket, n: int, fds: list[int] | None) -> bytes:
+    """`n` bytes; descriptors that arrive with them are appended to `fds` (closed if `fds` is None)."""
     buf = bytearray()
     while len(buf) < n:
-        chunk = sock.recv(n - len(buf))
+        chunk, got, _, _ = socket.recv_fds(sock, n - len(buf), 4)
+        if fds is None:
+            for fd in got:
+                os.close(fd)
+        else:
+            fds.extend(got)
         if not chunk:
             raise EOFError("proxy connection closed")
         buf.extend(chunk)
     return bytes(buf)
 
 
-def recv_msg(sock: socket.socket) -> dict[str, Any]:
-    (length,) = _HEADER.unpack(_recv_exact(sock, _HEADER.size))
+def recv_msg(sock: socket.socket, fds: list[int] | None = None) -> dict[str, Any]:
+    """One request or reply. Descriptors sent with it go to `fds` (the caller closes them)."""
+    (length,) = _HEADER.unpack(_recv_exact(sock, _HEADER.size, fds))
     if length == 0 or length > MAX_FRAME_BYTES:
         raise ProtocolError(f"bad proxy frame length {length}")
     try:
-        msg = json.loads(_recv_exact(sock, length).decode("utf-8"))
+        msg = json.loads(_recv_exact(sock, length, fds).decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ProtocolError(f"proxy frame is not UTF-8 JSON: {exc}") from None
     if not isinstance(msg, dict):
@@ -101,12 +127,10 @@ class ProxyServer:
         """`issue`: whose context runs the copy — "dst" (default: D's GPU pulls P's staging) or "src"
         (P's GPU pushes into D's arena). Both handles are opened in that context: a pointer opened in
         the owning GPU's context and copied from another ran at ~36 GB/s (staged), not NVLink speed."""
-        from ._gpu import kernels  # imported here so `--help` works without CUDA
-
         if issue not in ("dst", "src"):
             raise ValueError(f"issue must be dst or src, got {issue!r}")
         self.issue = issue
-        self._k = kernels()
+        self._kernels: Any = None
         self.path = proxy_socket_path(unit, name)
         self._lock = threading.Condition()
         self._entries: dict[str, _Entry] = {}
@@ -116,6 +140,16 @@ class ProxyServer:
         self._server: socket.socket | None = None
         self._threads: list[threading.Thread] = []
         self.copies = 0
+        self.locks_held = 0
+
+    @property
+    def _k(self) -> Any:
+        """The CUDA module, loaded on first use: `--help` and lock holding work without CUDA."""
+        if self._kernels is None:
+            from ._gpu import kernels
+
+            self._kernels = kernels()
+        return self._kernels
 
     def start(self) -> None:
         from pathlib import Path
@@ -156,13 +190,24 @@ class ProxyServer:
             t.start()
 
     def _serve(self, sock: socket.socket) -> None:
+        held: list[int] = []  # P's instance-lock descriptors, closed only when this connection ends
+        pid = peer_cred(sock)[0]
         try:
             while not self._stop.is_set():
-                msg = recv_msg(sock)
+                fds: list[int] = []
                 try:
-                    reply = self._handle(sock, msg)
+                    msg = recv_msg(sock, fds)
+                    if msg.get("op") == "hold_lock":
+                        reply = self._hold_lock(fds, held)
+                    elif fds:
+                        raise ValueError(f"{msg.get('op')!r} takes no file descriptors")
+                    else:
+                        reply = self._handle(sock, msg)
                 except (TransferError, RuntimeError, KeyError, TypeError, ValueError) as exc:
                     reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+                finally:
+                    for fd in fds:
+                        os.close(fd)
                 send_msg(sock, reply)
         except (EOFError, OSError, ProtocolError):
             pass
@@ -172,6 +217,24 @@ class ProxyServer:
             for eid in owned:
                 self._unregister(eid)
             sock.close()
+            # Last: this thread ran every copy of the connection to completion above, so nothing the
+            # proxy does for that P can still land once its lock may be seen free.
+            for fd in held:
+                os.close(fd)
+            if held:
+                log.info("released the instance lock of pid %d (connection closed, no copy running)", pid)
+
+    def _hold_lock(self, fds: list[int], held: list[int]) -> dict[str, Any]:
+        """Keep P's instance-lock descriptor for the life of this connection (see module docstring)."""
+        if len(fds) != 1:
+            raise ValueError(f"hold_lock takes exactly one file descriptor, got {len(fds)}")
+        fd = fds.pop()
+        if not lock_is_held(fd):
+            os.close(fd)
+            raise ValueError("hold_lock: that descriptor is not a held instance lock")
+        held.append(fd)
+        self.locks_held += 1
+        return {"ok": True}
 
     def _handle(self, sock: socket.socket, msg: dict[str, Any]) -> dict[str, Any]:
         op = msg.get("op")
@@ -288,12 +351,14 @@ class ProxyClient:
                 f"no IPC proxy at {path} ({exc}); start `tandem-proxy --unit <unit>`"
             ) from exc
         self._lock = threading.Lock()
+        self.closed = False
 
-    def request(self, **msg: Any) -> dict[str, Any]:
-        """Send one request and block for its reply (no timeout: a copy's reply is its proof)."""
+    def request(self, fds: tuple[int, ...] = (), **msg: Any) -> dict[str, Any]:
+        """Send one request (with `fds`, if any) and block for its reply (no timeout: a copy's reply is
+        its proof)."""
         with self._lock:
             try:
-                send_msg(self.sock, msg)
+                send_msg(self.sock, msg, fds)
                 reply = recv_msg(self.sock)
             except (EOFError, OSError, ProtocolError) as exc:
                 raise TransferError(f"IPC proxy connection failed: {exc}") from exc
@@ -302,6 +367,7 @@ class ProxyClient:
         return reply
 
     def close(self) -> None:
+        self.closed = True
         with contextlib.suppress(OSError):
             self.sock.close()
 

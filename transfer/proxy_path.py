@@ -67,6 +67,8 @@ class ProxyPath(TransferPath):
         self._lock = threading.Lock()
         self._owner: ProxyClient | None = None  # holds the staging registrations
         self._local = threading.local()  # one request connection per copy worker thread
+        self._clients: list[ProxyClient] = []  # every request connection, closed by close()
+        self._lock_fd: int | None = None  # P's instance lock, handed to the proxy on each connection
         self._free: list[_Slab] = []
         self._busy: dict[int, _Slab] = {}
 
@@ -83,10 +85,38 @@ class ProxyPath(TransferPath):
     def _fp(self) -> str | None:
         return None if self.layout is None else self.layout.fingerprint()
 
+    def share_instance_lock(self, fd: int | None) -> None:
+        """With an fd: every request connection opened from now on first hands the proxy a copy of P's
+        lock (see `transfer/proxy.py`): copies are requested there, so the proxy keeps P's lock held
+        until it has finished them, even if P dies mid-copy. With None (the sender is closing, every
+        copy finished): close the request connections, so the proxy lets go of the lock."""
+        with self._lock:
+            self._lock_fd = fd
+            clients = self._clients if fd is None else []
+            if fd is None:
+                self._clients = []
+        for c in clients:
+            c.close()
+
     def _client(self) -> ProxyClient:
+        """This thread's request connection; a new one when the lock was shared after it was opened
+        (the startup probe's) or dropped since (closed)."""
         c: ProxyClient | None = getattr(self._local, "client", None)
-        if c is None:
-            c = self._local.client = ProxyClient(self.socket_path)
+        lock_fd = self._lock_fd
+        if c is not None and not c.closed and (lock_fd is None or self._local.holds):
+            return c
+        if c is not None:
+            c.close()
+        c = ProxyClient(self.socket_path)
+        if lock_fd is not None:
+            try:
+                c.request(op="hold_lock", fds=(lock_fd,))
+            except BaseException:
+                c.close()
+                raise
+        self._local.client, self._local.holds = c, lock_fd is not None
+        with self._lock:
+            self._clients.append(c)
         return c
 
     def _register(self, client: ProxyClient, role: str, ptr: int, nbytes: int) -> str:
@@ -224,6 +254,9 @@ class ProxyPath(TransferPath):
         with self._lock:
             owner, self._owner = self._owner, None
             free, self._free = self._free, []
+            clients, self._clients = self._clients, []
+        for c in clients:  # the proxy lets go of P's lock as each closes
+            c.close()
         if owner is not None:
             owner.close()
         if free:

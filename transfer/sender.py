@@ -119,6 +119,7 @@ class TransferSender:
             if time.monotonic() > deadline:
                 raise TransferError(f"another P instance holds {self.lock_path}")
             time.sleep(0.02)
+        self.path.share_instance_lock(self._instance_lock.fd)
         self._server = listen_unix(self._sock_path)
         self._server.settimeout(0.05)
         self._spawn(self._accept_loop, "tandem-p-accept")
@@ -154,6 +155,7 @@ class TransferSender:
         if self._server is not None:
             self._server.close()
             self._sock_path.unlink(missing_ok=True)
+        self.path.share_instance_lock(None)
         self._instance_lock.release()
 
     # ---- engine API ------------------------------------------------------------------------------
