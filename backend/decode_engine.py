@@ -20,6 +20,8 @@ import logging
 import time
 from dataclasses import dataclass
 
+import torch
+
 from tandem.backend.decoder import Decoder
 from tandem.backend.engine_parts import make_batch, make_intake, make_pool, transfer_path, wire_layout
 from tandem.backend.engine_thread import EngineThread
@@ -80,6 +82,7 @@ class DecodeEngine:
         )
         self._events: list[TransferEvent] = []
         self._waiting: list[_Waiting] = []
+        self._scattering: list[tuple[torch.cuda.Event, TransferHandle]] = []
         self._draining = False
         self.step_model = StepTimeModel()
         self._verified = {"ok": 0, "mismatch": 0}
@@ -97,6 +100,7 @@ class DecodeEngine:
 
     def close(self) -> None:
         self._thread.stop()
+        self._complete_scattered(wait=True)
         self.receiver.close()
 
     def submit(self, req: DecodeRequest) -> None:
@@ -172,7 +176,34 @@ class DecodeEngine:
         self._waiting.append(_Waiting(stream, handle, h.first_row_array()))
         return True
 
+    def _release_after_scatter(self, handle: TransferHandle) -> None:
+        """Give a verified region back to the receiver only once the scatter has read it.
+
+        On a GPU the scatter is queued on the engine's stream (behind the running step), while P's
+        next copy into a reused region is ordered on nothing of ours: completing at once could let
+        that copy land before the scatter read the bytes. So a CUDA scatter records an event and the
+        region returns when it has passed (checked every iteration). A CPU scatter has already run.
+        """
+        if self.pool.device.type != "cuda":
+            self.receiver.complete(handle)
+            return
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.pool.device))
+        self._scattering.append((event, handle))
+
+    def _complete_scattered(self, wait: bool = False) -> None:
+        still = []
+        for event, handle in self._scattering:
+            if wait:
+                event.synchronize()
+            if event.query():
+                self.receiver.complete(handle)
+            else:
+                still.append((event, handle))
+        self._scattering = still
+
     def _poll_transfers(self) -> None:
+        self._complete_scattered()
         still: list[_Waiting] = []
         for w in self._waiting:
             state = self.receiver.poll(w.handle)
@@ -181,7 +212,7 @@ class DecodeEngine:
                 kv = w.handle.tensor()
                 assert s.slots is not None
                 self.pool.scatter(s.slots[: s.prompt_len], kv.to(self.pool.device, non_blocking=False))
-                self.receiver.complete(w.handle)
+                self._release_after_scatter(w.handle)
                 stamps = w.handle.stamps
                 for stage, at in (("copy_start", stamps.copy_start_ns), ("copy_end", stamps.copy_end_ns)):
                     if at:

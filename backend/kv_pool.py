@@ -147,7 +147,8 @@ class KVPool:
     def scatter(self, slots: torch.Tensor, src: torch.Tensor) -> None:
         """Write `src[L, 2, T, kvh, hd]` into the pool at `slots`.
 
-        Called by the decode side when it receives a sequence's KV; `src` stays the caller's and may be
-        reused as soon as this returns (the copy is ordered on the current stream).
+        Called by the decode side when it receives a sequence's KV; `src` stays the caller's. The copy
+        is ordered on the current stream: work on that stream may reuse `src` at once, but a writer
+        ordered on nothing of ours (another process) only after the stream passed this point.
         """
         self.kv.index_copy_(2, slots, src)

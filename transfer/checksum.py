@@ -7,8 +7,12 @@ device, a GPU path can verify in place without a host round trip.
 Definition (over the raw bytes, viewed as little-endian int64 words w_0..w_{n-1}, tail zero-padded):
 
     a = Σ w_i                mod 2^64
-    b = Σ h(i) · w_i         mod 2^64,  h(i) = mix(i + 1) | 1   (a fixed per-position hash)
+    b = Σ h(i) · w_i         mod 2^64,  h(i) = (mix(j + 1) | 1) · (fmix64(c + 0x5BD1E995) | 1)
+                                        for i = c · 2^20 + j   (a fixed per-position hash)
     checksum = fmix64(a ^ fmix64(b ^ nbytes))
+
+where mix is splitmix64's finaliser (the first factor is a table of 2^20 words, the second one odd
+number per 8 MiB chunk, so the table is built once per device).
 
 Deviation from the brief's b = Σ (i+1)·w_i: a linear position weight cannot see a swap of two rows that
 are mirror images of each other ([x, y | y, x] -> [y, x | x, y] leaves Σ(i+1)·w unchanged), and such
@@ -22,7 +26,11 @@ from __future__ import annotations
 import torch
 
 _MASK = (1 << 64) - 1
-_CHUNK_WORDS = 1 << 20  # 8 MiB of words per step bounds the int64 temporaries to ~3 x 8 MiB
+_CHUNK_WORDS = 1 << 20  # words per position-weight period (8 MiB of bytes)
+# Chunks hashed per torch call. 1 keeps the temporaries at 8 MiB: on a CPU, grouping 8 measured 2.5x
+# slower (64 MiB temporaries fall out of cache; `tandem-bench-checksum`). Fewer calls may pay on a GPU,
+# where each call is a launch and a GIL round trip beside the engine thread: not measured there yet.
+_GROUP = 1
 _weights_cache: dict[tuple[str, int], torch.Tensor] = {}
 
 
@@ -82,27 +90,48 @@ def kv_checksum(t: torch.Tensor) -> int:
     """64-bit checksum of `t`'s raw bytes (see module docstring); `t` must be contiguous.
 
     Called by the sender once per copy (over its staging buffer) and by the receiver once per DONE
-    (over the receive region). Reads `t` only; allocates at most ~24 MiB of temporaries on `t`'s device,
-    freed on return. Blocks until the device finishes (one `.item()` per lane at the end).
+    (over the receive region). Reads `t` only; allocates about 3 x `_GROUP` x 8 MiB of temporaries on
+    `t`'s device, freed on return. Blocks until the device finishes (one `.item()` per lane at the end).
+    Chunks are hashed `_GROUP` at a time as rows of a 2-D view (see `_GROUP`).
     """
     if not t.is_contiguous():
         raise ValueError("kv_checksum needs a contiguous tensor (hash the staging buffer, not a view)")
     words, nbytes = _as_words(t)
     device = words.device
     weights = _position_weights(device)
-    a = torch.zeros((), dtype=torch.int64, device=device)
-    b = torch.zeros((), dtype=torch.int64, device=device)
     n = words.numel()
-    for chunk_index, start in enumerate(range(0, n, _CHUNK_WORDS)):
-        chunk = words[start : start + _CHUNK_WORDS]
-        # Each chunk's weights are the cached h(j) times an odd per-chunk factor, so positions in
-        # different chunks get different weights without rebuilding the table.
-        factor = _to_signed(_fmix64(chunk_index + 0x5BD1E995) | 1)
-        a = a + chunk.sum()
-        b = b + (chunk * weights[: chunk.numel()]).sum() * factor
+    a = words.sum()
+    b = torch.zeros((), dtype=torch.int64, device=device)
+    n_full = n // _CHUNK_WORDS
+    if n_full:
+        factors = _chunk_factors(device, n_full)
+        full = words[: n_full * _CHUNK_WORDS].view(n_full, _CHUNK_WORDS)
+        for g in range(0, n_full, _GROUP):
+            rows = full[g : g + _GROUP]
+            b = b + ((rows * weights).sum(dim=1) * factors[g : g + rows.shape[0]]).sum()
+    if n_full * _CHUNK_WORDS < n:
+        tail = words[n_full * _CHUNK_WORDS :]
+        factor = _to_signed(_chunk_factor(n_full))
+        b = b + (tail * weights[: tail.numel()]).sum() * factor
     lane_a = int(a.item()) & _MASK
     lane_b = int(b.item()) & _MASK
     return _fmix64(lane_a ^ _fmix64(lane_b ^ nbytes))
+
+
+def _chunk_factor(chunk_index: int) -> int:
+    """The odd per-chunk factor: positions in different chunks get different weights from one table."""
+    return _fmix64(chunk_index + 0x5BD1E995) | 1
+
+
+def _chunk_factors(device: torch.device, n: int) -> torch.Tensor:
+    """int64 [n] of `_chunk_factor(i)`, cached per device and grown on demand."""
+    key = (str(device), -1)
+    cached = _weights_cache.get(key)
+    if cached is None or cached.numel() < n:
+        size = max(n, 2 * (0 if cached is None else cached.numel()), 64)
+        values = [_to_signed(_chunk_factor(i)) for i in range(size)]
+        cached = _weights_cache[key] = torch.tensor(values, dtype=torch.int64, device=device)
+    return cached[:n]
 
 
 def format_checksum(value: int) -> str:

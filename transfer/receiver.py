@@ -21,11 +21,14 @@ Threads: the engine's (request/poll/complete), one maintenance thread, one reade
 
 from __future__ import annotations
 
+import contextlib
 import secrets
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+
+import torch
 
 from ._conn import Connection
 from ._endpoint import Endpoint, failure_for
@@ -93,6 +96,7 @@ class TransferReceiver:
         self._on_event = on_event
         self._on_quarantine_change = on_quarantine_change
         self._lock = threading.Lock()
+        self._verify_streams: dict[torch.device, torch.cuda.Stream] = {}
         self._handles: dict[str, TransferHandle] = {}
         self._endpoints: dict[str, Endpoint] = {}
         self._kick = threading.Event()
@@ -412,8 +416,14 @@ class TransferReceiver:
             self._verify(verify, str(msg["checksum"]))
 
     def _verify(self, h: TransferHandle, theirs: str) -> None:
-        """Reader thread, once per DONE: hash the region (owned by the transfer in state DONE)."""
-        ours = format_checksum(kv_checksum(self._arena.region_bytes(h.region)))
+        """Reader thread, once per DONE: hash the region (owned by the transfer in state DONE).
+
+        On a GPU the hash runs on a stream of its own: on the thread's default stream it would queue
+        behind the engine's decode steps. Nothing of D's touches the region before VERIFIED (and the
+        engine returns a region only after its scatter read it), and P's copy finished before DONE."""
+        region = self._arena.region_bytes(h.region)
+        with self._verify_stream(region.device):
+            ours = format_checksum(kv_checksum(region))
         actions: Actions = []
         with self._lock:
             if ours == theirs:
@@ -432,6 +442,15 @@ class TransferReceiver:
                     proof=ReleaseReason.DONE,
                 )
         _run(actions)
+
+    def _verify_stream(self, device: torch.device) -> contextlib.AbstractContextManager[object]:
+        if device.type != "cuda":
+            return contextlib.nullcontext()
+        with self._lock:
+            stream = self._verify_streams.get(device)
+            if stream is None:
+                stream = self._verify_streams[device] = torch.cuda.Stream(device=device)
+        return torch.cuda.stream(stream)
 
     def _handles_ep_discard(self, h: TransferHandle) -> None:
         ep = self._endpoints.get(h.ticket.endpoint)

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import struct
+from pathlib import Path
 
 import pytest
 import torch
@@ -77,6 +79,49 @@ def test_checksum_across_chunks_positions_matter(monkeypatch: pytest.MonkeyPatch
     y = x.clone()
     y[[10, 10 + 64]] = x[[10 + 64, 10]]  # same offset in two chunks
     assert kv_checksum(x) != kv_checksum(y)
+
+
+def _reference_checksum(data: bytes, chunk_words: int) -> int:
+    """The checksum module's definition, word by word in Python integers (slow; small inputs only)."""
+    mask = (1 << 64) - 1
+
+    def fmix(k: int) -> int:
+        k ^= k >> 33
+        k = (k * 0xFF51AFD7ED558CCD) & mask
+        k ^= k >> 33
+        k = (k * 0xC4CEB9FE1A85EC53) & mask
+        return k ^ (k >> 33)
+
+    def h(j: int) -> int:
+        x = ((j + 1) * 0x9E3779B97F4A7C15) & mask
+        x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & mask
+        x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & mask
+        return (x ^ (x >> 31)) | 1
+
+    padded = data + bytes(-len(data) % 8)
+    a = b = 0
+    for i in range(len(padded) // 8):
+        w = int.from_bytes(padded[8 * i : 8 * i + 8], "little")
+        chunk, j = divmod(i, chunk_words)
+        a = (a + w) & mask
+        b = (b + h(j) * (fmix(chunk + 0x5BD1E995) | 1) * w) & mask
+    return fmix(a ^ fmix(b ^ len(data)))
+
+
+@pytest.mark.parametrize("nbytes", [5, 8, 64 * 8, 64 * 8 + 3, 3 * 64 * 8, 7 * 64 * 8 + 24, 11 * 64 * 8])
+def test_checksum_matches_its_definition_across_groups_and_tail(
+    monkeypatch: pytest.MonkeyPatch, nbytes: int
+) -> None:
+    """Chunks are hashed several at a time (`_GROUP`); whole groups, a partial group, a tail chunk and
+    a sub-word tail must all give the word-by-word definition's value."""
+    import tandem.transfer.checksum as ck
+
+    monkeypatch.setattr(ck, "_CHUNK_WORDS", 64)
+    monkeypatch.setattr(ck, "_GROUP", 3)
+    monkeypatch.setattr(ck, "_weights_cache", {})
+    gen = torch.Generator().manual_seed(nbytes)
+    data = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=gen)
+    assert kv_checksum(data) == _reference_checksum(data.numpy().tobytes(), 64)
 
 
 def test_layout_and_ticket_roundtrip() -> None:
@@ -182,3 +227,14 @@ def test_select_path_require_never_falls_back() -> None:
         select_path(["failing"], registry=registry)
     with pytest.raises(PathUnavailable):
         select_path(["nope"], require="nope", registry=registry)
+
+
+def test_checksum_bench_writes_equal_checksums_for_every_grouping(tmp_path: Path) -> None:
+    from tandem.cli import bench_checksum
+
+    assert bench_checksum.main(["--mib", "9", "--reps", "1", "--groups", "1,2", "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "checksum.json").read_text())
+    runs = [(r["group"], r["busy"]) for r in result["results"]]
+    assert runs == [(1, False), (1, True), (2, False), (2, True)]
+    assert all(r["n"] == 1 and r["median_ms"] > 0 for r in result["results"])
+    assert result["meta"]["mib"] == 9
