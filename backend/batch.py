@@ -5,6 +5,12 @@ KV already sits in the pool together with their first generated row, then calls 
 A stream leaves the batch when it finishes (final chunk emitted, `release` called once) or when its
 client is gone (`cancelled`, `release` called once). Pages are reserved at admission for the prompt
 plus `max_new_rows`, so a step never allocates and a running stream can never be starved of pages.
+
+A step is `launch()` (inputs up, the forward and the sampling queued on the device; nothing waits)
+then `finish()` (the one wait for the device: the sampled rows come back, chunks go out, finished
+streams leave). An owner may do host work between the two while the device runs the step — D admits,
+polls transfers and queues scatters there — but must not add to or remove from the step's streams;
+streams added meanwhile join the next launch. `step()` is both with nothing between.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -21,7 +28,7 @@ from tandem.backend.decoder import Decoder
 from tandem.backend.errors import StreamFailed
 from tandem.backend.kv_pool import KVPool
 from tandem.backend.metrics import MetricsSink
-from tandem.backend.sampling import sample
+from tandem.backend.sampling import sample_on_device
 from tandem.backend.stream import Chunk, Stream, StreamStatus
 from tandem.backend.vocoder import ChunkPolicy
 
@@ -29,6 +36,15 @@ log = logging.getLogger("tandem")
 
 # How often (in steps) running streams are asked whether their client is still there.
 _CANCEL_CHECK_EVERY = 8
+
+
+@dataclass
+class LaunchedStep:
+    """A step queued on the device: its streams and their sampled rows (still on the device)."""
+
+    streams: list[Stream]
+    rows: torch.Tensor  # [B, W] on the pool's device
+    started_s: float
 
 
 class DecodeBatch:
@@ -76,6 +92,12 @@ class DecodeBatch:
 
     def step(self) -> float:
         """Run one decode step over every running stream; returns the step's wall time in seconds."""
+        launched = self.launch()
+        return 0.0 if launched is None else self.finish(launched)
+
+    def launch(self) -> LaunchedStep | None:
+        """Drop cancelled streams, then queue one step over every running stream (None if there is
+        none). Returns without waiting for the device; `finish` must follow before the next launch."""
         if self._steps % _CANCEL_CHECK_EVERY == 0:
             for s in [s for s in self.streams if s.sink.cancelled()]:
                 s.status = StreamStatus.CANCELLED
@@ -84,7 +106,7 @@ class DecodeBatch:
         self._steps += 1
         active = list(self.streams)
         if not active:
-            return 0.0
+            return None
         t0 = time.perf_counter()
         device = self.pool.device
         rows = torch.from_numpy(np.stack([s.generated[-1] for s in active])).to(device)
@@ -95,11 +117,20 @@ class DecodeBatch:
             logits = self._graphed.decode(rows, tables, pos)
         else:
             logits = self.decoder.decode(rows, self.pool, tables, pos)
-        new_rows = sample(logits, [s.sampling for s in active], [p + 1 for p in positions]).numpy()
-        for s, row in zip(active, new_rows, strict=True):
+        rows_dev = sample_on_device(logits, [s.sampling for s in active], [p + 1 for p in positions])
+        return LaunchedStep(active, rows_dev, t0)
+
+    def finish(self, launched: LaunchedStep) -> float:
+        """Wait for the launched step, append each stream's row, emit due chunks, let finished streams
+        go. Returns the wall time from launch to now (host work done in between included: it is
+        what every stream's rate sees)."""
+        new_rows = launched.rows.cpu().numpy()
+        for s, row in zip(launched.streams, new_rows, strict=True):
+            if s.status is not StreamStatus.RUNNING:  # failed while the step ran (fail_all)
+                continue
             s.generated.append(row)
             self._after_rows(s)
-        elapsed = time.perf_counter() - t0
+        elapsed = time.perf_counter() - launched.started_s
         self.metrics.observe("tandem_step_ms", elapsed * 1e3)
         return elapsed
 

@@ -2,7 +2,8 @@
 
 A stream's journey through D:
     execute thread: parse HANDOFF -> Intake (bounded)
-    engine thread:  admit (not draining; pages for prompt + max_new_rows; receive region)
+    engine thread:  (while the device runs the current step, see `_iterate`)
+                    admit (not draining; pages for prompt + max_new_rows; receive region)
                     -> receiver.request(ticket, deadline)              [WAITING_KV]
                     -> poll: VERIFIED -> scatter into pages -> batch   [RUNNING]
                              FAILED   -> the client gets an error now; pages freed (below)
@@ -109,25 +110,27 @@ class DecodeEngine:
     # ---- loop --------------------------------------------------------------------------------------
 
     def _iterate(self) -> None:
-        busy = len(self.batch) > 0
-        self.intake.pull(0.0 if busy else (0.001 if self._waiting else 0.02))
+        """One step, with D's host work overlapped: verified streams join first, then the step is
+        queued on the device, and while it runs D admits new streams (pages reserved, PULL sent),
+        polls transfers and queues scatters; `finish` is the one wait for the device."""
+        self._poll_transfers()
+        launched = self.batch.launch()
+        self.intake.pull(0.0 if launched is not None else (0.001 if self._waiting else 0.02))
         self._draining = self.receiver.held_fraction() > self.settings.transfer.drain_held_fraction
         for _ in self.intake.admit(self._admit):
             pass
         self._poll_transfers()
-        n, context = len(self.batch), self._context(running_only=True)
-        elapsed = self.batch.step()
-        if n:
-            self.step_model.observe(n, context, elapsed)
+        if launched is not None:
+            context = sum(s.position + 1 for s in launched.streams)  # positions move in finish()
+            elapsed = self.batch.finish(launched)
+            self.step_model.observe(len(launched.streams), context, elapsed)
         if self._publish_timer.due():
             self._publish()
 
-    def _context(self, running_only: bool = False) -> int:
-        """Total context tokens the next step attends over (waiting streams count at their prompt)."""
+    def _context(self) -> int:
+        """Total context tokens the next steps attend over (waiting streams count at their prompt)."""
         total = sum(s.position + 1 for s in self.batch.streams)
-        if not running_only:
-            total += sum(w.stream.prompt_len for w in self._waiting)
-        return total
+        return total + sum(w.stream.prompt_len for w in self._waiting)
 
     def _admit(self, req: DecodeRequest) -> bool:
         if self._draining or len(self.batch) + len(self._waiting) >= self.settings.batch.max_batch:

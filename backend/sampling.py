@@ -62,9 +62,17 @@ def uniforms(seeds: Sequence[int], positions: Sequence[int], width: int) -> np.n
 
 
 def sample(logits: torch.Tensor, params: Sequence[SamplingParams], positions: Sequence[int]) -> torch.Tensor:
-    """Draw a token per (row, column) from float32 logits [B, W, V] (any device) -> LongTensor [B, W] on CPU.
+    """`sample_on_device(...)` brought to the CPU (waits for the device): LongTensor [B, W] on CPU."""
+    return sample_on_device(logits, params, positions).cpu()
 
-    Called by the engines after every prefill/decode step; the caller owns the result. Row b is greedy
+
+def sample_on_device(
+    logits: torch.Tensor, params: Sequence[SamplingParams], positions: Sequence[int]
+) -> torch.Tensor:
+    """Draw a token per (row, column) from float32 logits [B, W, V] -> LongTensor [B, W] on their device.
+
+    Called by the engines after every prefill/decode step; the caller owns the result. Nothing waits
+    for the device (decode overlaps its host work with it, `DecodeBatch.launch`). Row b is greedy
     when params[b].temperature == 0; otherwise top-k, then top-p (the smallest set of most likely tokens
     whose mass >= top_p, at least one), then temperature, then an inverse-CDF draw with the uniform for
     (params[b].seed, positions[b], column). Ties are broken towards the lower token id everywhere, so
@@ -76,13 +84,13 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams], positions: Se
     if len(params) != b or len(positions) != b:
         raise ValueError(f"{b} logit rows need {b} params and positions")
     if b == 0:
-        return torch.empty((0, w), dtype=torch.long)
+        return torch.empty((0, w), dtype=torch.long, device=logits.device)
     dev = logits.device
     flat = logits.float().reshape(b * w, v)
     greedy_tok = flat.argmax(dim=-1)
     sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
     if not sampled_rows:
-        return greedy_tok.view(b, w).cpu()
+        return greedy_tok.view(b, w)
 
     def per_row(values: list[float], dtype: torch.dtype) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype).repeat_interleave(w).to(dev, non_blocking=True)[:, None]
@@ -105,4 +113,4 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams], positions: Se
     pick = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)
     pick = torch.minimum(pick, keep.sum(dim=-1, keepdim=True) - 1)
     drawn = order.gather(1, pick)[:, 0]
-    return torch.where(is_greedy, greedy_tok, drawn).view(b, w).cpu()
+    return torch.where(is_greedy, greedy_tok, drawn).view(b, w)

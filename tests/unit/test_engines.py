@@ -190,3 +190,67 @@ def test_step_model_never_locks_out_an_idle_engine():
     assert m.admits(0, 0, 500, 42.0, 0.2)  # idle: admit, so steps run and refresh the fit
     assert m.admittable(0, 0, 500, 42.0, 0.2, limit=64) == 1
     assert not m.admits(1, 500, 500, 42.0, 0.2)  # busy: the floor still protects running streams
+
+
+def test_streams_added_while_a_step_runs_join_the_next_one(decoder, tmp_path):
+    """`launch` then host work then `finish` (D's overlapped loop) gives the same rows as `step`, a
+    stream added between launch and finish joins the next launch, and streams failed meanwhile
+    (`fail_all`) get their error and no further rows."""
+    import torch
+
+    from tandem.backend.engine_parts import make_batch, make_pool
+    from tandem.backend.sampling import sample
+    from tandem.backend.stream import Stream
+
+    def run(overlapped: bool) -> tuple[list[np.ndarray], int]:
+        s = _settings(tmp_path)
+        pool = make_pool(decoder, s)
+        batch = make_batch(decoder, pool, s, RecordingMetrics())
+        sinks = [ListSink() for _ in range(3)]
+
+        def stream(i: int) -> tuple[Stream, np.ndarray]:
+            x, n = _prompt(9 + 5 * i, 40 + i), 6
+            pages = pool.allocate(pool.pages_for(len(x) + n))
+            slots = pool.slots(pages, len(x) + n)
+            logits = decoder.prefill(torch.from_numpy(x), pool, slots[: len(x)], 0)
+            sp = SamplingParams(temperature=0.8, seed=i)
+            st = Stream(i, len(x), sp, n, sinks[i], Timings(), pages=pages, slots=slots)
+            return st, sample(logits[None], [sp], [len(x)])[0].numpy()
+
+        s0, r0 = stream(0)
+        batch.add(s0, r0, lambda: None)
+        launched = batch.launch()
+        assert launched is not None and launched.streams == [s0]
+        s1, r1 = stream(1)  # arrives while step 1 runs
+        if overlapped:
+            batch.add(s1, r1, lambda: None)
+            batch.finish(launched)
+            assert s1.position == s1.prompt_len  # not part of the step that was running
+        else:
+            batch.finish(launched)
+            batch.add(s1, r1, lambda: None)
+        while len(batch):
+            batch.step()
+        return [sk.rows() for sk in sinks[:2]], s1.position
+
+    plain, overlapped = run(False), run(True)
+    for a, b in zip(plain[0], overlapped[0], strict=True):
+        np.testing.assert_array_equal(a, b)
+
+    s = _settings(tmp_path)
+    pool = make_pool(decoder, s)
+    batch = make_batch(decoder, pool, s, RecordingMetrics())
+    x = _prompt(12, 7)
+    pages = pool.allocate(pool.pages_for(len(x) + 4))
+    slots = pool.slots(pages, len(x) + 4)
+    logits = decoder.prefill(torch.from_numpy(x), pool, slots[: len(x)], 0)
+    sink = ListSink()
+    st = Stream(9, len(x), SamplingParams(), 4, sink, Timings(), pages=pages, slots=slots)
+    freed = []
+    batch.add(st, sample(logits[None], [SamplingParams()], [len(x)])[0].numpy(), lambda: freed.append(1))
+    launched = batch.launch()
+    assert launched is not None
+    batch.fail_all("engine fault")
+    batch.finish(launched)
+    assert len(st.generated) == 1 and freed == [1] and len(batch) == 0
+    assert sink.done.is_set() and sink.error is not None
