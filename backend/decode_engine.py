@@ -87,6 +87,7 @@ class DecodeEngine:
         self._draining = False
         self.step_model = StepTimeModel()
         self._verified = {"ok": 0, "mismatch": 0}
+        self._late_dropped = 0
         self._thread = EngineThread("tandem-decode", self._iterate, self._fault)
         metrics.set("tandem_transfer_path", 1, path=self.path.name)
 
@@ -249,6 +250,10 @@ class DecodeEngine:
             if delta:
                 self.metrics.inc("tandem_kv_verifications_total", delta, result=result)
                 self._verified[result] = total
+        late = st.late_chunks_dropped - self._late_dropped
+        if late > 0:
+            self.metrics.inc("tandem_kv_late_chunks_dropped_total", late)
+            self._late_dropped = st.late_chunks_dropped
         while self._events:
             e = self._events.pop(0)
             ok = e.state in ("VERIFIED", "RELEASED")

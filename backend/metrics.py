@@ -43,6 +43,11 @@ METRICS: tuple[MetricDef, ...] = (
     MetricDef("tandem_transfer_latency_ms", Kind.HISTOGRAM, "KV transfer time, request to verified", _MS),
     MetricDef("tandem_transfers_total", Kind.COUNTER, "KV transfers by outcome (label outcome)"),
     MetricDef("tandem_kv_verifications_total", Kind.COUNTER, "KV checksum verifications (label result)"),
+    MetricDef(
+        "tandem_kv_late_chunks_dropped_total",
+        Kind.COUNTER,
+        "KV chunks D dropped because their transfer had already failed (paths where D writes: tcp)",
+    ),
     MetricDef("tandem_streams_below_floor_total", Kind.COUNTER, "Streams that finished below the rate floor"),
     MetricDef("tandem_streams_total", Kind.COUNTER, "Streams by outcome (label outcome)"),
     MetricDef("tandem_step_ms", Kind.HISTOGRAM, "Decode step time", _MS),

@@ -61,6 +61,11 @@ class LocalArena(ABC):
         path). With `receiver_writes` it must return only when no byte of the transfer that `region`
         was expecting can still land; elsewhere a no-op."""
 
+    def late_chunks_dropped(self) -> int:
+        """With `receiver_writes`: chunks that arrived for a transfer D no longer expected (after
+        `forget`) and were dropped, since the arena was created. Any thread; 0 on other paths."""
+        return 0
+
     @abstractmethod
     def close(self) -> None:
         """Called once by the receiver's `close()` after every region was freed or abandoned."""

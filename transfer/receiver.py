@@ -218,6 +218,7 @@ class TransferReceiver:
                 ready_count=count(RegionState.READY)[0],
                 quarantined_count=nq,
                 quarantined_bytes=bq,
+                late_chunks_dropped=self._arena.late_chunks_dropped(),
                 **self._counts,
             )
 

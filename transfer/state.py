@@ -134,6 +134,7 @@ class ReceiverStats:
     released_by_restart: int
     released_by_gone: int
     released_by_drop: int
+    late_chunks_dropped: int = 0  # receiver_writes paths: chunks that came after D forgot the transfer
 
 
 @dataclass(frozen=True)

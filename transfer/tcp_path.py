@@ -149,6 +149,10 @@ class TcpArena(LocalArena):
                 if r.offset == region.offset:
                     del self._expected[tid]
 
+    def late_chunks_dropped(self) -> int:
+        with self._lock:
+            return self._counts["dropped"]
+
     def stats(self) -> TcpStats:
         with self._lock:
             c = self._counts

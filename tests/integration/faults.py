@@ -15,6 +15,8 @@ import json
 import os
 import shutil
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -26,8 +28,9 @@ import numpy as np
 import tritonclient.grpc as grpcclient
 
 from tandem.cli.tts_client import StreamResult, TTSClient
+from tandem.serving.repository import model_parameter
 from tests.integration.helpers import metric_value, metrics_text
-from tests.integration.server import TritonProcess
+from tests.integration.server import REPO, TritonProcess
 
 
 def children(ppid: int) -> list[int]:
@@ -130,13 +133,28 @@ class FaultUnit:
 
     P_INSTANCE = "prefill_0_0"
 
-    def __init__(self, workdir: Path, overrides: Mapping[str, Mapping[str, str]]) -> None:
+    def __init__(
+        self,
+        workdir: Path,
+        overrides: Mapping[str, Mapping[str, str]],
+        groups: Mapping[str, str] | None = None,
+        proxy: bool = False,
+    ) -> None:
+        """`groups`: instance groups per model (GPU placement); `proxy`: start the unit's IPC proxy
+        sidecar (path `proxy`) before the server, in the server's control directory."""
+        self.workdir = workdir
         self.control_file = workdir / "faults.json"
         merged = {m: dict(v) for m, v in overrides.items()}
         merged.setdefault("prefill", {})["tandem.faults.control_file"] = str(self.control_file)
-        self.proc = TritonProcess(
-            workdir, merged, extra_args=("--model-control-mode=explicit", "--load-model=*")
+        self.unit_name = merged.get("decode", {}).get("tandem.transfer.unit") or model_parameter(
+            REPO / "model_repository", "decode", "tandem.transfer.unit"
         )
+        self.proc = TritonProcess(
+            workdir, merged, extra_args=("--model-control-mode=explicit", "--load-model=*"), groups=groups
+        )
+        self.proxy: subprocess.Popen[str] | None = None
+        self._want_proxy = proxy
+        self.path = model_parameter(self.proc.repo, "decode", "tandem.transfer.paths") or "?"
         shutil.rmtree(self.proc.repo / "tts_mono")  # not part of the matrix; saves a stub start
         self.rows: list[Row] = []
 
@@ -154,6 +172,18 @@ class FaultUnit:
         return self.proc.proc.pid
 
     def start(self) -> FaultUnit:
+        if self._want_proxy:
+            run_dir = self.workdir / "run"  # the server's XDG_RUNTIME_DIR (see TritonProcess.start)
+            run_dir.mkdir(mode=0o700, exist_ok=True)
+            self.proxy = subprocess.Popen(
+                [sys.executable, "-m", "tandem.transfer.proxy", "--unit", str(self.unit_name)],
+                stdout=subprocess.PIPE,
+                text=True,
+                env={**os.environ, "XDG_RUNTIME_DIR": str(run_dir)},
+            )
+            assert self.proxy.stdout is not None
+            line = self.proxy.stdout.readline()
+            assert "ready" in line, f"tandem-proxy did not start: {line!r}"
         self.proc.start()
         return self
 
@@ -161,14 +191,16 @@ class FaultUnit:
         """SIGTERM, then SIGKILL after a few seconds: a unit whose P was killed may keep Triton's
         30 s exit timeout waiting on the dead stub, which the matrix has no time for."""
         p = self.proc.proc
-        if p is None or p.poll() is not None:
-            return
-        os.killpg(p.pid, signal.SIGTERM)
-        try:
-            p.wait(5)
-        except Exception:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait(10)
+        if p is not None and p.poll() is None:
+            os.killpg(p.pid, signal.SIGTERM)
+            try:
+                p.wait(5)
+            except Exception:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait(10)
+        if self.proxy is not None and self.proxy.poll() is None:
+            self.proxy.terminate()
+            self.proxy.wait(30)
 
     # ---- processes -------------------------------------------------------------------------------
 
@@ -238,16 +270,13 @@ class FaultUnit:
             "D back to baseline",
         )
 
-    def write_matrix(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        total = sum(r.transfers_verified for r in self.rows)
-        doc = {
-            "unit": "1P1D, tiny preset, CPU, host_shm",
-            "verified_transfers_total": total,
+    def matrix(self) -> dict[str, Any]:
+        """The rows run so far, for the JSON record (every row already asserted 0 undetected)."""
+        return {
+            "verified_transfers_total": sum(r.transfers_verified for r in self.rows),
             "mismatches_undetected": 0,
             "rows": [asdict(r) for r in self.rows],
         }
-        path.write_text(json.dumps(doc, indent=2) + "\n")
 
 
 def format_matrix(rows: list[Row]) -> str:
@@ -279,6 +308,9 @@ class Background:
             self.result = fn()
         except BaseException as exc:  # re-raised by join() in the test's thread
             self.error = exc
+
+    def running(self) -> bool:
+        return self._t.is_alive()
 
     def join(self, timeout_s: float) -> Any:
         self._t.join(timeout_s)

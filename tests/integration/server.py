@@ -65,7 +65,8 @@ class TritonProcess:
         return f"http://localhost:{self.metrics_port}/metrics"
 
     def start(self, timeout_s: float = 180.0) -> TritonProcess:
-        binary = Path(sys.executable).parent / "tritonserver"
+        binary = Path(sys.executable).parent / "tritonserver"  # the launcher `make setup` installs
+        server = (str(binary),) if binary.exists() else (sys.executable, "-m", "tandem.cli.tritonserver")
         env = dict(os.environ)
         run_dir = self.workdir / "run"
         run_dir.mkdir(mode=0o700, exist_ok=True)
@@ -73,7 +74,7 @@ class TritonProcess:
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(
                 [
-                    *(self.launcher or (str(binary),)),
+                    *(self.launcher or server),
                     f"--model-repository={self.repo}",
                     f"--grpc-port={self.grpc_port}",
                     f"--http-port={self.http_port}",

@@ -14,6 +14,14 @@ D runs with a 1 MiB receive arena so that a few quarantined transfers exceed the
 
 The last test prints the matrix (`-s`) and, with TANDEM_FAULT_MATRIX_OUT set, writes it as JSON.
 `TANDEM_FAULT_VOLUME` sets the size of the volume row (default 10000 short streams).
+
+The matrix runs once per KV path in `TANDEM_FAULT_PATHS` (default `host_shm,tcp`, one unit each; the
+`tcp` unit's volume row is `TANDEM_FAULT_VOLUME_TCP`, default 1000). The GPU paths `cuda_ipc`,
+`cuda_vmm` and `proxy` need `TANDEM_FAULT_GPUS=P,D` (e.g. `0,1`) and run on the device through
+`cli/run_fault_matrix.sh`; `proxy` also starts the unit's `tandem-proxy` sidecar. Rows about
+quarantine, draining and held ACKs are skipped on a path where D itself writes every byte (`tcp`):
+there D frees a failed region at once and sends no ABORT, so nothing is held; the tcp-only row shows
+the late chunks being dropped instead.
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 
 from tandem.cli.tts_client import StreamResult, TTSClient, build_inputs, next_stream_id
+from tandem.serving.repository import gpu_group
 from tests.integration.faults import (
     Background,
     FaultUnit,
@@ -48,10 +57,25 @@ from tests.integration.test_tts_faults import decode, handoff
 
 DEADLINE_S = 2.0
 ERROR_BOUND_S = DEADLINE_S + 1.0
-VOLUME = int(os.environ.get("TANDEM_FAULT_VOLUME", "10000"))
-# Set TANDEM_FAULT_MATRIX_OUT=docs/benchmarks/fault-matrix-cpu.json to record a run; CI leaves the tree alone.
+VOLUMES = {
+    "tcp": int(os.environ.get("TANDEM_FAULT_VOLUME_TCP", "1000")),
+    "*": int(os.environ.get("TANDEM_FAULT_VOLUME", "10000")),
+}
+# Set TANDEM_FAULT_MATRIX_OUT=docs/benchmarks to record a run (fault-matrix-<path>-<cpu|gpu>.json);
+# CI leaves the tree alone.
 OUT = Path(os.environ["TANDEM_FAULT_MATRIX_OUT"]) if os.environ.get("TANDEM_FAULT_MATRIX_OUT") else None
 REPO = Path(__file__).resolve().parents[2]
+
+PATHS = [p.strip() for p in os.environ.get("TANDEM_FAULT_PATHS", "host_shm,tcp").split(",") if p.strip()]
+GPUS = [int(g) for g in os.environ.get("TANDEM_FAULT_GPUS", "").split(",") if g.strip()]
+GROUPS = {"prefill": gpu_group(GPUS[:1]), "decode": gpu_group(GPUS[1:2])} if GPUS else None
+RECEIVER_WRITES = {"tcp"}  # paths where D writes every byte itself (TransferPath.receiver_writes)
+
+
+def p_writes_only(unit: FaultUnit) -> None:
+    if unit.path in RECEIVER_WRITES:
+        pytest.skip(f"{unit.path}: D writes every byte itself, frees a failed region at once, sends no ABORT")
+
 
 OVERRIDES = {
     "prefill": {"tandem.transfer.max_held_acks": "3", "tandem.transfer.ticket_ttl_s": "10"},
@@ -68,9 +92,16 @@ OVERRIDES = {
 }
 
 
-@pytest.fixture(scope="module")
-def unit(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FaultUnit]:
-    u = FaultUnit(tmp_path_factory.mktemp("faultunit"), OVERRIDES).start()
+@pytest.fixture(scope="module", params=PATHS)
+def unit(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[FaultUnit]:
+    path = str(request.param)
+    if len(GPUS) not in (0, 2):
+        raise ValueError(f"TANDEM_FAULT_GPUS must name two GPUs (P,D), got {GPUS}")
+    overrides = {m: dict(v) for m, v in OVERRIDES.items()}
+    for model in ("prefill", "decode"):
+        overrides[model].update({"tandem.transfer.paths": path, "tandem.transfer.require_path": path})
+    u = FaultUnit(tmp_path_factory.mktemp(f"faultunit-{path}"), overrides, GROUPS, proxy=path == "proxy")
+    u.start()
     yield u
     u.stop()
 
@@ -153,6 +184,7 @@ def test_pause_p_then_resume_releases_by_p_answer(row):
     never a proof) and returns only after P resumes and answers D's re-sent ABORT — the same P
     process, so neither an instance change nor a free lock can have been the proof (seed bug #1)."""
     unit, base = row
+    p_writes_only(unit)
     t0 = time.monotonic()
     # Three streams, the 3rd copy delayed: P is stopped once the first two are verified, so the delayed
     # copy is the only one that can be mid-flight and P holds exactly one ACK, below its limit of 3 (with
@@ -193,6 +225,7 @@ def test_kill_p_while_d_drains_then_reload(row):
     #2). Triton 2.51 does not restart the dead decoupled stub: requests fail "not healthy" until an
     explicit load of `prefill` starts a new process, whose new instance id D then accepts."""
     unit, base = row
+    p_writes_only(unit)
     t0 = time.monotonic()
     before = json.loads(handoff(unit.url))["ticket"]["instance_id"]
     unit.set_faults(delay_every=1, delay_s=3.0)
@@ -246,6 +279,7 @@ def test_three_held_acks_make_p_exit(row):
     so P exits (os._exit(70)). Its death frees the slot lock — D's proof — and the reload's new
     instance serves again."""
     unit, base = row
+    p_writes_only(unit)
     t0 = time.monotonic()
     unit.set_faults(delay_every=1, delay_s=8.0)
     pid = unit.stub("prefill")
@@ -284,6 +318,40 @@ def test_deadline_expiry_fails_only_delayed_streams(row):
     finish(
         unit, base, "deadline expiry (2 of 8 delayed)", t0, results, 40, min_rate_ok_tok_s=round(min(rates))
     )
+
+
+def _late_chunks_dropped(unit: FaultUnit) -> float:
+    try:
+        return metric_value(metrics_text(unit.metrics_url), "tandem_kv_late_chunks_dropped_total")
+    except KeyError:  # no chunk dropped yet: the counter has no sample
+        return 0.0
+
+
+def test_late_copy_is_dropped_by_d_without_quarantine(row):
+    """Protocol v3 (tcp): copies 3 and 6 start after D's deadline. D fails those streams at the
+    deadline and frees their regions at once (nothing is ever held: D writes every byte itself and
+    has stopped expecting them); the late chunks reach D and are dropped, counted, never written."""
+    unit, base = row
+    if unit.path not in RECEIVER_WRITES:
+        pytest.skip(f"{unit.path}: P writes D's memory; the pause, kill and held-ACK rows cover it")
+    t0 = time.monotonic()
+    dropped_before = _late_chunks_dropped(unit)
+    unit.set_faults(delay_every=3, delay_s=DEADLINE_S + 1.0)
+    load = Background(lambda: streams(unit.url, jobs(6, 60, 20, seed=40), timeout_s=30))
+    held = []
+    while load.running():
+        held.append(unit.snapshot().d_held_pages)
+        time.sleep(0.1)
+    results = load.join(30)
+    failed = [r for r in results if r.error is not None]
+    assert len(failed) == 2 and all("no DONE within the deadline" in str(r.error) for r in failed), failed
+    assert max(held) == 0, "a receiver-writes path must not quarantine"
+    deadline = time.monotonic() + 5
+    while _late_chunks_dropped(unit) == dropped_before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    dropped = _late_chunks_dropped(unit) - dropped_before
+    assert dropped > 0, "the late copies' chunks were not seen and dropped by D"
+    finish(unit, base, "late copy dropped (tcp, 2 of 6)", t0, results, 20, late_chunks_dropped=int(dropped))
 
 
 def test_corruption_is_detected_and_fails_only_its_streams(row):
@@ -416,37 +484,50 @@ def test_duplicate_handoff_concurrently(row):
     rec.streams, rec.failed_streams = 2 * pairs, pairs  # one of each pair refused, by design
 
 
+def _volume(unit: FaultUnit) -> int:
+    return VOLUMES.get(unit.path, VOLUMES["*"])
+
+
 def test_volume(row):
     unit, base = row
+    n = _volume(unit)
     t0 = time.monotonic()
-    ok, errors = volume(unit.url, VOLUME, n_clients=8)
+    ok, errors = volume(unit.url, n, n_clients=8)
     assert not errors, errors[:5]
-    assert ok == VOLUME
-    rec = finish(unit, base, f"volume ({VOLUME} short streams, 8 clients)", t0, [], [])
-    rec.streams = VOLUME
-    assert rec.transfers_verified == VOLUME
+    assert ok == n
+    rec = finish(unit, base, f"volume ({n} short streams, 8 clients)", t0, [], [])
+    rec.streams = n
+    assert rec.transfers_verified == n
 
 
-def test_matrix_totals_and_report(unit):
-    """Runs last: prints the matrix and, with TANDEM_FAULT_MATRIX_OUT set, records it as JSON."""
+def test_matrix_totals_and_report(unit, request):
+    """Runs last for each path: prints the matrix and, with TANDEM_FAULT_MATRIX_OUT set, records it."""
     assert unit.rows, "no row ran"
-    print("\n" + format_matrix(unit.rows))
+    print(f"\n{unit.path}:\n" + format_matrix(unit.rows))
     total = sum(r.transfers_verified for r in unit.rows)
     names = {r.row.split(" (")[0] for r in unit.rows}
-    if OUT is not None and len(unit.rows) >= 9:  # the whole matrix ran (not a -k selection): record it
+    where = f"gpu{''.join(map(str, GPUS))}" if GPUS else "cpu"
+    whole = not request.config.getoption("keyword") and not request.config.getoption("lf")
+    if OUT is not None and whole:  # the whole matrix ran (not a selection): record it
+        out = OUT / f"fault-matrix-{unit.path}-{where}.json"
         try:
             commit = subprocess.run(
                 ["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=REPO, check=False
             ).stdout.strip()
         except OSError:
             commit = ""
-        unit.write_matrix(OUT)
-        doc = json.loads(OUT.read_text())
-        doc.update(
-            commit=commit, volume=VOLUME, cpus=os.cpu_count(), written=time.strftime("%Y-%m-%dT%H:%M:%S")
-        )
-        OUT.write_text(json.dumps(doc, indent=2) + "\n")
+        doc = {
+            "unit": f"1P1D, tiny preset, {f'P on GPU {GPUS[0]}, D on GPU {GPUS[1]}' if GPUS else 'CPU'}",
+            "path": unit.path,
+            **unit.matrix(),
+            "commit": commit,
+            "volume": _volume(unit),
+            "cpus": os.cpu_count(),
+            "written": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        }
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(doc, indent=2) + "\n")
     assert all(r.leaked_d_pages == 0 and r.leaked_p_pages == 0 for r in unit.rows)
     assert names and total > 0
-    if VOLUME >= 10_000:
+    if _volume(unit) >= 10_000:
         assert total >= 10_000

@@ -1,0 +1,22 @@
+# Sourced by the device scripts (cli/run_capacity.sh, cli/run_fault_matrix.sh): make this checkout
+# runnable on a GPU machine where tandem is not installed. Triton comes from a carried tarball of the
+# nvidia-pytriton wheel's server, binary and libraries (plus tritonclient's gRPC client); the repo goes
+# on PYTHONPATH as the `tandem` namespace; the CUDA kernels are built into csrc/.
+#
+#   source cli/device_env.sh CARRY.tar.xz OUT
+carry=${1:?carry tarball}; out=${2:?output dir}
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+mkdir -p /tmp/carry "$out" && tar -C /tmp/carry -xJf "$carry"
+# pytriton 0.7's python-backend stub is built against NumPy 1.x: with NumPy 2 its BYTES tensors are
+# garbled and the stub aborts. Install a NumPy 1.x wheel carried beside the tarball, if there is one.
+for whl in "$(dirname "$carry")"/numpy-1.*.whl; do
+  [ -e "$whl" ] && python3 -m pip install -q --no-index --no-deps --force-reinstall "$whl"
+done
+python3 -c "import numpy, torch; print('numpy', numpy.__version__, 'torch', torch.__version__)"
+mkdir -p /tmp/pkg/tandem
+for d in backend transfer cli csrc serving; do ln -sfn "$PWD/$d" "/tmp/pkg/tandem/$d"; done
+export PYTHONPATH=/tmp/pkg:/tmp/carry:$PWD
+# Triton's python stubs ignore PYTHONPATH but read the interpreter's site-packages: a .pth puts tandem there.
+python3 -c 'import site; open(site.getsitepackages()[0] + "/tandem-run.pth", "w").write("/tmp/pkg\n")'
+python3 csrc/build_cuda.py > "$out/build_cuda.log" 2>&1 || { tail -20 "$out/build_cuda.log"; exit 1; }
+export XDG_RUNTIME_DIR=/tmp/run && mkdir -p -m 0700 "$XDG_RUNTIME_DIR"
