@@ -507,7 +507,7 @@ def test_matrix_totals_and_report(unit, request):
     total = sum(r.transfers_verified for r in unit.rows)
     names = {r.row.split(" (")[0] for r in unit.rows}
     where = f"gpu{''.join(map(str, GPUS))}" if GPUS else "cpu"
-    whole = not request.config.getoption("keyword") and not request.config.getoption("lf")
+    whole = not request.config.getoption("keyword") and not request.config.getoption("lf", default=False)
     if OUT is not None and whole:  # the whole matrix ran (not a selection): record it
         out = OUT / f"fault-matrix-{unit.path}-{where}.json"
         try:
