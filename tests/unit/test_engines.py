@@ -192,15 +192,22 @@ def test_step_model_never_locks_out_an_idle_engine():
     assert not m.admits(1, 500, 500, 42.0, 0.2)  # busy: the floor still protects running streams
 
 
-def test_streams_added_while_a_step_runs_join_the_next_one(decoder, tmp_path):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_streams_added_while_a_step_runs_join_the_next_one(decoder, tmp_path, device):
     """`launch` then host work then `finish` (D's overlapped loop) gives the same rows as `step`, a
     stream added between launch and finish joins the next launch, and streams failed meanwhile
-    (`fail_all`) get their error and no further rows."""
+    (`fail_all`) get their error and no further rows. On CUDA the step is a graph replay and the
+    host work really overlaps it."""
     import torch
 
     from tandem.backend.engine_parts import make_batch, make_pool
     from tandem.backend.sampling import sample
     from tandem.backend.stream import Stream
+
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            pytest.skip("CUDA not available")
+        decoder = Decoder.random(preset("tiny"), "cuda", seed=0)
 
     def run(overlapped: bool) -> tuple[list[np.ndarray], int]:
         s = _settings(tmp_path)
@@ -212,7 +219,7 @@ def test_streams_added_while_a_step_runs_join_the_next_one(decoder, tmp_path):
             x, n = _prompt(9 + 5 * i, 40 + i), 6
             pages = pool.allocate(pool.pages_for(len(x) + n))
             slots = pool.slots(pages, len(x) + n)
-            logits = decoder.prefill(torch.from_numpy(x), pool, slots[: len(x)], 0)
+            logits = decoder.prefill(torch.from_numpy(x).to(pool.device), pool, slots[: len(x)], 0)
             sp = SamplingParams(temperature=0.8, seed=i)
             st = Stream(i, len(x), sp, n, sinks[i], Timings(), pages=pages, slots=slots)
             return st, sample(logits[None], [sp], [len(x)])[0].numpy()
@@ -243,7 +250,7 @@ def test_streams_added_while_a_step_runs_join_the_next_one(decoder, tmp_path):
     x = _prompt(12, 7)
     pages = pool.allocate(pool.pages_for(len(x) + 4))
     slots = pool.slots(pages, len(x) + 4)
-    logits = decoder.prefill(torch.from_numpy(x), pool, slots[: len(x)], 0)
+    logits = decoder.prefill(torch.from_numpy(x).to(pool.device), pool, slots[: len(x)], 0)
     sink = ListSink()
     st = Stream(9, len(x), SamplingParams(), 4, sink, Timings(), pages=pages, slots=slots)
     freed = []
