@@ -10,9 +10,9 @@ engine at every call. This bench measures `kv_checksum` over `--mib` MiB on `--d
     alone   nothing else runs in the process
     busy    a thread loops like an engine: small torch ops with Python work between them
 
-for each `--groups` value (`_GROUP`: 8 MiB chunks hashed per torch call; 1 is the shipped setting,
-~5 torch calls per 8 MiB). Every setting gives the same checksum (asserted). Median, p90 and max
-over `--reps`. Writes `<out>/<name>.json`.
+for each `--groups` value (`_GROUP`: 8 MiB chunks hashed per torch call; shipped: 1 on a CPU, 8 on
+CUDA, see `transfer/checksum.py`). Every setting gives the same checksum (asserted). Median, p90 and
+max over `--reps`. Writes `<out>/<name>.json`.
 """
 
 from __future__ import annotations

@@ -27,10 +27,12 @@ import torch
 
 _MASK = (1 << 64) - 1
 _CHUNK_WORDS = 1 << 20  # words per position-weight period (8 MiB of bytes)
-# Chunks hashed per torch call. 1 keeps the temporaries at 8 MiB: on a CPU, grouping 8 measured 2.5x
-# slower (64 MiB temporaries fall out of cache; `tandem-bench-checksum`). Fewer calls may pay on a GPU,
-# where each call is a launch and a GIL round trip beside the engine thread: not measured there yet.
-_GROUP = 1
+# Chunks hashed per torch call, by device type (`tandem-bench-checksum`, docs/benchmarks/checksum-*.json).
+# CPU: 1 (8 MiB temporaries stay in cache; 8 per call was 2.5x slower). CUDA: 8 (each call is a launch
+# and a GIL round trip beside the engine thread; 288 MiB on an H200 took 0.5 ms instead of 1.7 ms
+# alone, 0.8 instead of 4.7 ms beside a busy thread). `_GROUP`, when set, overrides (tests, bench).
+_DEVICE_GROUP = {"cuda": 8}
+_GROUP: int | None = None
 _weights_cache: dict[tuple[str, int], torch.Tensor] = {}
 
 
@@ -106,8 +108,9 @@ def kv_checksum(t: torch.Tensor) -> int:
     if n_full:
         factors = _chunk_factors(device, n_full)
         full = words[: n_full * _CHUNK_WORDS].view(n_full, _CHUNK_WORDS)
-        for g in range(0, n_full, _GROUP):
-            rows = full[g : g + _GROUP]
+        group = _GROUP or _DEVICE_GROUP.get(device.type, 1)
+        for g in range(0, n_full, group):
+            rows = full[g : g + group]
             b = b + ((rows * weights).sum(dim=1) * factors[g : g + rows.shape[0]]).sum()
     if n_full * _CHUNK_WORDS < n:
         tail = words[n_full * _CHUNK_WORDS :]
