@@ -45,6 +45,17 @@ from tandem.transfer import (
 log = logging.getLogger("tandem")
 
 
+# ReceiverStats field -> `proof` label of tandem_kv_regions_released_total (docs/failure-semantics.md).
+_PROOFS = {
+    "released_by_ack": "abort_ack",
+    "released_by_done": "done",
+    "released_by_refusal": "refused",
+    "released_by_restart": "instance_changed",
+    "released_by_gone": "instance_gone",
+    "released_by_drop": "receiver_drops",
+}
+
+
 @dataclass
 class DecodeRequest:
     stream_id: int
@@ -88,6 +99,7 @@ class DecodeEngine:
         self.step_model = StepTimeModel()
         self._verified = {"ok": 0, "mismatch": 0}
         self._late_dropped = 0
+        self._released = dict.fromkeys(_PROOFS, 0)
         self._thread = EngineThread("tandem-decode", self._iterate, self._fault)
         metrics.set("tandem_transfer_path", 1, path=self.path.name)
 
@@ -250,6 +262,11 @@ class DecodeEngine:
             if delta:
                 self.metrics.inc("tandem_kv_verifications_total", delta, result=result)
                 self._verified[result] = total
+        for field, proof in _PROOFS.items():
+            delta = getattr(st, field) - self._released[field]
+            if delta:
+                self.metrics.inc("tandem_kv_regions_released_total", delta, proof=proof)
+                self._released[field] = getattr(st, field)
         late = st.late_chunks_dropped - self._late_dropped
         if late > 0:
             self.metrics.inc("tandem_kv_late_chunks_dropped_total", late)

@@ -44,6 +44,11 @@ METRICS: tuple[MetricDef, ...] = (
     MetricDef("tandem_transfers_total", Kind.COUNTER, "KV transfers by outcome (label outcome)"),
     MetricDef("tandem_kv_verifications_total", Kind.COUNTER, "KV checksum verifications (label result)"),
     MetricDef(
+        "tandem_kv_regions_released_total",
+        Kind.COUNTER,
+        "Receive regions of failed transfers freed, by the proof that freed them (label proof)",
+    ),
+    MetricDef(
         "tandem_kv_late_chunks_dropped_total",
         Kind.COUNTER,
         "KV chunks D dropped because their transfer had already failed (paths where D writes: tcp)",

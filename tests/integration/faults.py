@@ -75,6 +75,9 @@ def process_state(pid: int) -> str:
         return ""
 
 
+PROOFS = ("abort_ack", "done", "refused", "instance_changed", "instance_gone", "receiver_drops")
+
+
 @dataclass
 class Snapshot:
     """The unit's leak and verification figures at one moment."""
@@ -87,6 +90,7 @@ class Snapshot:
     draining: float
     admittable: float
     inflight: float
+    released: dict[str, float] = field(default_factory=dict)  # failed regions freed, by proof
 
     @classmethod
     def take(cls, metrics_url: str) -> Snapshot:
@@ -107,7 +111,16 @@ class Snapshot:
             draining=get("tandem_draining", model="decode"),
             admittable=get("tandem_admittable_streams", model="decode"),
             inflight=get("tandem_inflight_streams", model="decode"),
+            released={
+                proof: get("tandem_kv_regions_released_total", model="decode", proof=proof)
+                for proof in PROOFS
+            },
         )
+
+    def released_since(self, base: Snapshot) -> dict[str, int]:
+        """Failed-transfer regions freed since `base`, by proof (only proofs that occurred)."""
+        delta = {p: int(self.released.get(p, 0) - base.released.get(p, 0)) for p in PROOFS}
+        return {p: n for p, n in delta.items() if n}
 
 
 @dataclass
@@ -120,6 +133,7 @@ class Row:
     failed_streams: int = 0
     mismatches: int = 0
     corrupted_injected: int = 0
+    released_by: dict[str, int] = field(default_factory=dict)
     leaked_d_pages: int = 0
     leaked_p_pages: int = 0
     held_pages_after: int = 0
@@ -282,13 +296,14 @@ class FaultUnit:
 def format_matrix(rows: list[Row]) -> str:
     head = (
         f"{'row':<34}{'verified':>9}{'streams':>8}{'failed':>7}{'mismatch':>9}"
-        f"{'leak D':>7}{'leak P':>7}{'err<=s':>8}{'secs':>7}"
+        f"{'leak D':>7}{'leak P':>7}{'err<=s':>8}{'secs':>7}  freed by"
     )
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(
             f"{r.row:<34}{r.transfers_verified:>9}{r.streams:>8}{r.failed_streams:>7}{r.mismatches:>9}"
-            f"{r.leaked_d_pages:>7}{r.leaked_p_pages:>7}{r.max_error_latency_s:>8.2f}{r.seconds:>7.1f}"
+            f"{r.leaked_d_pages:>7}{r.leaked_p_pages:>7}{r.max_error_latency_s:>8.2f}{r.seconds:>7.1f}  "
+            + " ".join(f"{p}:{n}" for p, n in r.released_by.items())
         )
     lines.append(f"{'total':<34}{sum(r.transfers_verified for r in rows):>9}")
     return "\n".join(lines)

@@ -139,9 +139,11 @@ def finish(
     max_tokens: int | list[int],
     *,
     injected: int = 0,
+    proofs: set[str] | None = None,
     **notes: object,
 ) -> Row:
-    """Checks common to every row, then records it: settle, no leak, errors prompt, others complete."""
+    """Checks common to every row, then records it: settle, no leak, errors prompt, others complete.
+    `proofs`: the proofs that may free this row's failed regions (at least one must have)."""
     end = unit.settle(base, timeout_s=20)
     end = unit.wait_for(lambda s: s.p_free_pages == base.p_free_pages, 10, "P pages back")
     wants = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(results)
@@ -163,6 +165,7 @@ def finish(
         failed_streams=len(failed),
         mismatches=mismatches,
         corrupted_injected=injected,
+        released_by=end.released_since(base),
         leaked_d_pages=int(base.d_free_pages - end.d_free_pages),
         leaked_p_pages=int(base.p_free_pages - end.p_free_pages),
         held_pages_after=int(end.d_held_pages),
@@ -171,6 +174,8 @@ def finish(
         notes=dict(notes),
     )
     assert rec.leaked_d_pages == 0 and rec.leaked_p_pages == 0 and rec.held_pages_after == 0, rec
+    if proofs is not None:
+        assert rec.released_by and set(rec.released_by) <= proofs, (name, rec.released_by, proofs)
     unit.rows.append(rec)
     return rec
 
@@ -214,6 +219,7 @@ def test_pause_p_then_resume_releases_by_p_answer(row):
         t0,
         results,
         30,
+        proofs={"abort_ack", "done"},  # P's own answer: not a restart, not the lock
         held_pages_during_pause=during.d_held_pages,
         release_after_resume_s=round(release_s, 2),
     )
@@ -266,6 +272,7 @@ def test_kill_p_while_d_drains_then_reload(row):
         t0,
         results + after_kill + ok,
         [20] * 3 + [5] * 2 + [3] + [10] * 4,
+        proofs={"instance_gone"},
         held_pages_while_draining=drain.d_held_pages,
         dead_p_discovered_s=round(discover_s, 2),
         triton_restarted_stub=False,
@@ -302,6 +309,7 @@ def test_three_held_acks_make_p_exit(row):
         t0,
         results + ok,
         10,
+        proofs={"instance_gone", "instance_changed"},
         p_exit_logged=exit_logged,
         reload_s=round(reload_s, 1),
     )
@@ -315,8 +323,16 @@ def test_deadline_expiry_fails_only_delayed_streams(row):
     failed = [r for r in results if r.error is not None]
     assert len(failed) == 2 and all("no DONE within the deadline" in str(r.error) for r in failed), failed
     rates = [r.tokens_per_s for r in results if r.error is None]
+    late = {"receiver_drops"} if unit.path in RECEIVER_WRITES else {"abort_ack", "done"}
     finish(
-        unit, base, "deadline expiry (2 of 8 delayed)", t0, results, 40, min_rate_ok_tok_s=round(min(rates))
+        unit,
+        base,
+        "deadline expiry (2 of 8 delayed)",
+        t0,
+        results,
+        40,
+        proofs=late,
+        min_rate_ok_tok_s=round(min(rates)),
     )
 
 
@@ -351,7 +367,16 @@ def test_late_copy_is_dropped_by_d_without_quarantine(row):
         time.sleep(0.1)
     dropped = _late_chunks_dropped(unit) - dropped_before
     assert dropped > 0, "the late copies' chunks were not seen and dropped by D"
-    finish(unit, base, "late copy dropped (tcp, 2 of 6)", t0, results, 20, late_chunks_dropped=int(dropped))
+    finish(
+        unit,
+        base,
+        "late copy dropped (tcp, 2 of 6)",
+        t0,
+        results,
+        20,
+        proofs={"receiver_drops"},
+        late_chunks_dropped=int(dropped),
+    )
 
 
 def test_corruption_is_detected_and_fails_only_its_streams(row):
@@ -363,7 +388,7 @@ def test_corruption_is_detected_and_fails_only_its_streams(row):
         results += streams(unit.url, jobs(6, 30, 6, seed=9 + batch), timeout_s=30)
     failed = [r for r in results if r.error is not None]
     assert len(failed) == 6 and all("hashes to" in str(r.error) for r in failed), [r.error for r in failed]
-    finish(unit, base, "corruption (every 3rd copy)", t0, results, 6, injected=6)
+    finish(unit, base, "corruption (every 3rd copy)", t0, results, 6, injected=6, proofs={"done"})
 
 
 def test_client_cancel_mid_stream_returns_pages(row):
