@@ -24,7 +24,14 @@ from dataclasses import dataclass
 import torch
 
 from tandem.backend.decoder import Decoder
-from tandem.backend.engine_parts import make_batch, make_intake, make_pool, transfer_path, wire_layout
+from tandem.backend.engine_parts import (
+    control_secret,
+    make_batch,
+    make_intake,
+    make_pool,
+    transfer_path,
+    wire_layout,
+)
 from tandem.backend.engine_thread import EngineThread
 from tandem.backend.errors import PoolExhausted, StreamFailed
 from tandem.backend.handoff import Handoff
@@ -91,6 +98,7 @@ class DecodeEngine:
             abort_retry_s=t.abort_retry_s,
             probe_interval_s=t.probe_interval_s,
             on_event=self._on_transfer_event,
+            secret=control_secret(settings),
         )
         self._events: list[TransferEvent] = []
         self._waiting: list[_Waiting] = []

@@ -7,6 +7,7 @@ settings must mean equal behaviour, or `tts` and `tts_mono` stop producing ident
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TypeVar
 
 from tandem.backend.batch import DecodeBatch
@@ -16,7 +17,10 @@ from tandem.backend.metrics import MetricsSink
 from tandem.backend.queueing import Intake, _HasSink
 from tandem.backend.settings import EngineSettings
 from tandem.backend.vocoder import ChunkPolicy
-from tandem.transfer import TransferPath, WireLayout, select_path
+from tandem.transfer import PATHS, TransferError, TransferPath, WireLayout, select_path
+from tandem.transfer.auth import read_secret, unit_secret
+from tandem.transfer.control import control_dir
+from tandem.transfer.tcp_path import TcpPath
 
 R = TypeVar("R", bound=_HasSink)
 
@@ -50,9 +54,40 @@ def make_intake(settings: EngineSettings, _kind: type[R]) -> Intake[R]:
 
 
 def transfer_path(settings: EngineSettings) -> TransferPath:
-    """Probe the configured paths in order; with `require_path` set, that one or a start-up error."""
+    """Probe the configured paths in order; with `require_path` set, that one or a start-up error.
+    The tcp path gets this unit's bind/advertise addresses and secret file."""
     t = settings.transfer
-    return select_path([p.strip() for p in t.paths.split(",") if p.strip()], t.require_path or None)
+    if t.control not in ("unix", "tcp"):
+        raise TransferError(f"tandem.transfer.control must be 'unix' or 'tcp', got {t.control!r}")
+    if t.control == "tcp" and t.require_path != "tcp":
+        raise TransferError(
+            "tandem.transfer.control=tcp needs tandem.transfer.require_path=tcp: across hosts only a path "
+            "where D writes every byte itself keeps the proofs (docs/protocol.md)"
+        )
+    registry = {
+        **PATHS,
+        "tcp": lambda: TcpPath(
+            bind_host=t.bind_host,
+            advertise_host=t.advertise_host or None,
+            secret_file=t.secret_file or None,
+        ),
+    }
+    names = [p.strip() for p in t.paths.split(",") if p.strip()]
+    return select_path(names, t.require_path or None, registry)
+
+
+def control_secret(settings: EngineSettings) -> bytes | None:
+    """The unit secret for a tcp control plane (None with the unit socket): `secret_file`, else the
+    unit's control directory's (created if missing; only shared by processes of one host)."""
+    t = settings.transfer
+    if t.control != "tcp":
+        return None
+    if t.secret_file:
+        try:
+            return read_secret(Path(t.secret_file))
+        except OSError as exc:
+            raise TransferError(f"tandem.transfer.secret_file: cannot read {t.secret_file}: {exc}") from None
+    return unit_secret(control_dir(t.unit))
 
 
 def wire_layout(decoder: Decoder) -> WireLayout:

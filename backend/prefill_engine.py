@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from tandem.backend.decoder import Decoder
-from tandem.backend.engine_parts import make_intake, make_pool, transfer_path, wire_layout
+from tandem.backend.engine_parts import control_secret, make_intake, make_pool, transfer_path, wire_layout
 from tandem.backend.engine_thread import EngineThread
 from tandem.backend.errors import PoolExhausted, StreamFailed, TandemError
 from tandem.backend.handoff import Handoff
@@ -144,6 +144,10 @@ class PrefillEngine:
             slot=slot,
             max_held_acks=t.max_held_acks,
             copy_hook=FaultInjector(settings.faults) if settings.faults.active else None,
+            control=t.control,
+            bind_host=t.bind_host,
+            advertise_host=t.advertise_host or None,
+            secret=control_secret(settings),
         )
         self._thread = EngineThread("tandem-prefill", self._iterate, self._fault)
 

@@ -58,6 +58,12 @@ class TransferSettings:
     probe_interval_s: float = 0.5
     max_held_acks: int = 3
     drain_held_fraction: float = 0.25
+    # Cross-host (docs/protocol.md, "Control plane over TCP"): "tcp" serves P's control plane on a TCP
+    # port instead of the unit socket; only with paths = require_path = "tcp".
+    control: str = "unix"
+    bind_host: str = "127.0.0.1"  # P's control listener and D's tcp data listener bind here
+    advertise_host: str = ""  # the address peers are told to connect to ("" = bind_host)
+    secret_file: str = ""  # the unit secret both hosts mount ("" = <control dir>/tcp.secret, one host)
 
 
 @dataclass(frozen=True)

@@ -149,3 +149,43 @@ def connect_unix(path: str, timeout_s: float) -> socket.socket:
         sock.close()
         raise
     return sock
+
+
+# ---- the control plane over TCP (cross-host; only with a path where D writes every byte) --------------
+
+CONTROL_MAGIC = b"TKC1"  # P's control listener (the data listener's is tcp_path.MAGIC)
+CONTROL_ROLES = (b"P", b"D")  # (listener, connector) MAC roles of the control handshake
+TCP_SCHEME = "tcp://"
+
+
+def tcp_endpoint(host: str, port: int) -> str:
+    """The ticket form of a TCP control endpoint (IPv6 literals in brackets)."""
+    return f"{TCP_SCHEME}[{host}]:{port}" if ":" in host else f"{TCP_SCHEME}{host}:{port}"
+
+
+def parse_tcp_endpoint(endpoint: str) -> tuple[str, int] | None:
+    """(host, port) of a `tcp://host:port` endpoint; None for a unix socket path. Raises
+    `TransferError` for a malformed tcp:// endpoint."""
+    if not endpoint.startswith(TCP_SCHEME):
+        return None
+    rest = endpoint[len(TCP_SCHEME) :]
+    host, sep, port = rest.rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise TransferError(f"malformed control endpoint {endpoint!r} (want tcp://host:port)")
+    return host, int(port)
+
+
+def listen_tcp(host: str, port: int = 0) -> socket.socket:
+    """P's control listener; port 0 takes an ephemeral port (the ticket names the real one)."""
+    srv = socket.create_server((host, port), backlog=64)
+    srv.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return srv
+
+
+def connect_tcp(host: str, port: int, timeout_s: float) -> socket.socket:
+    """Connect to a P's control listener; raises OSError when nothing answers."""
+    sock = socket.create_connection((host, port), timeout=timeout_s)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.settimeout(None)
+    return sock

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import secrets
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -33,8 +34,18 @@ import torch
 from ._conn import Connection
 from ._endpoint import Endpoint, failure_for
 from .arena import RegionAllocator
+from .auth import AuthFailed, connect_handshake
 from .checksum import format_checksum, kv_checksum
-from .control import connect_unix, control_dir, instance_gone, same_user
+from .control import (
+    CONTROL_MAGIC,
+    CONTROL_ROLES,
+    connect_tcp,
+    connect_unix,
+    control_dir,
+    instance_gone,
+    parse_tcp_endpoint,
+    same_user,
+)
 from .errors import (
     ArenaExhausted,
     ChecksumMismatch,
@@ -79,10 +90,13 @@ class TransferReceiver:
         lock_proof: bool = True,
         on_event: Callable[[TransferEvent], None] | None = None,
         on_quarantine_change: Callable[[str, bool], None] | None = None,
+        secret: bytes | None = None,
     ) -> None:
         """Called once per D process. `lock_proof=False` disables the process-death proof (an unreachable
         endpoint whose instance lock is free) and leaves only ACK/DONE/FAILED/instance-change; tests use it
-        to show that time alone never releases a region."""
+        to show that time alone never releases a region. `secret` (the unit secret) lets D follow
+        tickets whose endpoint is a P's TCP control listener (`tcp://host:port`, cross-host); only a
+        path where D writes every byte itself accepts those (no lock to probe across hosts)."""
         self.layout = layout
         self.path = path
         self.instance_id = secrets.token_hex(16)
@@ -93,6 +107,7 @@ class TransferReceiver:
         self._probe_interval_s = probe_interval_s
         self._connect_timeout_s = connect_timeout_s
         self._lock_proof = lock_proof
+        self._secret = secret
         self._on_event = on_event
         self._on_quarantine_change = on_quarantine_change
         self._lock = threading.Lock()
@@ -134,7 +149,17 @@ class TransferReceiver:
             raise LayoutMismatch(f"ticket layout {ticket.layout_fp} != ours {self.layout.fingerprint()}")
         if ticket.path != self.path.name:
             raise PathMismatch(f"ticket wants path {ticket.path!r}, this receiver uses {self.path.name!r}")
-        if Path(ticket.endpoint).parent != self._dir or Path(ticket.lock_path).parent != self._dir:
+        if parse_tcp_endpoint(ticket.endpoint) is not None:
+            if not self.path.receiver_writes:
+                raise TransferError(
+                    f"ticket endpoint {ticket.endpoint} is a tcp control endpoint, which only a path where "
+                    f"D writes every byte (tcp) may follow; this receiver uses {self.path.name}"
+                )
+            if self._secret is None:
+                raise TransferError(
+                    f"ticket endpoint {ticket.endpoint} needs the unit secret, none configured"
+                )
+        elif Path(ticket.endpoint).parent != self._dir or Path(ticket.lock_path).parent != self._dir:
             raise TransferError(f"ticket endpoint {ticket.endpoint} is not in this unit's {self._dir}")
         actions: Actions = []
         with self._lock:
@@ -508,21 +533,37 @@ class TransferReceiver:
             for ep in to_connect:
                 self._connect(ep)
 
+    def _open(self, ep: Endpoint) -> socket.socket:
+        """A connected, authenticated control socket to `ep` (unix: peer uid; tcp: unit secret)."""
+        tcp = parse_tcp_endpoint(ep.path)
+        if tcp is None:
+            sock = connect_unix(ep.path, self._connect_timeout_s)
+            if not same_user(sock):
+                sock.close()
+                raise OSError(f"{ep.path} is served by another user")
+            return sock
+        sock = connect_tcp(*tcp, self._connect_timeout_s)
+        try:
+            connect_handshake(
+                sock, self._secret or b"", CONTROL_MAGIC, CONTROL_ROLES, what="P control endpoint"
+            )
+        except BaseException:
+            sock.close()
+            raise
+        return sock
+
     def _connect(self, ep: Endpoint) -> None:
         actions: Actions = []
         try:
-            sock = connect_unix(ep.path, self._connect_timeout_s)
-        except OSError as exc:
+            sock = self._open(ep)
+        except (OSError, EOFError, AuthFailed) as exc:
             with self._lock:
                 for h in ep.queued:
                     self._fail(h, PeerLost(f"cannot reach P at {ep.path}: {exc}"), actions)
                 ep.queued.clear()
-                if self._lock_proof and ep.handles and instance_gone(ep.lock_path):
+                if self._lock_proof and ep.handles and ep.lock_path and instance_gone(ep.lock_path):
                     self._lost_instance(ep, ReleaseReason.INSTANCE_GONE, actions)
             _run(actions)
-            return
-        if not same_user(sock):
-            sock.close()
             return
         conn = Connection(sock)
         with self._lock:

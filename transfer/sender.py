@@ -18,6 +18,7 @@ under the sender's lock.
 
 from __future__ import annotations
 
+import logging
 import os
 import queue
 import secrets
@@ -31,14 +32,25 @@ import torch
 
 from ._conn import Connection
 from ._offer import GatherFn, Offer, Peer
+from .auth import AuthFailed, accept_handshake
 from .checksum import format_checksum, kv_checksum
-from .control import InstanceLock, endpoint_paths, listen_unix, same_user
+from .control import (
+    CONTROL_MAGIC,
+    CONTROL_ROLES,
+    InstanceLock,
+    endpoint_paths,
+    listen_tcp,
+    listen_unix,
+    same_user,
+    tcp_endpoint,
+)
 from .errors import ProtocolError, SenderClosed, TransferError
 from .frames import PROTOCOL_VERSION, FailReason, MsgType
 from .layout import WireLayout
 from .paths import TransferPath
 from .state import OfferState, SenderStats, Ticket, TransferEvent
 
+log = logging.getLogger(__name__)
 _RECENT_MAX = 4096
 
 
@@ -60,13 +72,36 @@ class TransferSender:
         lock_wait_s: float = 5.0,
         on_event: Callable[[TransferEvent], None] | None = None,
         copy_hook: Callable[[str, torch.Tensor], None] | None = None,
+        control: str = "unix",
+        bind_host: str = "127.0.0.1",
+        advertise_host: str | None = None,
+        secret: bytes | None = None,
     ) -> None:
         """`copy_hook(tid, staging)` is a fault-injection seam: called on the copy worker after gather and
         checksum, right before the copy crosses (it may delay, or alter `staging` to simulate corruption).
         Production code passes None unless fault injection is configured.
 
         At most `copy_workers` copies run at once, so at most that many ACKs can be held: keep it
-        >= `max_held_acks` or only the `max_hold_s` watchdog can declare P fatal."""
+        >= `max_held_acks` or only the `max_hold_s` watchdog can declare P fatal.
+
+        `control="tcp"` serves the control plane on a TCP port of `bind_host` (tickets name
+        `tcp://<advertise_host or bind_host>:<port>`) for D receivers on other hosts, each proving it
+        holds `secret` (the unit secret, `transfer/auth.py`). Across hosts there is no instance lock
+        for D to probe, so only a path where D writes every byte itself (`receiver_writes`, the tcp
+        path) may use it; anything else raises `TransferError` here."""
+        if control not in ("unix", "tcp"):
+            raise TransferError(f"control must be 'unix' or 'tcp', got {control!r}")
+        if control == "tcp" and not path.receiver_writes:
+            raise TransferError(
+                f"the {path.name} path cannot use a tcp control plane: across hosts D has no process-death "
+                "proof, so only a path where D writes every byte itself (tcp) may"
+            )
+        if control == "tcp" and secret is None:
+            raise TransferError("a tcp control plane needs the unit secret (secret=...)")
+        self.control = control
+        self._bind_host = bind_host
+        self._advertise_host = advertise_host or bind_host
+        self._secret = secret
         self.layout = layout
         self.path = path
         self.instance_id = secrets.token_hex(16)
@@ -104,6 +139,7 @@ class TransferSender:
                 "offers_aborted",
                 "bytes_moved",
                 "acks_sent",
+                "auth_failures",
             ),
             0,
         )
@@ -120,7 +156,13 @@ class TransferSender:
                 raise TransferError(f"another P instance holds {self.lock_path}")
             time.sleep(0.02)
         self.path.share_instance_lock(self._instance_lock.fd)
-        self._server = listen_unix(self._sock_path)
+        if self.control == "tcp":
+            self._server = listen_tcp(self._bind_host)
+            self.endpoint = tcp_endpoint(self._advertise_host, self._server.getsockname()[1])
+            self.lock_path = ""  # no lock D could probe across hosts (and none it needs: D writes)
+            log.info("P control plane on %s (tcp, unit-secret handshake)", self.endpoint)
+        else:
+            self._server = listen_unix(self._sock_path)
         self._server.settimeout(0.05)
         self._spawn(self._accept_loop, "tandem-p-accept")
         for i in range(self._n_workers):
@@ -154,7 +196,8 @@ class TransferSender:
             t.join(2.0)
         if self._server is not None:
             self._server.close()
-            self._sock_path.unlink(missing_ok=True)
+            if self.control == "unix":
+                self._sock_path.unlink(missing_ok=True)
         self.path.share_instance_lock(None)
         self._instance_lock.release()
 
@@ -217,14 +260,27 @@ class TransferSender:
                 continue
             except OSError:
                 return
-            if not same_user(sock):
+            if self.control == "unix" and not same_user(sock):
                 sock.close()
                 continue
             sock.settimeout(None)
-            peer = Peer(Connection(sock))
-            with self._lock:
-                self._peers.add(peer)
-            self._spawn(self._read_loop, "tandem-p-conn", peer)
+            self._spawn(self._serve_connection, "tandem-p-conn", sock)
+
+    def _serve_connection(self, sock: socket.socket) -> None:
+        """One D connection: on TCP first the unit-secret handshake, then the protocol (`_read_loop`)."""
+        if self.control == "tcp":
+            try:
+                accept_handshake(sock, self._secret or b"", CONTROL_MAGIC, CONTROL_ROLES)
+            except (AuthFailed, OSError, EOFError) as exc:
+                with self._lock:
+                    self._counts["auth_failures"] += 1
+                log.warning("refused a control connection from %s: %s", _peer_name(sock), exc)
+                sock.close()
+                return
+        peer = Peer(Connection(sock))
+        with self._lock:
+            self._peers.add(peer)
+        self._read_loop(peer)
 
     def _read_loop(self, peer: Peer) -> None:
         try:
@@ -461,3 +517,10 @@ class TransferSender:
 def _run(actions: list[Callable[[], None]]) -> None:
     for action in actions:
         action()
+
+
+def _peer_name(sock: socket.socket) -> str:
+    try:
+        return str(sock.getpeername())
+    except OSError:
+        return "a closed connection"

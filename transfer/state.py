@@ -150,3 +150,4 @@ class SenderStats:
     held_acks: int
     acks_sent: int
     connections: int
+    auth_failures: int = 0  # TCP control connections that failed the unit-secret handshake

@@ -35,8 +35,6 @@ before any region goes back to the allocator, and on a failure frees the region 
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import hmac
 import os
 import secrets
 import socket
@@ -49,6 +47,15 @@ from pathlib import Path
 import torch
 
 from .arena import Region
+from .auth import (
+    SECRET_NAME,
+    AuthFailed,
+    accept_handshake,
+    connect_handshake,
+    read_secret,
+    recv_exact,
+    unit_secret,
+)
 from .checksum import kv_checksum
 from .control import control_dir
 from .errors import PathUnavailable, TransferError
@@ -60,47 +67,9 @@ DATA, END = 1, 2
 COMPLETE, DROPPED = 1, 2
 CHUNK_HEADER = struct.Struct(">B16s16sQI")
 REPLY = struct.Struct(">16sBQ")
-SECRET_NAME = "tcp.secret"
-SECRET_BYTES = 32
+ROLES = (b"d", b"p")  # (listener = D, connector = P) MAC roles of the data handshake
 DEFAULT_CHUNK = 1 << 20
 MAX_CHUNK = 16 << 20
-
-
-def unit_secret(directory: Path) -> bytes:
-    """The unit's shared secret, created (0600, atomically) if missing. Called by both sides."""
-    path = directory / SECRET_NAME
-    try:
-        data = path.read_bytes()
-    except FileNotFoundError:
-        tmp = directory / f".{SECRET_NAME}.{os.getpid()}.{secrets.token_hex(4)}"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-        try:
-            os.write(fd, secrets.token_bytes(SECRET_BYTES))
-        finally:
-            os.close(fd)
-        with contextlib.suppress(FileExistsError):
-            os.link(tmp, path)  # atomic: the first creator wins, everyone reads the winner's bytes
-        tmp.unlink()
-        data = path.read_bytes()
-    if len(data) != SECRET_BYTES:
-        raise TransferError(f"{path} holds {len(data)} bytes, expected {SECRET_BYTES}")
-    return data
-
-
-def _mac(secret: bytes, role: bytes, a: bytes, b: bytes) -> bytes:
-    return hmac.new(secret, role + a + b, hashlib.sha256).digest()
-
-
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    buf = bytearray(n)
-    view = memoryview(buf)
-    got = 0
-    while got < n:
-        k = sock.recv_into(view[got:], n - got)
-        if k == 0:
-            raise EOFError("peer closed the data connection")
-        got += k
-    return bytes(buf)
 
 
 @dataclass(frozen=True)
@@ -117,11 +86,13 @@ class TcpArena(LocalArena):
     `expect(region, tid)` / `forget(region)` are the receiver's hooks (see module docstring); the
     listener's threads are the only writers, and only for expected (tid, epoch, range)."""
 
-    def __init__(self, nbytes: int, secret_path: Path, bind_host: str) -> None:
+    def __init__(
+        self, nbytes: int, secret_path: Path, bind_host: str, advertise_host: str | None = None
+    ) -> None:
         self.nbytes = nbytes
         self.epoch = secrets.token_bytes(16)
         self.secret_path = secret_path
-        self._secret = secret_path.read_bytes()
+        self._secret = read_secret(secret_path)
         self._bytes = torch.zeros(nbytes, dtype=torch.uint8)
         self._lock = threading.Lock()
         self._expected: dict[bytes, tuple[Region, int]] = {}  # tid -> (region, bytes received)
@@ -129,7 +100,7 @@ class TcpArena(LocalArena):
         self._conns: set[socket.socket] = set()
         self._server = socket.create_server((bind_host, 0))
         self._server.settimeout(0.2)
-        self.host, self.port = bind_host, self._server.getsockname()[1]
+        self.host, self.port = advertise_host or bind_host, self._server.getsockname()[1]
         self._stop = threading.Event()
         self._accept = threading.Thread(target=self._accept_loop, name="tandem-tcp-accept", daemon=True)
         self._accept.start()
@@ -201,23 +172,18 @@ class TcpArena(LocalArena):
 
     def _serve(self, sock: socket.socket) -> None:
         try:
-            sock.settimeout(5.0)  # the handshake must be quick; data may then take its time
-            nonce_d = secrets.token_bytes(32)
-            sock.sendall(MAGIC + nonce_d)
-            reply = _recv_exact(sock, 64)
-            mac, nonce_p = reply[:32], reply[32:]
-            if not hmac.compare_digest(mac, _mac(self._secret, b"p", nonce_d, nonce_p)):
+            try:
+                accept_handshake(sock, self._secret, MAGIC, ROLES)
+            except AuthFailed:
                 with self._lock:
                     self._counts["auth"] += 1
                 return
-            sock.sendall(_mac(self._secret, b"d", nonce_p, nonce_d))
-            sock.settimeout(None)
             while True:
-                kind, tid, epoch, offset, length = CHUNK_HEADER.unpack(_recv_exact(sock, CHUNK_HEADER.size))
+                kind, tid, epoch, offset, length = CHUNK_HEADER.unpack(recv_exact(sock, CHUNK_HEADER.size))
                 if kind == DATA:
                     if length > MAX_CHUNK:
                         return
-                    payload = _recv_exact(sock, length)
+                    payload = recv_exact(sock, length)
                     self._write(tid, epoch, offset, payload)
                 elif kind == END:
                     sock.sendall(self._end(tid, epoch, offset))
@@ -278,8 +244,16 @@ class TcpPath(TransferPath):
         chunk_bytes: int = DEFAULT_CHUNK,
         connect_timeout_s: float = 5.0,
         confirm_timeout_s: float = 30.0,
+        advertise_host: str | None = None,
+        secret_file: str | None = None,
     ) -> None:
+        """`bind_host`: D's data listener address (default $TANDEM_TCP_BIND, else loopback);
+        `advertise_host`: the address P is told to connect to (default `bind_host`; set it when binding
+        a wildcard across hosts); `secret_file`: the unit secret both hosts mount (default: the unit's
+        control directory, which only works on one host)."""
         self.bind_host = bind_host or os.environ.get("TANDEM_TCP_BIND", "127.0.0.1")
+        self.advertise_host = advertise_host
+        self.secret_file = Path(secret_file) if secret_file else None
         if not 0 < chunk_bytes <= MAX_CHUNK:
             raise ValueError(f"chunk_bytes must be in (0, {MAX_CHUNK}]")
         self.chunk_bytes = chunk_bytes
@@ -307,9 +281,11 @@ class TcpPath(TransferPath):
 
     def create_arena(self, nbytes: int, label: str) -> TcpArena:
         """`label` is the receiver's `<unit>-<instance>`: the secret lives in that unit's control dir."""
+        if self.secret_file is not None:
+            return TcpArena(nbytes, self.secret_file, self.bind_host, self.advertise_host)
         directory = control_dir(label.rsplit("-", 1)[0])
         unit_secret(directory)  # create it if this is the unit's first data path
-        return TcpArena(nbytes, directory / SECRET_NAME, self.bind_host)
+        return TcpArena(nbytes, directory / SECRET_NAME, self.bind_host, self.advertise_host)
 
     def open_peer_arena(self, meta: Mapping[str, object], fds: list[int]) -> PeerArena:
         for fd in fds:
@@ -319,8 +295,8 @@ class TcpPath(TransferPath):
                 raise ValueError(f"kind {meta.get('kind')!r}")
             epoch = bytes.fromhex(str(meta["epoch"]))
             host, port, nbytes = str(meta["host"]), int(str(meta["port"])), int(str(meta["nbytes"]))
-            secret = Path(str(meta["secret_path"])).read_bytes()
-        except (KeyError, ValueError, OSError) as exc:
+            secret = read_secret(self.secret_file or Path(str(meta["secret_path"])))
+        except (KeyError, ValueError, OSError, TransferError) as exc:
             raise TransferError(f"tcp path: bad arena metadata {dict(meta)}: {exc}") from None
         return TcpPeerArena(host, port, epoch, nbytes, secret)
 
@@ -340,13 +316,10 @@ class TcpPath(TransferPath):
         tid_b = bytes.fromhex(tid)
         try:
             with socket.create_connection((peer.host, peer.port), timeout=self.connect_timeout_s) as sock:
-                hello = _recv_exact(sock, len(MAGIC) + 32)
-                if hello[:4] != MAGIC:
-                    raise TransferError("tcp path: not a tandem data listener")
-                nonce_d, nonce_p = hello[4:], secrets.token_bytes(32)
-                sock.sendall(_mac(peer.secret, b"p", nonce_d, nonce_p) + nonce_p)
-                if not hmac.compare_digest(_recv_exact(sock, 32), _mac(peer.secret, b"d", nonce_p, nonce_d)):
-                    raise TransferError("tcp path: D failed authentication")
+                try:
+                    connect_handshake(sock, peer.secret, MAGIC, ROLES, what="tandem data listener")
+                except AuthFailed as exc:
+                    raise TransferError(f"tcp path: {exc}") from None
                 sock.settimeout(self.confirm_timeout_s)
                 view = src.data
                 for pos in range(0, n, self.chunk_bytes):
@@ -354,7 +327,7 @@ class TcpPath(TransferPath):
                     sock.sendall(CHUNK_HEADER.pack(DATA, tid_b, peer.epoch, offset + pos, len(chunk)))
                     sock.sendall(chunk)
                 sock.sendall(CHUNK_HEADER.pack(END, tid_b, peer.epoch, n, 0))
-                _, status, received = REPLY.unpack(_recv_exact(sock, REPLY.size))
+                _, status, received = REPLY.unpack(recv_exact(sock, REPLY.size))
         except (OSError, EOFError) as exc:
             raise TransferError(f"tcp path: data connection failed: {exc!r}") from exc
         if status != COMPLETE:

@@ -74,9 +74,17 @@ class HookControl:
 
 
 def sender_child(
-    unit: str, slot: str, layout: dict[str, object], xdg_dir: str, pipe: Pipe, path: str = "host_shm"
+    unit: str,
+    slot: str,
+    layout: dict[str, object],
+    xdg_dir: str,
+    pipe: Pipe,
+    path: str = "host_shm",
+    control: str = "unix",
+    secret: bytes | None = None,
 ) -> None:
-    """Entry point of a P child process serving over `PATHS[path]`. Commands (tuples) on `pipe`:
+    """Entry point of a P child process serving over `PATHS[path]`, its control plane on `control`
+    ("tcp": loopback, with the unit `secret`). Commands (tuples) on `pipe`:
     ("offer", n_tokens, seed, ttl_s) -> ticket json; ("hook", mode) / ("release",) -> "ok";
     ("entered", timeout_s) -> bool;
     ("stats",) -> dict (with "sources_released"); ("close",) -> "closed" and the process exits."""
@@ -85,7 +93,17 @@ def sender_child(
     hook = HookControl()
     released: list[str] = []
     fatal: list[str] = []
-    sender = TransferSender(wl, unit, PATHS[path](), released.append, fatal.append, slot=slot, copy_hook=hook)
+    sender = TransferSender(
+        wl,
+        unit,
+        PATHS[path](),
+        released.append,
+        fatal.append,
+        slot=slot,
+        copy_hook=hook,
+        control=control,
+        secret=secret,
+    )
     hook.sender = sender
     sender.start()
     pipe.send(("ready", sender.instance_id, sender.endpoint))
@@ -120,11 +138,18 @@ class SenderProcess:
     """A P child (`sender_child`) started with spawn, driven from the test over its pipe."""
 
     def __init__(
-        self, unit: str, xdg: str, layout: WireLayout, slot: str = "p0", path: str = "host_shm"
+        self,
+        unit: str,
+        xdg: str,
+        layout: WireLayout,
+        slot: str = "p0",
+        path: str = "host_shm",
+        control: str = "unix",
+        secret: bytes | None = None,
     ) -> None:
         ctx = mp.get_context("spawn")
         self.pipe, child = ctx.Pipe()
-        args = (unit, slot, layout.to_dict(), xdg, child, path)
+        args = (unit, slot, layout.to_dict(), xdg, child, path, control, secret)
         self.proc = ctx.Process(target=sender_child, args=args, daemon=True)
         self.proc.start()
         assert self.pipe.poll(60), "P child did not start"

@@ -21,7 +21,8 @@ The matrix runs once per KV path in `TANDEM_FAULT_PATHS` (default `host_shm,tcp`
 `cli/run_fault_matrix.sh`; `proxy` also starts the unit's `tandem-proxy` sidecar. Rows about
 quarantine, draining and held ACKs are skipped on a path where D itself writes every byte (`tcp`):
 there D frees a failed region at once and sends no ABORT, so nothing is held; the tcp-only row shows
-the late chunks being dropped instead.
+the late chunks being dropped instead. The tcp unit runs the cross-host form: P's control plane on a
+TCP port too (`tandem.transfer.control=tcp`), on loopback.
 """
 
 from __future__ import annotations
@@ -100,6 +101,8 @@ def unit(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     overrides = {m: dict(v) for m, v in OVERRIDES.items()}
     for model in ("prefill", "decode"):
         overrides[model].update({"tandem.transfer.paths": path, "tandem.transfer.require_path": path})
+        if path == "tcp":  # the cross-host form: P's control plane on TCP too, unit-secret handshakes
+            overrides[model]["tandem.transfer.control"] = "tcp"
     u = FaultUnit(tmp_path_factory.mktemp(f"faultunit-{path}"), overrides, GROUPS, proxy=path == "proxy")
     u.start()
     yield u
@@ -350,6 +353,11 @@ def test_late_copy_is_dropped_by_d_without_quarantine(row):
     unit, base = row
     if unit.path not in RECEIVER_WRITES:
         pytest.skip(f"{unit.path}: P writes D's memory; the pause, kill and held-ACK rows cover it")
+    text = handoff(unit.url)
+    endpoint = json.loads(text)["ticket"]["endpoint"]
+    assert endpoint.startswith("tcp://127.0.0.1:"), f"the tcp unit's control plane is not on TCP: {endpoint}"
+    out, err = decode(unit.url, text)
+    assert err is None and sum(o["TOKENS"].shape[0] for o in out) == 8
     t0 = time.monotonic()
     dropped_before = _late_chunks_dropped(unit)
     unit.set_faults(delay_every=3, delay_s=DEADLINE_S + 1.0)

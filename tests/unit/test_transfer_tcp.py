@@ -35,6 +35,8 @@ from tandem.transfer import (
     kv_checksum,
     select_path,
 )
+from tandem.transfer.auth import unit_secret
+from tandem.transfer.control import control_dir
 from tandem.transfer.tcp_path import MAGIC, SECRET_NAME, TcpArena, TcpPath, TcpPeerArena
 from tandem.transfer.testing import SenderProcess, fake_kv, sender_child, wait_for
 
@@ -215,7 +217,7 @@ def test_p_refuses_a_listener_that_fails_authentication(path: TcpPath) -> None:
     t = threading.Thread(target=impostor)
     t.start()
     peer = TcpPeerArena("127.0.0.1", server.getsockname()[1], os.urandom(16), 1 << 20, os.urandom(32))
-    with pytest.raises(TransferError, match="D failed authentication"):
+    with pytest.raises(TransferError, match="data listener does not hold the unit secret"):
         path.copy_to_peer(staged(20, 8), peer, 0, tid=secrets.token_hex(16))
     t.join(10)
     server.close()
@@ -232,9 +234,9 @@ BUSY = (TransferState.REQUESTED, TransferState.DONE)
 class ThreadP(SenderProcess):
     """`sender_child` in a thread of this process: the same driver as the spawned child."""
 
-    def __init__(self, xdg: str) -> None:
+    def __init__(self, xdg: str, control: str = "unix", secret: bytes | None = None) -> None:
         self.pipe, child = mp.Pipe()
-        args = (UNIT, "p0", LAYOUT.to_dict(), xdg, child, "tcp")
+        args = (UNIT, "p0", LAYOUT.to_dict(), xdg, child, "tcp", control, secret)
         self.thread = threading.Thread(target=sender_child, args=args, daemon=True)
         self.thread.start()
         assert self.pipe.poll(30), "P thread did not start"
@@ -247,20 +249,42 @@ class ThreadP(SenderProcess):
         self.thread.join(10)
 
 
+@pytest.fixture(params=["unix", "tcp"])
+def control(request: pytest.FixtureRequest) -> str:
+    """The control plane: the unit socket, or P's TCP listener (cross-host form, on loopback)."""
+    return str(request.param)
+
+
+@pytest.fixture
+def secret(runtime_dir: Path) -> bytes:
+    return unit_secret(control_dir(UNIT))
+
+
 @pytest.fixture(params=["thread", "spawn"])
-def p(request: pytest.FixtureRequest, runtime_dir: Path) -> Iterator[SenderProcess]:
+def p(
+    request: pytest.FixtureRequest, runtime_dir: Path, control: str, secret: bytes
+) -> Iterator[SenderProcess]:
     """P serving over the TCP path, in this process or in a spawned child."""
-    sp = ThreadP(str(runtime_dir)) if request.param == "thread" else None
-    sp = sp or SenderProcess(UNIT, str(runtime_dir), LAYOUT, path="tcp")
+    key = secret if control == "tcp" else None
+    sp = ThreadP(str(runtime_dir), control, key) if request.param == "thread" else None
+    sp = sp or SenderProcess(UNIT, str(runtime_dir), LAYOUT, path="tcp", control=control, secret=key)
+    assert sp.endpoint.startswith("tcp://") == (control == "tcp")
     yield sp
     sp.stop()
 
 
 @pytest.fixture
-def r() -> Iterator[TransferReceiver]:
+def r(secret: bytes) -> Iterator[TransferReceiver]:
     # lock_proof off: a region must come back through the path's own proof, never the lock.
     rec = TransferReceiver(
-        LAYOUT, UNIT, ARENA, TcpPath(), abort_retry_s=0.05, probe_interval_s=0.1, lock_proof=False
+        LAYOUT,
+        UNIT,
+        ARENA,
+        TcpPath(),
+        abort_retry_s=0.05,
+        probe_interval_s=0.1,
+        lock_proof=False,
+        secret=secret,
     )
     yield rec
     rec.close()
@@ -356,3 +380,82 @@ def test_sender_with_a_wrong_secret_is_refused(
     assert not tcp_arena(r).region_bytes(h.region).any()
     r.complete(h)
     assert r.stats().free_bytes == ARENA and p.call("stats")["copies_failed"] == 1
+
+
+# ---- the control plane over TCP: what each bad peer or setting gets ---------------------------------
+
+
+def test_d_without_the_unit_secret_cannot_pull_over_tcp_control(runtime_dir: Path, secret: bytes) -> None:
+    """D holding another secret: P refuses its control connection (counted, logged), the transfer fails
+    at once with a clear error and its region is free; a D with the right secret is then served."""
+    sp = SenderProcess(UNIT, str(runtime_dir), LAYOUT, path="tcp", control="tcp", secret=secret)
+    wrong = TransferReceiver(LAYOUT, UNIT, ARENA, TcpPath(), lock_proof=False, secret=os.urandom(32))
+    right = TransferReceiver(LAYOUT, UNIT, ARENA, TcpPath(), lock_proof=False, secret=secret)
+    try:
+        h = wrong.request(sp.offer(40, 1), 5.0)
+        assert wait_for(lambda: wrong.poll(h) not in BUSY)
+        assert wrong.poll(h) is TransferState.FAILED
+        assert "holds another unit secret than ours" in str(h.error), h.error
+        wrong.complete(h)
+        assert wrong.stats().free_bytes == ARENA
+        assert wait_for(lambda: sp.call("stats")["auth_failures"] >= 1)
+        ok = right.request(sp.offer(40, 2), 5.0)
+        assert wait_for(lambda: right.poll(ok) not in BUSY)
+        assert right.poll(ok) is TransferState.VERIFIED, ok.error
+        right.complete(ok)
+    finally:
+        wrong.close()
+        right.close()
+        sp.stop()
+
+
+def test_tcp_control_port_survives_junk_and_half_handshakes(runtime_dir: Path, secret: bytes) -> None:
+    """Garbage, a silent connection and a wrong proof on P's control port: each is refused and
+    counted; P keeps serving."""
+    sp = SenderProcess(UNIT, str(runtime_dir), LAYOUT, path="tcp", control="tcp", secret=secret)
+    r = TransferReceiver(LAYOUT, UNIT, ARENA, TcpPath(), lock_proof=False, secret=secret)
+    try:
+        host, port = sp.endpoint[len("tcp://") :].rsplit(":", 1)
+        with socket.create_connection((host, int(port))) as junk:
+            junk.recv(36)  # P's magic + nonce
+            junk.sendall(os.urandom(64))  # a wrong proof
+            assert junk.recv(64) == b""  # P hangs up without proving anything
+        with socket.create_connection((host, int(port))) as silent:
+            silent.sendall(b"GET / HTTP/1.0\r\n\r\n" + os.urandom(64))
+        assert wait_for(lambda: sp.call("stats")["auth_failures"] >= 2)
+        h = r.request(sp.offer(10, 3), 5.0)
+        assert wait_for(lambda: r.poll(h) not in BUSY)
+        assert r.poll(h) is TransferState.VERIFIED, h.error
+        r.complete(h)
+    finally:
+        r.close()
+        sp.stop()
+
+
+def test_tcp_control_is_refused_where_d_does_not_write_every_byte(runtime_dir: Path, secret: bytes) -> None:
+    """Across hosts there is no instance lock to probe, so P refuses a tcp control plane on a path
+    where it writes D's memory, and D refuses to follow a tcp:// ticket on such a path or without
+    the unit secret."""
+    from tandem.transfer import HostShmPath, Ticket, TransferSender
+
+    with pytest.raises(TransferError, match="cannot use a tcp control plane"):
+        TransferSender(LAYOUT, UNIT, HostShmPath(), print, print, control="tcp", secret=secret)
+    with pytest.raises(TransferError, match="needs the unit secret"):
+        TransferSender(LAYOUT, UNIT, TcpPath(), print, print, control="tcp")
+    with pytest.raises(TransferError, match="control must be"):
+        TransferSender(LAYOUT, UNIT, TcpPath(), print, print, control="udp")
+    fp = LAYOUT.fingerprint()
+    ticket = Ticket("a" * 32, "tcp://127.0.0.1:9", "", "b" * 32, 4, LAYOUT.staging_nbytes(4), fp, "tcp")
+    shm = TransferReceiver(LAYOUT, UNIT, ARENA, HostShmPath(), secret=secret)
+    keyless = TransferReceiver(LAYOUT, UNIT, ARENA, TcpPath())
+    try:
+        with pytest.raises(TransferError, match="only a path where D writes every byte"):
+            shm.request(Ticket(**{**ticket.__dict__, "path": "host_shm"}), 1.0)
+        with pytest.raises(TransferError, match="needs the unit secret"):
+            keyless.request(ticket, 1.0)
+        with pytest.raises(TransferError, match="malformed control endpoint"):
+            keyless.request(Ticket(**{**ticket.__dict__, "endpoint": "tcp://nohost"}), 1.0)
+        assert shm.stats().free_bytes == ARENA and keyless.stats().free_bytes == ARENA
+    finally:
+        shm.close()
+        keyless.close()
