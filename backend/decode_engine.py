@@ -1,13 +1,18 @@
 """D: receive a stream's KV from P, then decode it with everyone else.
 
 A stream's journey through D:
-    execute thread: parse HANDOFF -> Intake (bounded)
-    engine thread:  (while the device runs the current step, see `_iterate`)
-                    admit (not draining; pages for prompt + max_new_rows; receive region)
-                    -> receiver.request(ticket, deadline)              [WAITING_KV]
-                    -> poll: VERIFIED -> scatter into pages -> batch   [RUNNING]
-                             FAILED   -> the client gets an error now; pages freed (below)
-                    -> decode steps, chunks out, pages freed at the end
+    execute thread:   parse HANDOFF -> Intake (bounded)
+    admission thread: admit (not draining; batch room; rate floor; pages for prompt + max_new_rows)
+                      -> receiver.request(ticket, deadline): region + PULL    [WAITING_KV]
+    engine thread:    (while the device runs the current step, see `_iterate`)
+                      poll: VERIFIED -> scatter into pages -> batch            [RUNNING]
+                            FAILED   -> the client gets an error now; pages freed (below)
+                      -> decode steps, chunks out, pages freed at the end
+
+Admission has its own thread so that a handoff's pages are reserved and its PULL is on the wire
+within about a millisecond, not after the running step: the copy then overlaps the step. The pool's
+allocate/free and the membership counts are shared under `_admit_lock`; everything else (batch,
+waiting transfers, metrics, client errors) stays on the engine thread.
 
 Ownership: D's pages belong to the stream from admission. On the host path P writes only the
 receive region (owned and quarantined by the transfer receiver until proof), never D's pages, so a
@@ -18,9 +23,12 @@ failed stream's pages return at once. D drains (admits nothing) while quarantine
 from __future__ import annotations
 
 import logging
+import queue
+import threading
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from tandem.backend.decoder import Decoder
@@ -77,6 +85,18 @@ class _Waiting:
     stream: Stream
     handle: TransferHandle
     first_row: object
+    dead: bool = False  # failed by an engine fault: complete the handle when terminal, never join
+
+
+@dataclass
+class _Admitted:
+    """What the admission thread hands the engine thread for one admitted stream."""
+
+    stream: Stream
+    first_row: np.ndarray
+    handle: TransferHandle | None  # None: nothing to transfer (the stream ended at row 0) or refused
+    admission_ms: float
+    error: str | None = None  # the receiver refused the ticket: the engine fails the stream
 
 
 class DecodeEngine:
@@ -102,6 +122,20 @@ class DecodeEngine:
         )
         self._events: list[TransferEvent] = []
         self._waiting: list[_Waiting] = []
+        # Admission runs on its own thread (`_admit_loop`), so a handoff's pages are reserved and its
+        # PULL sent within about a millisecond, whatever the engine thread is doing. Shared with it,
+        # under `_admit_lock`: the pool's allocate/free, `_members` (streams admitted and not yet
+        # gone: queued to the engine, waiting for KV or running) and `_admitted_ctx` (prompt tokens
+        # of members not yet in the batch). `_running_ctx` is the engine's last snapshot of the
+        # batch's context. Admitted streams reach the engine through `_admitted`.
+        self._admit_lock = threading.Lock()
+        self._members = 0
+        self._admitted_ctx = 0
+        self._running_ctx = 0
+        self._admitted: queue.SimpleQueue[_Admitted] = queue.SimpleQueue()
+        self._capacity = threading.Event()  # set when pages or batch room come back
+        self._stop_admission = threading.Event()
+        self._admission = threading.Thread(target=self._admit_loop, name="tandem-decode-admit", daemon=True)
         self._scattering: list[tuple[torch.cuda.Event, TransferHandle]] = []
         self._draining = False
         self.step_model = StepTimeModel()
@@ -113,6 +147,7 @@ class DecodeEngine:
 
     def start(self) -> None:
         self._thread.start()
+        self._admission.start()
         log.info(
             "decode: transfer path %s, pool %d pages of %d",
             self.path.name,
@@ -121,6 +156,8 @@ class DecodeEngine:
         )
 
     def close(self) -> None:
+        self._stop_admission.set()
+        self._admission.join(10.0)
         self._thread.stop()
         self._complete_scattered(wait=True)
         self.receiver.close()
@@ -131,46 +168,69 @@ class DecodeEngine:
     # ---- loop --------------------------------------------------------------------------------------
 
     def _iterate(self) -> None:
-        """One step, with D's host work overlapped: verified streams join first, then the step is
-        queued on the device, and while it runs D admits new streams (pages reserved, PULL sent),
-        polls transfers and queues scatters; `finish` is the one wait for the device."""
+        """One step, with D's host work overlapped: streams admitted meanwhile (admission thread) and
+        verified ones join first, then the step is queued on the device, and while it runs D takes
+        newly admitted streams, polls transfers and queues scatters; `finish` is the one wait for the
+        device."""
+        self._take_admitted()
         self._poll_transfers()
         launched = self.batch.launch()
-        self.intake.pull(0.0 if launched is not None else (0.001 if self._waiting else 0.02))
+        self._running_ctx = sum(s.position + 1 for s in self.batch.streams)
+        if launched is None and not self._waiting:
+            self._take_admitted(block_s=0.02)  # idle: sleep until the admission thread hands one over
+        self._take_admitted()
         self._draining = self.receiver.held_fraction() > self.settings.transfer.drain_held_fraction
-        for _ in self.intake.admit(self._admit):
-            pass
         self._poll_transfers()
         if launched is not None:
             context = sum(s.position + 1 for s in launched.streams)  # positions move in finish()
             elapsed = self.batch.finish(launched)
             self.step_model.observe(len(launched.streams), context, elapsed)
+        elif self._waiting:
+            time.sleep(0.001)  # only transfers in flight: poll them, do not spin
         if self._publish_timer.due():
             self._publish()
 
-    def _context(self) -> int:
-        """Total context tokens the next steps attend over (waiting streams count at their prompt)."""
-        total = sum(s.position + 1 for s in self.batch.streams)
-        return total + sum(w.stream.prompt_len for w in self._waiting)
+    # ---- admission (its own thread) -----------------------------------------------------------------
+
+    def _admit_loop(self) -> None:
+        """Admission thread: waits for handoffs and admits them in arrival order (bounded wait, then
+        UNAVAILABLE, in `Intake`). A request that does not fit waits for `_capacity` (pages or batch
+        room back) or 5 ms, whichever comes first, then is offered again."""
+        while not self._stop_admission.is_set():
+            try:
+                waiting = len(self.intake) > 0
+                self.intake.pull(0.0 if waiting else 0.05)
+                for _ in self.intake.admit(self._admit):
+                    pass
+                if len(self.intake):
+                    self._capacity.wait(0.005)
+                    self._capacity.clear()
+            except Exception:  # a bug here must not silently stop admission: log, fail the queue
+                log.exception("decode admission failed")
+                self.intake.fail_all(StreamFailed("decode admission failed (see the server log)"))
 
     def _admit(self, req: DecodeRequest) -> bool:
-        if self._draining or len(self.batch) + len(self._waiting) >= self.settings.batch.max_batch:
-            return False
+        """Admission thread: reserve the stream's pages and send its PULL, or return False (no room)."""
         h = req.handoff
         b = self.settings.batch
-        if b.rate_admission and not self.step_model.admits(
-            len(self.batch) + len(self._waiting),
-            self._context(),
-            h.prompt_len,
-            b.rate_floor_tok_s,
-            b.rate_margin,
-        ):
-            return False
+        if self.receiver.held_fraction() > self.settings.transfer.drain_held_fraction:
+            return False  # draining: quarantined memory must come back first
         capacity = h.prompt_len + h.max_new_rows
-        try:
-            pages = self.pool.allocate(self.pool.pages_for(capacity))
-        except PoolExhausted:
-            return False
+        with self._admit_lock:
+            n = self._members
+            if n >= b.max_batch:
+                return False
+            context = self._running_ctx + self._admitted_ctx
+            if b.rate_admission and not self.step_model.admits(
+                n, context, h.prompt_len, b.rate_floor_tok_s, b.rate_margin
+            ):
+                return False
+            try:
+                pages = self.pool.allocate(self.pool.pages_for(capacity))
+            except PoolExhausted:
+                return False
+            self._members += 1
+            self._admitted_ctx += h.prompt_len
         stream = Stream(
             stream_id=req.stream_id,
             prompt_len=h.prompt_len,
@@ -183,22 +243,53 @@ class DecodeEngine:
             slots=self.pool.slots(pages, capacity),
         )
         req.timings.mark("d_admit")
-        self.metrics.observe("tandem_admission_ms", (time.monotonic() - req.received_s) * 1e3)
-        if h.ticket is None:  # the stream ended at its first row; nothing to transfer
-            self.batch.add(stream, h.first_row_array(), lambda: self.pool.free(pages))
-            return True
-        try:
-            handle = self.receiver.request(h.ticket, self.settings.transfer.deadline_s)
-        except ArenaExhausted:
-            self.pool.free(pages)
-            return False
-        except TransferError as exc:
-            self.pool.free(pages)
-            self._fail(stream, f"KV transfer {h.ticket.transfer_id} refused: {exc}")
-            return True
-        stream.status = StreamStatus.WAITING_KV
-        self._waiting.append(_Waiting(stream, handle, h.first_row_array()))
+        admitted = _Admitted(stream, h.first_row_array(), None, (time.monotonic() - req.received_s) * 1e3)
+        if h.ticket is not None:
+            try:
+                admitted.handle = self.receiver.request(h.ticket, self.settings.transfer.deadline_s)
+            except ArenaExhausted:
+                self._leave(stream, joined=False)
+                return False
+            except TransferError as exc:
+                admitted.error = f"KV transfer {h.ticket.transfer_id} refused: {exc}"
+        self._admitted.put(admitted)
         return True
+
+    def _leave(self, stream: Stream, joined: bool) -> None:
+        """A member is gone (finished, failed or never started): its pages and batch room come back.
+        Any thread; `joined` says whether it had entered the batch."""
+        with self._admit_lock:
+            self.pool.free(stream.pages)
+            self._members -= 1
+            if not joined:
+                self._admitted_ctx -= stream.prompt_len
+        self._capacity.set()
+
+    def _join(self, stream: Stream, first_row: object) -> None:
+        """Engine thread: a member with its prompt KV in the pool enters the batch."""
+        with self._admit_lock:
+            self._admitted_ctx -= stream.prompt_len
+        self.batch.add(stream, first_row, lambda s=stream: self._leave(s, joined=True))
+
+    def _take_admitted(self, block_s: float = 0.0) -> None:
+        """Engine thread: streams the admission thread admitted start waiting for their KV (or join
+        at once, or fail)."""
+        while True:
+            try:
+                a = self._admitted.get(timeout=block_s) if block_s > 0 else self._admitted.get_nowait()
+            except queue.Empty:
+                return
+            block_s = 0.0
+            self.metrics.observe("tandem_admission_ms", a.admission_ms)
+            s = a.stream
+            if a.error is not None:
+                self._leave(s, joined=False)
+                self._fail(s, a.error)
+            elif a.handle is None:
+                self._join(s, a.first_row)
+            else:
+                s.status = StreamStatus.WAITING_KV
+                self._waiting.append(_Waiting(s, a.handle, a.first_row))
 
     def _release_after_scatter(self, handle: TransferHandle) -> None:
         """Give a verified region back to the receiver only once the scatter has read it.
@@ -231,6 +322,12 @@ class DecodeEngine:
         still: list[_Waiting] = []
         for w in self._waiting:
             state = self.receiver.poll(w.handle)
+            if w.dead:  # its stream already failed (engine fault) and its pages went back
+                if state in (TransferState.VERIFIED, TransferState.FAILED):
+                    self.receiver.complete(w.handle)
+                else:
+                    still.append(w)
+                continue
             if state is TransferState.VERIFIED:
                 s = w.stream
                 kv = w.handle.tensor()
@@ -242,10 +339,10 @@ class DecodeEngine:
                     if at:
                         s.timings.mark(stage, at)
                 s.timings.mark("verified")
-                self.batch.add(s, w.first_row, lambda pages=s.pages: self.pool.free(pages))
+                self._join(s, w.first_row)
             elif state is TransferState.FAILED:
                 self.receiver.complete(w.handle)
-                self.pool.free(w.stream.pages)
+                self._leave(w.stream, joined=False)
                 self._fail(w.stream, f"KV transfer {w.handle.transfer_id} failed: {w.handle.error}")
             else:  # still crossing; a cancelled client is dropped by the batch once the KV is in
                 still.append(w)
@@ -294,18 +391,17 @@ class DecodeEngine:
         m = self.metrics
         st = self.receiver.stats()
         page_bytes = self.pool.layout.token_bytes * self.pool.page_size
-        m.set("tandem_inflight_streams", len(self.batch) + len(self._waiting))
+        with self._admit_lock:
+            n, context = self._members, self._running_ctx + self._admitted_ctx
+        m.set("tandem_inflight_streams", n)
         m.set("tandem_queued_requests", len(self.intake))
         m.set("tandem_free_pages", self.pool.num_free_pages)
         m.set("tandem_held_pages", -(-st.quarantined_bytes // page_bytes))
         m.set("tandem_draining", 1.0 if self._draining else 0.0)
         b = self.settings.batch
-        n = len(self.batch) + len(self._waiting)
-        typical = self._context() // n if n else 1024
+        typical = context // n if n else 1024
         free_streams = (
-            self.step_model.admittable(
-                n, self._context(), typical, b.rate_floor_tok_s, b.rate_margin, b.max_batch
-            )
+            self.step_model.admittable(n, context, typical, b.rate_floor_tok_s, b.rate_margin, b.max_batch)
             if b.rate_admission
             else max(0, b.max_batch - n)
         )
@@ -313,8 +409,13 @@ class DecodeEngine:
         m.set("tandem_transfer_path", 1, path=self.path.name)
 
     def _fault(self, reason: str) -> None:
+        """Engine thread, after an iteration raised: every stream it owns fails now, their pages come
+        back; their transfers stay with the receiver (regions released only with proof) and their
+        handles are completed when terminal. The queue is left to the admission thread."""
         self.batch.fail_all(reason)
-        # Waiting transfers stay with the receiver: their regions are released only with proof.
+        self._take_admitted()
         for w in self._waiting:
-            self._fail(w.stream, reason)
-        self.intake.fail_all(StreamFailed(reason))
+            if not w.dead:
+                w.dead = True
+                self._leave(w.stream, joined=False)
+                self._fail(w.stream, reason)

@@ -136,7 +136,8 @@ class TransferReceiver:
     # ---- engine API ------------------------------------------------------------------------------
 
     def request(self, ticket: Ticket, deadline_s: float) -> TransferHandle:
-        """Called by the engine once per ticket, after it reserved destination pages. Never blocks on P.
+        """Called by D once per ticket (its admission thread), after it reserved destination pages; any
+        thread. Never blocks on P.
 
         Allocates the receive region (owned by the transfer from now on) and sends or queues the PULL.
         Raises at once, with nothing allocated, on `LayoutMismatch`, `PathMismatch`, a ticket from

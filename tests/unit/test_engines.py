@@ -261,3 +261,53 @@ def test_streams_added_while_a_step_runs_join_the_next_one(decoder, tmp_path, de
     batch.finish(launched)
     assert len(st.generated) == 1 and freed == [1] and len(batch) == 0
     assert sink.done.is_set() and sink.error is not None
+
+
+def test_d_admits_and_pulls_while_its_engine_is_inside_a_step(decoder, tmp_path, monkeypatch):
+    """Admission has its own thread: a handoff arriving while D's engine thread is stuck in a (here
+    artificially slow) step gets its pages and its PULL before that step ends, and its KV is verified
+    by the time the engine looks again. Ordering, not speed: the step takes 0.5 s."""
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    s = _settings(tmp_path)
+    p = PrefillEngine(decoder, s, RecordingMetrics(), "p0", on_fatal=lambda r: pytest.fail(r))
+    d = DecodeEngine(decoder, s, RecordingMetrics())
+    p.start()
+    d.start()
+    try:
+
+        def handoff(i: int, n: int) -> Handoff:
+            box = HandoffBox()
+            p.submit(PrefillRequest(i, _prompt(30, i), SamplingParams(), n, box, Timings()))
+            assert box.done.wait(10) and box.error is None and box.handoff is not None
+            return box.handoff
+
+        first, second = handoff(1, 40), handoff(2, 5)
+        sink_a, sink_b = ListSink(), ListSink()
+        d.submit(DecodeRequest(1, first, sink_a, Timings(first.timings)))
+        deadline = time.monotonic() + 10
+        while not sink_a.chunks and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert sink_a.chunks, "stream A never started"
+        slow: dict[str, int] = {}
+        finish = d.batch.finish
+
+        def slow_finish(launched):
+            if not slow:
+                slow["start"] = time.time_ns()
+                time.sleep(0.5)
+                slow["end"] = time.time_ns()
+            return finish(launched)
+
+        monkeypatch.setattr(d.batch, "finish", slow_finish)
+        while "start" not in slow and time.monotonic() < deadline:
+            time.sleep(0.001)
+        timings_b = Timings(second.timings)
+        d.submit(DecodeRequest(2, second, sink_b, timings_b))
+        assert sink_a.done.wait(10) and sink_b.done.wait(10)
+        assert sink_a.error is None and sink_b.error is None
+        admitted = timings_b.get("d_admit")
+        assert admitted is not None and slow["start"] < admitted < slow["end"], (slow, admitted)
+        assert d.receiver.stats().verify_ok == 2
+    finally:
+        d.close()
+        p.close()
