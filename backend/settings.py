@@ -35,7 +35,6 @@ class BatchSettings:
     max_batch: int = 64
     max_queue: int = 256
     admission_timeout_s: float = 5.0
-    idle_stream_timeout_s: float = 60.0
     first_chunk_rows: int = 4
     chunk_growth: float = 2.0
     max_chunk_rows: int = 32
