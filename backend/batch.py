@@ -45,6 +45,8 @@ class LaunchedStep:
     streams: list[Stream]
     rows: torch.Tensor  # [B, W] on the pool's device
     started_s: float
+    device_s: float = 0.0  # CPU: the compute already done in launch
+    events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None  # CUDA: around the queued work
 
 
 class DecodeBatch:
@@ -77,6 +79,7 @@ class DecodeBatch:
         self._first_emit_s: dict[int, float] = {}
         self._first_rows: dict[int, int] = {}
         self._steps = 0
+        self.device_busy_s = 0.0  # summed device time of finished steps (`LaunchedStep.device_s`)
 
     def __len__(self) -> int:
         return len(self.streams)
@@ -109,6 +112,10 @@ class DecodeBatch:
             return None
         t0 = time.perf_counter()
         device = self.pool.device
+        events = None
+        if device.type == "cuda":
+            events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            events[0].record(torch.cuda.current_stream(device))
         rows = torch.from_numpy(np.stack([s.generated[-1] for s in active])).to(device)
         positions = [s.position for s in active]
         tables = [s.slots[: p + 1] for s, p in zip(active, positions, strict=True)]
@@ -118,13 +125,19 @@ class DecodeBatch:
         else:
             logits = self.decoder.decode(rows, self.pool, tables, pos)
         rows_dev = sample_on_device(logits, [s.sampling for s in active], [p + 1 for p in positions])
-        return LaunchedStep(active, rows_dev, t0)
+        if events is not None:
+            events[1].record(torch.cuda.current_stream(device))
+            return LaunchedStep(active, rows_dev, t0, events=events)
+        return LaunchedStep(active, rows_dev, t0, device_s=time.perf_counter() - t0)
 
     def finish(self, launched: LaunchedStep) -> float:
         """Wait for the launched step, append each stream's row, emit due chunks, let finished streams
         go. Returns the wall time from launch to now (host work done in between included: it is
         what every stream's rate sees)."""
         new_rows = launched.rows.cpu().numpy()
+        if launched.events is not None:  # synchronised by the copy above
+            launched.device_s = launched.events[0].elapsed_time(launched.events[1]) / 1e3
+        self.device_busy_s += launched.device_s
         for s, row in zip(launched.streams, new_rows, strict=True):
             if s.status is not StreamStatus.RUNNING:  # failed while the step ran (fail_all)
                 continue

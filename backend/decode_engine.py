@@ -142,6 +142,7 @@ class DecodeEngine:
         self._verified = {"ok": 0, "mismatch": 0}
         self._late_dropped = 0
         self._released = dict.fromkeys(_PROOFS, 0)
+        self._busy_published = 0.0
         self._thread = EngineThread("tandem-decode", self._iterate, self._fault)
         metrics.set("tandem_transfer_path", 1, path=self.path.name)
 
@@ -389,6 +390,10 @@ class DecodeEngine:
 
     def _publish(self) -> None:
         m = self.metrics
+        busy = self.batch.device_busy_s - self._busy_published
+        if busy > 0:  # a counter, published with the gauges (each update is a round trip to Triton)
+            m.inc("tandem_device_busy_seconds_total", busy)
+            self._busy_published += busy
         st = self.receiver.stats()
         page_bytes = self.pool.layout.token_bytes * self.pool.page_size
         with self._admit_lock:

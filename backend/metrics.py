@@ -56,6 +56,11 @@ METRICS: tuple[MetricDef, ...] = (
     MetricDef("tandem_streams_below_floor_total", Kind.COUNTER, "Streams that finished below the rate floor"),
     MetricDef("tandem_streams_total", Kind.COUNTER, "Streams by outcome (label outcome)"),
     MetricDef("tandem_step_ms", Kind.HISTOGRAM, "Decode step time", _MS),
+    MetricDef(
+        "tandem_device_busy_seconds_total",
+        Kind.COUNTER,
+        "Time the device spent running decode steps (CUDA: event span of each step; CPU: the step's compute)",
+    ),
     MetricDef("tandem_prefill_ms", Kind.HISTOGRAM, "Prefill forward time", _MS),
     MetricDef("tandem_admission_ms", Kind.HISTOGRAM, "Time from engine receipt to admission", _MS),
     MetricDef(

@@ -8,6 +8,9 @@ starts its next request when the previous one ends) for `--requests` requests. P
 - TTFA: client send -> first response with audio.
 A level passes when no stream stalled, none failed, and every stream kept the floor. Capacity is
 the largest passing C; per GPU it is divided by the GPUs the configuration uses (`--gpus`).
+For `tts` a level also reports D's admission latency (`d_entry -> d_admit` of the waterfall, p50/p99)
+and, read from the server's metrics (`--metrics-url`), how busy D's device was during the level
+(`tandem_device_busy_seconds_total` over wall time, per decode instance).
 
     tandem-bench --url localhost:8001 --models tts,tts_mono --gpus tts=2,tts_mono=2 \\
         --levels 8,16,24,32,40 --requests 64 --out docs/benchmarks/capacity
@@ -18,9 +21,11 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import re
 import sys
 import threading
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -42,8 +47,41 @@ TABLE_HEADERS = [
     "ttfa p50 ms",
     "ttfa p95 ms",
     "min tok/s",
+    "D admit p99 ms",
+    "D busy",
     "pass",
 ]
+
+
+def scrape(metrics_url: str, name: str, model: str) -> dict[str, float] | None:
+    """{instance: value} of a metric for one model from Triton's metrics endpoint (None if it is
+    unreachable or has no sample yet)."""
+    try:
+        with urllib.request.urlopen(metrics_url, timeout=5) as r:
+            text = r.read().decode()
+    except OSError:
+        return None
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        m = re.match(r"^(\w+)\{([^}]*)\}\s+(\S+)$", line)
+        if not m or m.group(1) != name:
+            continue
+        labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2)))
+        if labels.get("model") == model:
+            key = labels.get("instance", "")
+            out[key] = out.get(key, 0.0) + float(m.group(3))
+    return out or None
+
+
+def device_busy(
+    before: dict[str, float] | None, after: dict[str, float] | None, wall_s: float
+) -> float | None:
+    """Mean fraction of `wall_s` the decode instances' devices spent in steps."""
+    if not after or wall_s <= 0:
+        return None
+    before = before or {}
+    ratios = [(v - before.get(k, 0.0)) / wall_s for k, v in after.items()]
+    return float(np.mean(ratios))
 
 
 def stalls(result: StreamResult, rows_per_second: float) -> tuple[int, float]:
@@ -91,6 +129,7 @@ def run_level(
     rows_per_second: float,
     floor: float,
     timeout_s: float,
+    metrics_url: str | None = None,
 ) -> dict[str, Any]:
     counter = itertools.count()
     records: list[dict[str, Any]] = []
@@ -112,12 +151,20 @@ def run_level(
                 with lock:
                     records.append(stream_record(r, rows_per_second, floor))
 
+    busy_name = "tandem_device_busy_seconds_total"
+    busy_before = scrape(metrics_url, busy_name, "decode") if metrics_url and model == "tts" else None
     threads = [threading.Thread(target=worker, daemon=True) for _ in range(concurrency)]
     for th in threads:
         th.start()
     for th in threads:
         th.join()
+    wall_s = time.monotonic() - t0
+    busy = None
+    if metrics_url and model == "tts":
+        time.sleep(0.3)  # D publishes its counters every 0.1 s
+        busy = device_busy(busy_before, scrape(metrics_url, busy_name, "decode"), wall_s)
     ok = [r for r in records if r["error"] is None]
+    admit = [r["waterfall_ms"]["d_entry->d_admit"] for r in ok if "d_entry->d_admit" in r["waterfall_ms"]]
     ttfa = [r["ttfa_ms"] for r in ok]
     rates = [r["rate_tok_s"] for r in ok if np.isfinite(r["rate_tok_s"])]
     level = {
@@ -137,7 +184,11 @@ def run_level(
         }
         if rates
         else {},
-        "wall_s": time.monotonic() - t0,
+        "d_admit_ms": {q: float(np.percentile(admit, p)) for q, p in (("p50", 50), ("p99", 99))}
+        if admit
+        else {},
+        "decode_device_busy": busy,
+        "wall_s": wall_s,
         "records": records,
     }
     level["passed"] = (
@@ -180,6 +231,9 @@ def plot(result: dict[str, Any], out: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="tandem-bench", description=__doc__.split("\n")[0])
     ap.add_argument("--url", default="localhost:8001")
+    ap.add_argument(
+        "--metrics-url", default="", help="Triton's metrics endpoint (default: the --url host, port 8002)"
+    )
     ap.add_argument("--models", default="tts,tts_mono")
     ap.add_argument("--gpus", default="", help="GPUs per model for per-GPU capacity, e.g. tts=2,tts_mono=2")
     ap.add_argument("--levels", default="1,2,4,8")
@@ -206,6 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         trace = generate(args.trace_requests)
     models = [m for m in args.models.split(",") if m]
+    metrics_url = args.metrics_url or f"http://{args.url.rsplit(':', 1)[0]}:8002/metrics"
     gpus = {k: int(v) for k, v in (kv.split("=") for kv in args.gpus.split(",") if kv)}
     levels = [int(x) for x in args.levels.split(",")]
 
@@ -226,7 +281,9 @@ def main(argv: list[str] | None = None) -> int:
         runs = []
         for c in levels:
             n_req = args.rounds * c if args.rounds else args.requests
-            lv = run_level(args.url, model, trace, c, n_req, width, vocab, rps, args.floor, args.timeout)
+            lv = run_level(
+                args.url, model, trace, c, n_req, width, vocab, rps, args.floor, args.timeout, metrics_url
+            )
             runs.append(lv)
             t = lv["ttfa_ms"]
             table.append(
@@ -240,6 +297,8 @@ def main(argv: list[str] | None = None) -> int:
                     t.get("p50", float("nan")),
                     t.get("p95", float("nan")),
                     lv["rate_tok_s"].get("min", float("nan")),
+                    lv["d_admit_ms"].get("p99", float("nan")),
+                    "-" if lv["decode_device_busy"] is None else f"{lv['decode_device_busy']:.0%}",
                     "yes" if lv["passed"] else "no",
                 ]
             )

@@ -10,7 +10,8 @@ from tandem.cli.tts_client import StreamResult
 
 
 def test_bench_smoke_produces_consistent_figures(server, tmp_path):
-    assert main(["--url", server.url, "--smoke", "--out", str(tmp_path)]) == 0
+    args = ["--url", server.url, "--metrics-url", server.metrics_url, "--smoke", "--out", str(tmp_path)]
+    assert main(args) == 0
     result = json.loads((tmp_path / "bench.json").read_text())
     assert (tmp_path / "bench.png").stat().st_size > 0
     assert result["commit"] and result["floor_tok_s"] == 42.0
@@ -29,6 +30,11 @@ def test_bench_smoke_produces_consistent_figures(server, tmp_path):
                 assert abs(sum(r["waterfall_ms"].values()) - r["ttfa_ms"]) < 1e-3
             clean = lv["errors"] == 0 and lv["stalls"] == 0 and lv["streams_below_floor"] == 0
             assert lv["passed"] == clean
+            if model is result["models"]["tts"]:  # D's admission latency and device busy fraction
+                assert 0 < lv["d_admit_ms"]["p50"] <= lv["d_admit_ms"]["p99"]
+                assert lv["decode_device_busy"] is not None and 0 < lv["decode_device_busy"] <= 1.0
+            else:
+                assert lv["d_admit_ms"] == {} and lv["decode_device_busy"] is None
         passing = [lv["concurrency"] for lv in levels if lv["passed"]]
         assert model["capacity"] == (max(passing) if passing else 0)
 
