@@ -157,9 +157,15 @@ class DecodeEngine:
         )
 
     def close(self) -> None:
+        """Stop admitting, stop the loop, tell every client still here, then close the receiver."""
         self._stop_admission.set()
         self._admission.join(10.0)
         self._thread.stop()
+        try:
+            self._fault("decode is shutting down")
+            self.intake.fail_all(StreamFailed("decode is shutting down"))
+        except Exception:
+            log.exception("decode: failing the remaining streams at shutdown")
         self._complete_scattered(wait=True)
         self.receiver.close()
 
@@ -241,35 +247,50 @@ class DecodeEngine:
             timings=req.timings,
             eos_token_id=self.decoder.cfg.eos_token_id,
             pages=pages,
-            slots=self.pool.slots(pages, capacity),
         )
-        req.timings.mark("d_admit")
-        admitted = _Admitted(stream, h.first_row_array(), None, (time.monotonic() - req.received_s) * 1e3)
-        if h.ticket is not None:
-            try:
-                admitted.handle = self.receiver.request(h.ticket, self.settings.transfer.deadline_s)
-            except ArenaExhausted:
-                self._leave(stream, joined=False)
-                return False
-            except TransferError as exc:
-                admitted.error = f"KV transfer {h.ticket.transfer_id} refused: {exc}"
+        try:
+            stream.slots = self.pool.slots(pages, capacity)
+            req.timings.mark("d_admit")
+            admitted = _Admitted(stream, h.first_row_array(), None, (time.monotonic() - req.received_s) * 1e3)
+            if h.ticket is not None:
+                try:
+                    admitted.handle = self.receiver.request(h.ticket, self.settings.transfer.deadline_s)
+                except ArenaExhausted:
+                    # No region free: give the pages back quietly (waking ourselves would spin) and
+                    # let the request wait for regions, which come back on D's own time.
+                    self._leave(stream, joined=False, wake=False)
+                    return False
+                except TransferError as exc:
+                    admitted.error = f"KV transfer {h.ticket.transfer_id} refused: {exc}"
+        except Exception as exc:  # a bug or a device error: this request fails, nothing leaks
+            self._leave(stream, joined=False)
+            log.exception("decode admission of stream %d failed", req.stream_id)
+            req.sink.fail(StreamFailed(f"decode admission failed: {type(exc).__name__}: {exc}"))
+            return True
         self._admitted.put(admitted)
         return True
 
-    def _leave(self, stream: Stream, joined: bool) -> None:
-        """A member is gone (finished, failed or never started): its pages and batch room come back.
-        Any thread; `joined` says whether it had entered the batch."""
+    def _leave(self, stream: Stream, joined: bool, wake: bool = True) -> None:
+        """A member is gone (finished, failed or never started): its pages and batch room come back,
+        once whoever calls. Any thread; `joined` says whether it had entered the batch; `wake` tells
+        the admission thread that room came back."""
         with self._admit_lock:
+            if stream.pages_returned:
+                return
+            stream.pages_returned = True
             self.pool.free(stream.pages)
             self._members -= 1
             if not joined:
                 self._admitted_ctx -= stream.prompt_len
-        self._capacity.set()
+        if wake:
+            self._capacity.set()
 
     def _join(self, stream: Stream, first_row: object) -> None:
-        """Engine thread: a member with its prompt KV in the pool enters the batch."""
+        """Engine thread: a member with its prompt KV in the pool enters the batch (its context counts
+        as running from now, not from the next launch's snapshot)."""
         with self._admit_lock:
             self._admitted_ctx -= stream.prompt_len
+            self._running_ctx += stream.prompt_len + 1
         self.batch.add(stream, first_row, lambda s=stream: self._leave(s, joined=True))
 
     def _take_admitted(self, block_s: float = 0.0) -> None:
@@ -319,35 +340,41 @@ class DecodeEngine:
         self._scattering = still
 
     def _poll_transfers(self) -> None:
+        """Engine thread. Each entry leaves `_waiting` right when it is handled (before its side
+        effects that cannot be undone), so an exception midway leaves `_waiting` exact for `_fault`."""
         self._complete_scattered()
-        still: list[_Waiting] = []
-        for w in self._waiting:
+        for w in list(self._waiting):
             state = self.receiver.poll(w.handle)
             if w.dead:  # its stream already failed (engine fault) and its pages went back
                 if state in (TransferState.VERIFIED, TransferState.FAILED):
+                    self._waiting.remove(w)
                     self.receiver.complete(w.handle)
-                else:
-                    still.append(w)
                 continue
             if state is TransferState.VERIFIED:
                 s = w.stream
                 kv = w.handle.tensor()
                 assert s.slots is not None
                 self.pool.scatter(s.slots[: s.prompt_len], kv.to(self.pool.device, non_blocking=False))
-                self._release_after_scatter(w.handle)
-                stamps = w.handle.stamps
-                for stage, at in (("copy_start", stamps.copy_start_ns), ("copy_end", stamps.copy_end_ns)):
-                    if at:
-                        s.timings.mark(stage, at)
-                s.timings.mark("verified")
-                self._join(s, w.first_row)
+                self._waiting.remove(w)
+                try:
+                    self._release_after_scatter(w.handle)
+                    stamps = w.handle.stamps
+                    for stage, at in (("copy_start", stamps.copy_start_ns), ("copy_end", stamps.copy_end_ns)):
+                        if at:
+                            s.timings.mark(stage, at)
+                    s.timings.mark("verified")
+                    self._join(s, w.first_row)
+                except BaseException:
+                    if s.status is not StreamStatus.RUNNING:  # never joined: nobody else owns it now
+                        self._leave(s, joined=False)
+                        self._fail(s, "decode engine fault while the stream's KV was joining")
+                    raise
             elif state is TransferState.FAILED:
+                self._waiting.remove(w)
                 self.receiver.complete(w.handle)
                 self._leave(w.stream, joined=False)
                 self._fail(w.stream, f"KV transfer {w.handle.transfer_id} failed: {w.handle.error}")
-            else:  # still crossing; a cancelled client is dropped by the batch once the KV is in
-                still.append(w)
-        self._waiting = still
+            # else still crossing; a cancelled client is dropped by the batch once the KV is in
         self._account_events()
 
     def _fail(self, stream: Stream, reason: str) -> None:
@@ -423,4 +450,7 @@ class DecodeEngine:
             if not w.dead:
                 w.dead = True
                 self._leave(w.stream, joined=False)
-                self._fail(w.stream, reason)
+                try:
+                    self._fail(w.stream, reason)
+                except Exception:  # one client's broken sink must not keep the others uninformed
+                    log.exception("could not fail stream %d", w.stream.stream_id)

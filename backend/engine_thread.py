@@ -40,4 +40,7 @@ class EngineThread:
                 self._iterate()
             except Exception as exc:
                 log.error("%s: engine iteration failed:\n%s", self._thread.name, traceback.format_exc())
-                self._on_fault(f"engine fault: {type(exc).__name__}: {exc}")
+                try:
+                    self._on_fault(f"engine fault: {type(exc).__name__}: {exc}")
+                except Exception:  # the loop must survive its own fault handling
+                    log.error("%s: fault handling failed:\n%s", self._thread.name, traceback.format_exc())

@@ -9,7 +9,8 @@ sequence (what the prefill->decode hand-off moves) a single `index_select`/`inde
 
 The free list is a LIFO stack: the most recently freed page is handed out first. That keeps hot pages
 hot and makes fragmented allocations easy to provoke in tests (allocate, free every other page, allocate).
-Allocation and free are only ever called from one engine thread, so there is no locking.
+Allocation and free are not locked: each engine calls them from one thread, or (D, whose admission
+thread allocates while its engine thread frees) under its own lock (`DecodeEngine._admit_lock`).
 """
 
 from __future__ import annotations

@@ -74,6 +74,7 @@ class Stream:
     generated: list[np.ndarray] = field(default_factory=list)  # one [W] row per generated position
     emitted_rows: int = 0
     chunk_index: int = 0
+    pages_returned: bool = False  # set once by the engine that gave `pages` back (never twice)
 
     @property
     def position(self) -> int:

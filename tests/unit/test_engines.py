@@ -311,3 +311,66 @@ def test_d_admits_and_pulls_while_its_engine_is_inside_a_step(decoder, tmp_path,
     finally:
         d.close()
         p.close()
+
+
+def test_d_fault_while_polling_transfers_fails_both_and_leaks_nothing(decoder, tmp_path, monkeypatch):
+    """A fault raised while D handles its waiting transfers (after one of them already joined the
+    batch): every client is told, the engine thread survives, no page is freed twice or leaked, and
+    D serves the next stream."""
+    from tandem.transfer import TransferState
+
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    s = _settings(tmp_path)
+    p = PrefillEngine(decoder, s, RecordingMetrics(), "p0", on_fatal=lambda r: pytest.fail(r))
+    d = DecodeEngine(decoder, s, RecordingMetrics())
+    p.start()
+    d.start()
+    try:
+        free = d.pool.num_free_pages
+
+        def handoff(i: int, n: int) -> Handoff:
+            box = HandoffBox()
+            p.submit(PrefillRequest(i, _prompt(30, i), SamplingParams(), n, box, Timings()))
+            assert box.done.wait(10) and box.error is None and box.handoff is not None
+            return box.handoff
+
+        ha, hb = handoff(1, 200), handoff(2, 200)
+        real_poll, seen = d.receiver.poll, {}
+
+        def poll(h):
+            state = real_poll(h)
+            if h.transfer_id == ha.ticket.transfer_id:
+                seen["a"] = state
+            b_now = h.transfer_id == hb.ticket.transfer_id and seen.get("a") is TransferState.VERIFIED
+            if b_now and "fault" not in seen:
+                seen["fault"] = True
+                raise RuntimeError("injected: device error while handling B")
+            return state
+
+        gate = threading.Event()
+        real_take = d._take_admitted
+
+        def take(block_s: float = 0.0) -> None:
+            gate.wait()  # both transfers are in flight before the engine looks at either
+            real_take(block_s)
+
+        monkeypatch.setattr(d.receiver, "poll", poll)
+        monkeypatch.setattr(d, "_take_admitted", take)
+        sa, sb = ListSink(), ListSink()
+        d.submit(DecodeRequest(1, ha, sa, Timings(ha.timings)))
+        d.submit(DecodeRequest(2, hb, sb, Timings(hb.timings)))
+        time.sleep(0.3)
+        gate.set()
+        assert sa.done.wait(10) and sb.done.wait(10)
+        assert "injected" in str(sa.error) and "injected" in str(sb.error)
+        deadline = time.monotonic() + 5
+        while (d.pool.num_free_pages != free or d._members) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert d.pool.num_free_pages == free and d._members == 0 and d._admitted_ctx == 0
+        sc = ListSink()
+        hc = handoff(3, 5)
+        d.submit(DecodeRequest(3, hc, sc, Timings(hc.timings)))
+        assert sc.done.wait(10) and sc.error is None and sc.rows().shape[0] == 5
+    finally:
+        d.close()
+        p.close()
