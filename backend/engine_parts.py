@@ -59,6 +59,11 @@ def transfer_path(settings: EngineSettings) -> TransferPath:
     t = settings.transfer
     if t.control not in ("unix", "tcp"):
         raise TransferError(f"tandem.transfer.control must be 'unix' or 'tcp', got {t.control!r}")
+    if t.bind_host in ("0.0.0.0", "::", "") and not t.advertise_host:
+        raise TransferError(
+            f"tandem.transfer.bind_host={t.bind_host!r} is a wildcard: set tandem.transfer.advertise_host "
+            "to the address peers should connect to"
+        )
     if t.control == "tcp" and t.require_path != "tcp":
         raise TransferError(
             "tandem.transfer.control=tcp needs tandem.transfer.require_path=tcp: across hosts only a path "

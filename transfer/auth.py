@@ -24,13 +24,14 @@ import hmac
 import os
 import secrets
 import socket
+import time
 from pathlib import Path
 
 from .errors import TransferError
 
 SECRET_NAME = "tcp.secret"
 SECRET_BYTES = 32
-HANDSHAKE_TIMEOUT_S = 5.0
+HANDSHAKE_TIMEOUT_S = 2.0  # the whole handshake, not each read: a trickling peer cannot stretch it
 
 
 class AuthFailed(TransferError):
@@ -68,11 +69,18 @@ def mac(secret: bytes, role: bytes, a: bytes, b: bytes) -> bytes:
     return hmac.new(secret, role + a + b, hashlib.sha256).digest()
 
 
-def recv_exact(sock: socket.socket, n: int) -> bytes:
+def recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> bytes:
+    """`n` bytes, or EOFError; with `deadline` (time.monotonic()) a TimeoutError once it passes,
+    however the peer trickles its bytes."""
     buf = bytearray(n)
     view = memoryview(buf)
     got = 0
     while got < n:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"peer sent {got} of {n} bytes before the deadline")
+            sock.settimeout(left)
         k = sock.recv_into(view[got:], n - got)
         if k == 0:
             raise EOFError("peer closed the connection")
@@ -87,11 +95,12 @@ def accept_handshake(
     Raises `AuthFailed` (or OSError/EOFError on a broken connection); leaves the timeout as it was."""
     role_l, role_c = roles
     old = sock.gettimeout()
+    deadline = time.monotonic() + HANDSHAKE_TIMEOUT_S
     sock.settimeout(HANDSHAKE_TIMEOUT_S)
     try:
         nonce_l = secrets.token_bytes(32)
         sock.sendall(magic + nonce_l)
-        reply = recv_exact(sock, 64)
+        reply = recv_exact(sock, 64, deadline)
         their_mac, nonce_c = reply[:32], reply[32:]
         if not hmac.compare_digest(their_mac, mac(secret, role_c, nonce_l, nonce_c)):
             raise AuthFailed("the connecting peer does not hold the unit secret")
@@ -110,15 +119,16 @@ def connect_handshake(
     """Connector side, right after connect. Raises `AuthFailed` naming `what` it expected."""
     role_l, role_c = roles
     old = sock.gettimeout()
+    deadline = time.monotonic() + HANDSHAKE_TIMEOUT_S
     sock.settimeout(HANDSHAKE_TIMEOUT_S)
     try:
-        hello = recv_exact(sock, len(magic) + 32)
+        hello = recv_exact(sock, len(magic) + 32, deadline)
         if hello[: len(magic)] != magic:
             raise AuthFailed(f"not a {what}")
         nonce_l, nonce_c = hello[len(magic) :], secrets.token_bytes(32)
         sock.sendall(mac(secret, role_c, nonce_l, nonce_c) + nonce_c)
         try:
-            proof = recv_exact(sock, 32)
+            proof = recv_exact(sock, 32, deadline)
         except EOFError:
             raise AuthFailed(
                 f"the {what} hung up after our proof: it holds another unit secret than ours"
@@ -127,3 +137,13 @@ def connect_handshake(
             raise AuthFailed(f"the {what} does not hold the unit secret")
     finally:
         sock.settimeout(old)
+
+
+def sign_ticket(secret: bytes, ticket_json_without_mac: bytes) -> str:
+    """P's signature over a ticket (hex): D follows a tcp:// endpoint only in a ticket this unit's P
+    signed, so a forged HANDOFF cannot make D connect to, and prove itself to, an arbitrary host."""
+    return hmac.new(secret, b"ticket" + ticket_json_without_mac, hashlib.sha256).hexdigest()
+
+
+def ticket_signed(secret: bytes, ticket_json_without_mac: bytes, mac_hex: str) -> bool:
+    return hmac.compare_digest(sign_ticket(secret, ticket_json_without_mac), mac_hex)

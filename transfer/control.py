@@ -178,7 +178,8 @@ def parse_tcp_endpoint(endpoint: str) -> tuple[str, int] | None:
 
 def listen_tcp(host: str, port: int = 0) -> socket.socket:
     """P's control listener; port 0 takes an ephemeral port (the ticket names the real one)."""
-    srv = socket.create_server((host, port), backlog=64)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    srv = socket.create_server((host, port), family=family, backlog=64)
     srv.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     return srv
 

@@ -65,7 +65,7 @@ def send_msg(sock: socket.socket, obj: dict[str, Any], fds: tuple[int, ...] = ()
 def lock_is_held(fd: int) -> bool:
     """Does some process hold an exclusive flock on the file `fd` refers to? Tested through a new
     open file description (a flock on `fd` itself would convert the holder's lock)."""
-    probe = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
+    probe = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
     try:
         fcntl.flock(probe, fcntl.LOCK_SH | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -229,7 +229,12 @@ class ProxyServer:
         if len(fds) != 1:
             raise ValueError(f"hold_lock takes exactly one file descriptor, got {len(fds)}")
         fd = fds.pop()
-        if not lock_is_held(fd):
+        try:
+            held_by_p = lock_is_held(fd)
+        except OSError as exc:  # not a reopenable file (a socket, a pipe...)
+            os.close(fd)
+            raise ValueError(f"hold_lock: that descriptor is not an instance lock file ({exc})") from None
+        if not held_by_p:
             os.close(fd)
             raise ValueError("hold_lock: that descriptor is not a held instance lock")
         held.append(fd)
@@ -361,13 +366,18 @@ class ProxyClient:
                 send_msg(self.sock, msg, fds)
                 reply = recv_msg(self.sock)
             except (EOFError, OSError, ProtocolError) as exc:
+                self.close()  # a torn frame leaves the stream unusable; the next request reconnects
                 raise TransferError(f"IPC proxy connection failed: {exc}") from exc
         if not reply.get("ok"):
             raise TransferError(f"IPC proxy refused {msg.get('op')}: {reply.get('error')}")
         return reply
 
     def close(self) -> None:
+        """Shut down, then close: a forked child that inherited the socket must not keep the proxy
+        from seeing EOF (which is when it lets go of P's lock)."""
         self.closed = True
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
         with contextlib.suppress(OSError):
             self.sock.close()
 

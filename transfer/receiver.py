@@ -34,7 +34,7 @@ import torch
 from ._conn import Connection
 from ._endpoint import Endpoint, failure_for
 from .arena import RegionAllocator
-from .auth import AuthFailed, connect_handshake
+from .auth import AuthFailed, connect_handshake, ticket_signed
 from .checksum import format_checksum, kv_checksum
 from .control import (
     CONTROL_MAGIC,
@@ -159,6 +159,11 @@ class TransferReceiver:
             if self._secret is None:
                 raise TransferError(
                     f"ticket endpoint {ticket.endpoint} needs the unit secret, none configured"
+                )
+            if not ticket_signed(self._secret, ticket.signing_bytes(), ticket.mac):
+                raise TransferError(
+                    f"ticket for {ticket.endpoint} is not signed with this unit's secret: refused "
+                    "(D connects only to P endpoints its own unit issued)"
                 )
         elif Path(ticket.endpoint).parent != self._dir or Path(ticket.lock_path).parent != self._dir:
             raise TransferError(f"ticket endpoint {ticket.endpoint} is not in this unit's {self._dir}")

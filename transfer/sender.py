@@ -18,6 +18,7 @@ under the sender's lock.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import queue
@@ -32,7 +33,7 @@ import torch
 
 from ._conn import Connection
 from ._offer import GatherFn, Offer, Peer
-from .auth import AuthFailed, accept_handshake
+from .auth import AuthFailed, accept_handshake, sign_ticket
 from .checksum import format_checksum, kv_checksum
 from .control import (
     CONTROL_MAGIC,
@@ -52,6 +53,7 @@ from .state import OfferState, SenderStats, Ticket, TransferEvent
 
 log = logging.getLogger(__name__)
 _RECENT_MAX = 4096
+_MAX_HANDSHAKES = 16  # tcp control: connections still proving themselves; more are closed at once
 
 
 class TransferSender:
@@ -99,6 +101,7 @@ class TransferSender:
         if control == "tcp" and secret is None:
             raise TransferError("a tcp control plane needs the unit secret (secret=...)")
         self.control = control
+        self._handshakes = threading.BoundedSemaphore(_MAX_HANDSHAKES)  # tcp: unauthenticated peers
         self._bind_host = bind_host
         self._advertise_host = advertise_host or bind_host
         self._secret = secret
@@ -221,7 +224,7 @@ class TransferSender:
                 raise SenderClosed("sender is not serving (not started, closing or fatal)")
             self._offers[tid] = Offer(tid, n_tokens, nbytes, gather, time.monotonic() + ttl_s)
             self._counts["offers_total"] += 1
-        return Ticket(
+        ticket = Ticket(
             tid,
             self.endpoint,
             self.lock_path,
@@ -231,6 +234,9 @@ class TransferSender:
             self.layout.fingerprint(),
             self.path.name,
         )
+        if self._secret is not None:  # tcp control: D follows only tickets this unit's P signed
+            ticket = dataclasses.replace(ticket, mac=sign_ticket(self._secret, ticket.signing_bytes()))
+        return ticket
 
     def stats(self) -> SenderStats:
         """Snapshot for metrics; any thread, any time."""
@@ -247,7 +253,7 @@ class TransferSender:
     def _spawn(self, target: Callable[..., None], name: str, *args: object) -> threading.Thread:
         t = threading.Thread(target=target, args=args, name=name, daemon=True)
         t.start()
-        self._threads.append(t)
+        self._threads = [x for x in self._threads if x.is_alive()] + [t]  # connections come and go
         return t
 
     def _accept_loop(self) -> None:
@@ -264,7 +270,17 @@ class TransferSender:
                 sock.close()
                 continue
             sock.settimeout(None)
-            self._spawn(self._serve_connection, "tandem-p-conn", sock)
+            if self.control == "tcp" and not self._handshakes.acquire(blocking=False):
+                log.warning("refused a control connection from %s: too many handshakes", _peer_name(sock))
+                sock.close()
+                continue
+            try:
+                self._spawn(self._serve_connection, "tandem-p-conn", sock)
+            except RuntimeError as exc:  # cannot start a thread: refuse this one, keep accepting
+                log.error("refused a control connection: %s", exc)
+                if self.control == "tcp":
+                    self._handshakes.release()
+                sock.close()
 
     def _serve_connection(self, sock: socket.socket) -> None:
         """One D connection: on TCP first the unit-secret handshake, then the protocol (`_read_loop`)."""
@@ -277,6 +293,8 @@ class TransferSender:
                 log.warning("refused a control connection from %s: %s", _peer_name(sock), exc)
                 sock.close()
                 return
+            finally:
+                self._handshakes.release()
         peer = Peer(Connection(sock))
         with self._lock:
             self._peers.add(peer)

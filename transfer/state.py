@@ -65,6 +65,12 @@ class Ticket:
     nbytes: int
     layout_fp: str
     path: str  # data path name (e.g. "host_shm")
+    mac: str = ""  # P's signature (transfer/auth.py: sign_ticket), set when its control plane is tcp
+
+    def signing_bytes(self) -> bytes:
+        """The canonical bytes P signs: every field but `mac`, sorted keys, compact JSON."""
+        fields = {k: v for k, v in asdict(self).items() if k != "mac"}
+        return json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
 
     def __post_init__(self) -> None:
         if not _HEX32.match(self.transfer_id) or not _HEX32.match(self.instance_id):
@@ -88,6 +94,7 @@ class Ticket:
                 nbytes=int(d["nbytes"]),
                 layout_fp=str(d["layout_fp"]),
                 path=str(d["path"]),
+                mac=str(d.get("mac", "")),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"bad ticket: {exc}") from exc

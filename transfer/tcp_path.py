@@ -98,7 +98,8 @@ class TcpArena(LocalArena):
         self._expected: dict[bytes, tuple[Region, int]] = {}  # tid -> (region, bytes received)
         self._counts = {"written": 0, "dropped": 0, "auth": 0}
         self._conns: set[socket.socket] = set()
-        self._server = socket.create_server((bind_host, 0))
+        family = socket.AF_INET6 if ":" in bind_host else socket.AF_INET
+        self._server = socket.create_server((bind_host, 0), family=family)
         self._server.settimeout(0.2)
         self.host, self.port = advertise_host or bind_host, self._server.getsockname()[1]
         self._stop = threading.Event()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -100,6 +101,9 @@ def test_bad_hold_requests_get_clear_errors_and_keep_the_connection(unit: str) -
                 client.request(op="hold_lock", fds=(f.fileno(),))
             with pytest.raises(TransferError, match="'register' takes no file descriptors"):
                 client.request(op="register", fds=(f.fileno(),), role="arena")
+        a, b = socket.socketpair()
+        with a, b, pytest.raises(TransferError, match="not an instance lock file"):
+            client.request(op="hold_lock", fds=(a.fileno(),))  # not reopenable: refused, fd closed
         with pytest.raises(TransferError, match="unknown op 'nope'"):
             client.request(op="nope")
     finally:

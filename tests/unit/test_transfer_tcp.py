@@ -15,6 +15,7 @@ import random
 import secrets
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -386,26 +387,56 @@ def test_sender_with_a_wrong_secret_is_refused(
 
 
 def test_d_without_the_unit_secret_cannot_pull_over_tcp_control(runtime_dir: Path, secret: bytes) -> None:
-    """D holding another secret: P refuses its control connection (counted, logged), the transfer fails
-    at once with a clear error and its region is free; a D with the right secret is then served."""
+    """Tickets of a tcp control plane are signed by P with the unit secret. A D holding another secret
+    refuses them before connecting anywhere (nothing allocated); a ticket whose endpoint was altered
+    (a forged HANDOFF pointing D at another host) is refused by every D; the right D is served."""
+    import dataclasses
+
     sp = SenderProcess(UNIT, str(runtime_dir), LAYOUT, path="tcp", control="tcp", secret=secret)
     wrong = TransferReceiver(LAYOUT, UNIT, ARENA, TcpPath(), lock_proof=False, secret=os.urandom(32))
     right = TransferReceiver(LAYOUT, UNIT, ARENA, TcpPath(), lock_proof=False, secret=secret)
     try:
-        h = wrong.request(sp.offer(40, 1), 5.0)
-        assert wait_for(lambda: wrong.poll(h) not in BUSY)
-        assert wrong.poll(h) is TransferState.FAILED
-        assert "holds another unit secret than ours" in str(h.error), h.error
-        wrong.complete(h)
-        assert wrong.stats().free_bytes == ARENA
-        assert wait_for(lambda: sp.call("stats")["auth_failures"] >= 1)
-        ok = right.request(sp.offer(40, 2), 5.0)
+        ticket = sp.offer(40, 1)
+        assert len(ticket.mac) == 64
+        with pytest.raises(TransferError, match="not signed with this unit's secret"):
+            wrong.request(ticket, 5.0)
+        forged = dataclasses.replace(ticket, endpoint="tcp://127.0.0.1:9")
+        with pytest.raises(TransferError, match="not signed with this unit's secret"):
+            right.request(forged, 5.0)
+        assert wrong.stats().free_bytes == ARENA and right.stats().free_bytes == ARENA
+        ok = right.request(ticket, 5.0)
         assert wait_for(lambda: right.poll(ok) not in BUSY)
         assert right.poll(ok) is TransferState.VERIFIED, ok.error
         right.complete(ok)
+        assert sp.call("stats")["auth_failures"] == 0
     finally:
         wrong.close()
         right.close()
+        sp.stop()
+
+
+def test_d_with_another_secret_is_refused_by_p(runtime_dir: Path, secret: bytes) -> None:
+    """The handshake itself: a D whose secret differs from P's (here it also signed the ticket, as a
+    forger would) is refused by P; the transfer fails at once with a clear error, its region free."""
+    import dataclasses
+
+    from tandem.transfer.auth import sign_ticket
+
+    sp = SenderProcess(UNIT, str(runtime_dir), LAYOUT, path="tcp", control="tcp", secret=secret)
+    other = os.urandom(32)
+    d = TransferReceiver(LAYOUT, UNIT, ARENA, TcpPath(), lock_proof=False, secret=other)
+    try:
+        ticket = sp.offer(40, 2)
+        resigned = dataclasses.replace(ticket, mac=sign_ticket(other, ticket.signing_bytes()))
+        h = d.request(resigned, 5.0)
+        assert wait_for(lambda: d.poll(h) not in BUSY)
+        assert d.poll(h) is TransferState.FAILED
+        assert "holds another unit secret than ours" in str(h.error), h.error
+        d.complete(h)
+        assert d.stats().free_bytes == ARENA
+        assert wait_for(lambda: sp.call("stats")["auth_failures"] >= 1)
+    finally:
+        d.close()
         sp.stop()
 
 
@@ -422,7 +453,16 @@ def test_tcp_control_port_survives_junk_and_half_handshakes(runtime_dir: Path, s
             assert junk.recv(64) == b""  # P hangs up without proving anything
         with socket.create_connection((host, int(port))) as silent:
             silent.sendall(b"GET / HTTP/1.0\r\n\r\n" + os.urandom(64))
-        assert wait_for(lambda: sp.call("stats")["auth_failures"] >= 2)
+        with socket.create_connection((host, int(port))) as trickle:  # one byte every 0.3 s
+            trickle.recv(36)
+            t0 = time.monotonic()
+            with contextlib.suppress(OSError):
+                for _ in range(64):
+                    trickle.sendall(b"x")
+                    time.sleep(0.3)
+            # the handshake's deadline is absolute (2 s): P hung up long before 64 bytes
+            assert time.monotonic() - t0 < 4.0
+        assert wait_for(lambda: sp.call("stats")["auth_failures"] >= 3)
         h = r.request(sp.offer(10, 3), 5.0)
         assert wait_for(lambda: r.poll(h) not in BUSY)
         assert r.poll(h) is TransferState.VERIFIED, h.error
@@ -444,8 +484,11 @@ def test_tcp_control_is_refused_where_d_does_not_write_every_byte(runtime_dir: P
         TransferSender(LAYOUT, UNIT, TcpPath(), print, print, control="tcp")
     with pytest.raises(TransferError, match="control must be"):
         TransferSender(LAYOUT, UNIT, TcpPath(), print, print, control="udp")
+    from tandem.transfer.auth import sign_ticket
+
     fp = LAYOUT.fingerprint()
-    ticket = Ticket("a" * 32, "tcp://127.0.0.1:9", "", "b" * 32, 4, LAYOUT.staging_nbytes(4), fp, "tcp")
+    unsigned = Ticket("a" * 32, "tcp://127.0.0.1:9", "", "b" * 32, 4, LAYOUT.staging_nbytes(4), fp, "tcp")
+    ticket = Ticket(**{**unsigned.__dict__, "mac": sign_ticket(secret, unsigned.signing_bytes())})
     shm = TransferReceiver(LAYOUT, UNIT, ARENA, HostShmPath(), secret=secret)
     keyless = TransferReceiver(LAYOUT, UNIT, ARENA, TcpPath())
     try:
