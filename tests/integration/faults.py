@@ -228,6 +228,12 @@ class FaultUnit:
         os.kill(pid, sig)
         return pid
 
+    def signal_proxy(self, sig: signal.Signals) -> int:
+        """Signal the unit's `tandem-proxy` sidecar (path `proxy` only)."""
+        assert self.proxy is not None and self.proxy.poll() is None, "this unit has no running proxy"
+        os.kill(self.proxy.pid, sig)
+        return self.proxy.pid
+
     def reload(self, model: str) -> float:
         """Explicit-mode load of `model`: Triton builds a new instance (a new stub process).
 

@@ -318,6 +318,43 @@ def test_three_held_acks_make_p_exit(row):
     )
 
 
+def test_pause_proxy_then_resume_releases_by_p_answer(row):
+    """Proxy path only (device): the sidecar is SIGSTOPped before a stream starts, so P's copy blocks
+    inside the proxy past D's deadline. The stream errors at the deadline; its region stays held for
+    the whole pause (P cannot prove the copy over, and P's lock is no proof while P lives); after
+    SIGCONT the proxy finishes the copy, P answers D's ABORT, and that answer frees the region.
+    Written for the GPU matrix (cli/run_fault_matrix.sh); not yet run on the device."""
+    unit, base = row
+    if unit.path != "proxy":
+        pytest.skip(f"{unit.path}: no proxy sidecar in this unit")
+    t0 = time.monotonic()
+    pid = unit.signal_proxy(signal.SIGSTOP)
+    try:
+        load = Background(lambda: streams(unit.url, jobs(1, 80, 20, seed=50), timeout_s=30))
+        time.sleep(DEADLINE_S + 1.0)
+        during = unit.snapshot()
+        assert during.d_held_pages > 0, "no quarantine while the proxy is stopped"
+        time.sleep(1.0)
+        assert unit.snapshot().d_held_pages == during.d_held_pages, "time alone released held pages"
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    resumed = time.monotonic()
+    unit.wait_for(lambda s: s.d_held_pages == 0, 10, "held pages back after the proxy resumed")
+    results = load.join(30)
+    assert all(r.error is not None and "KV transfer" in r.error for r in results), [r.error for r in results]
+    finish(
+        unit,
+        base,
+        "pause proxy (SIGSTOP 4 s) + resume",
+        t0,
+        results,
+        20,
+        proofs={"abort_ack", "done"},
+        held_pages_during_pause=during.d_held_pages,
+        release_after_resume_s=round(time.monotonic() - resumed, 2),
+    )
+
+
 def test_deadline_expiry_fails_only_delayed_streams(row):
     unit, base = row
     t0 = time.monotonic()
