@@ -135,6 +135,7 @@ class DecodeEngine:
         self._admitted: queue.SimpleQueue[_Admitted] = queue.SimpleQueue()
         self._capacity = threading.Event()  # set when pages or batch room come back
         self._stop_admission = threading.Event()
+        self._closed = False
         self._admission = threading.Thread(target=self._admit_loop, name="tandem-decode-admit", daemon=True)
         self._scattering: list[tuple[torch.cuda.Event, TransferHandle]] = []
         self._draining = False
@@ -157,7 +158,11 @@ class DecodeEngine:
         )
 
     def close(self) -> None:
-        """Stop admitting, stop the loop, tell every client still here, then close the receiver."""
+        """Stop admitting, stop the loop, tell every client still here, then close the receiver.
+        Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
         self._stop_admission.set()
         self._admission.join(10.0)
         self._thread.stop()

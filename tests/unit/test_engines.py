@@ -374,3 +374,37 @@ def test_d_fault_while_polling_transfers_fails_both_and_leaks_nothing(decoder, t
     finally:
         d.close()
         p.close()
+
+
+def test_closing_d_tells_waiting_and_running_clients(decoder, tmp_path, monkeypatch):
+    """close() while one stream runs and another waits for a (delayed) copy: both clients get
+    "decode is shutting down" at once instead of hanging."""
+    from tandem.backend.settings import FaultSettings
+
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    s = _settings(tmp_path)
+    slow_p = replace(s, faults=FaultSettings(delay_every=2, delay_s=5.0))  # the 2nd copy waits 5 s
+    p = PrefillEngine(decoder, slow_p, RecordingMetrics(), "p0", on_fatal=lambda r: None)
+    d = DecodeEngine(decoder, s, RecordingMetrics())
+    p.start()
+    d.start()
+    try:
+        sinks = []
+        for i in (1, 2):
+            box = HandoffBox()
+            p.submit(PrefillRequest(i, _prompt(30, i), SamplingParams(), 2000, box, Timings()))
+            assert box.done.wait(10) and box.handoff is not None
+            sinks.append(ListSink())
+            d.submit(DecodeRequest(i, box.handoff, sinks[-1], Timings(box.handoff.timings)))
+        deadline = time.monotonic() + 10
+        while not (sinks[0].chunks and d._waiting) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert sinks[0].chunks and d._waiting, "want one running and one waiting stream"
+        t0 = time.monotonic()
+        d.close()
+        assert time.monotonic() - t0 < 4.0
+        for sink in sinks:
+            assert sink.done.is_set() and "shutting down" in str(sink.error), sink.error
+    finally:
+        d.close()
+        p.close()
