@@ -17,7 +17,11 @@ server and the model still report ready. This supervisor:
   After `--max-reload-failures` failed reloads in a row it restarts the whole server;
 * forwards SIGTERM/SIGINT to the server (a second one kills it) and exits with its status; restarts
   a server that exits unexpectedly, at most `--max-server-restarts` times a minute, then exits non-zero
-  so that the pod's supervisor takes over.
+  so that the pod's supervisor takes over;
+* with `--proxy`, runs the unit's IPC proxy sidecar (`tandem-proxy`, for the `proxy` KV path) before
+  the server and for as long as it runs. A proxy that exits takes every P and D registration with it
+  (D's arena, P's staging: they are not re-made), so the supervisor starts a new proxy and then
+  restarts the server, whose P and D register again; every stream of the unit fails meanwhile.
 
 The lock probe and the control-dir path mirror `tandem.transfer.control` (`instance_gone`,
 `control_dir`) instead of importing it: importing `tandem.transfer` loads torch, and the supervisor must
@@ -32,6 +36,7 @@ import contextlib
 import ctypes
 import fcntl
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -169,18 +174,56 @@ class Supervisor:
         self.ready_since: float | None = None
         self.warned_no_lock = False
         self.started_at = float("inf")  # wall clock of the current server's start
+        self.proxy: subprocess.Popen[str] | None = None
+        self.proxy_starts = 0
 
         self.model_dir = find_model_dir(self.args, self.model)
         self.lock_dir: Path | None = None
         modes = option_values(self.args, "--model-control-mode")
         if modes and modes[-1] != "explicit":
             log(f"--model-control-mode={modes[-1]}: P cannot be reloaded; a dead P costs a server restart")
+        self.unit = DEFAULT_UNIT
         if self.model_dir is None:
             log(f"no local repository holds {self.model!r}: watching the server process only")
         else:
             unit = model_parameter(self.model_dir.parent, self.model, UNIT_PARAMETER) or DEFAULT_UNIT
+            self.unit = unit
             self.lock_dir = control_dir_path(unit)
             log(f"watching {self.model} of unit {unit!r}: slot locks {self.lock_dir}/p-{self.model}_*.lock")
+
+    # ---- the IPC proxy sidecar (--proxy) -----------------------------------------------------------
+
+    def start_proxy(self) -> None:
+        """Start `tandem-proxy` for this unit and wait for its ready line (GiveUp if it never comes)."""
+        argv = [sys.executable, "-m", "tandem.transfer.proxy", "--unit", self.unit]
+        self.proxy = subprocess.Popen(
+            argv, stdout=subprocess.PIPE, text=True, start_new_session=True, preexec_fn=_die_with_parent_fn()
+        )
+        self.proxy_starts += 1
+        assert self.proxy.stdout is not None
+        ready, _, _ = select.select([self.proxy.stdout], [], [], 60.0)
+        line = self.proxy.stdout.readline() if ready else ""  # one line when it serves, then only logs
+        if "ready" not in line:
+            rc = self.proxy.wait()
+            log(f"tandem-proxy for unit {self.unit!r} did not start (status {rc})")
+            raise GiveUp(exit_status(rc) or 1)
+        log(f"started tandem-proxy (pid {self.proxy.pid}) for unit {self.unit!r}")
+
+    def stop_proxy(self) -> None:
+        if self.proxy is not None and self.proxy.poll() is None:
+            self.proxy.terminate()
+            try:
+                self.proxy.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proxy.kill()
+                self.proxy.wait()
+
+    def check_proxy(self) -> None:
+        if self.proxy is None or self.proxy.poll() is None:
+            return
+        log(f"tandem-proxy exited with status {self.proxy.returncode}: starting a new one")
+        self.start_proxy()
+        self.restart_server("the IPC proxy was restarted: every P and D registration with it is gone")
 
     # ---- server process ---------------------------------------------------------------------------
 
@@ -401,6 +444,8 @@ class Supervisor:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self.on_signal)
         try:
+            if self.opts.proxy:
+                self.start_proxy()
             self.start_server()
             while True:
                 assert self.proc is not None
@@ -426,10 +471,13 @@ class Supervisor:
                         self.kill_server()
                         self.stop_deadline = float("inf")
                 else:
+                    self.check_proxy()
                     self.check_prefill()
                 time.sleep(self.opts.poll_interval)
         except GiveUp as give_up:
             return give_up.status
+        finally:
+            self.stop_proxy()
 
 
 def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -453,6 +501,9 @@ def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--load-timeout", type=float, default=300.0, help="seconds one model load may take")
     parser.add_argument("--poll-interval", type=float, default=0.5, help="seconds between checks")
     parser.add_argument("--prefill-model", default="prefill", help="the P model's name in the repository")
+    parser.add_argument(
+        "--proxy", action="store_true", help="run the unit's tandem-proxy sidecar (the proxy KV path)"
+    )
     argv = list(argv)
     if "--" in argv:
         i = argv.index("--")

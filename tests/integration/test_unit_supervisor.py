@@ -9,6 +9,7 @@ restart, and SIGTERM to the supervisor stops the server with its status.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -18,11 +19,12 @@ import time
 from pathlib import Path
 
 import pytest
+from tritonclient.utils import InferenceServerException
 
 from tandem.cli.tts_client import TTSClient
 from tandem.cli.unit import http_base, option_values, with_explicit_control
 from tandem.serving.repository import get_parameter
-from tests.integration.faults import Background, children, find_stub, stub_argv
+from tests.integration.faults import Background, children, find_stub, process_state, stub_argv
 from tests.integration.helpers import TINY_W, metric_value, metrics_text, prompt, run
 from tests.integration.server import TritonProcess
 from tests.integration.test_tts_faults import decode, handoff
@@ -146,5 +148,64 @@ def test_unit_reloads_a_killed_prefill(tmp_path: Path) -> None:
         log = proc.log_path.read_text(errors="replace")
         assert "tandem-unit: SIGTERM: forwarding it to tritonserver" in log
         assert f"tandem-unit: tritonserver exited with status {status}\n" in log, proc.log_tail()
+    finally:
+        proc.stop()
+
+
+def _proxy_pid(unit_pid: int) -> int | None:
+    for pid in children(unit_pid):
+        argv = stub_argv(pid)
+        if argv and "tandem.transfer.proxy" in argv:
+            return pid
+    return None
+
+
+@pytest.mark.slow
+def test_unit_runs_the_proxy_and_restarts_the_server_when_it_dies(tmp_path: Path) -> None:
+    """`tandem-unit --proxy`: the sidecar runs beside the server; SIGKILLed, it is started again and
+    the server restarted (P and D must register with the new proxy), which then serves; SIGTERM to the
+    supervisor stops both. (This CPU unit moves KV over host_shm: what is tested is the supervision.)"""
+    unit_bin = Path(sys.executable).parent / "tandem-unit"
+    proc = TritonProcess(
+        tmp_path,
+        extra_args=("--exit-timeout-secs=3",),
+        launcher=(str(unit_bin), "--proxy", "--stop-timeout", "15", "--"),
+    )
+    shutil.rmtree(proc.repo / "tts_mono")
+    proc.start()
+    try:
+        assert proc.proc is not None
+        sup = proc.proc.pid
+        proxy, server = _proxy_pid(sup), _server_pid(sup)
+        assert proxy is not None
+        os.kill(proxy, signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            new_proxy = _proxy_pid(sup)
+            with contextlib.suppress(AssertionError):
+                if new_proxy not in (None, proxy) and _server_pid(sup) != server:
+                    break
+            time.sleep(0.2)
+        else:
+            raise AssertionError(f"proxy or server not restarted:\n{proc.log_tail()}")
+        r = None
+        while time.monotonic() < deadline + 60:
+            try:  # the new server may still be starting: no gRPC service, or models not ready yet
+                r = run(proc.url, "tts", prompt(20, seed=9), timeout_s=20, MAX_TOKENS=5, TEMPERATURE=0.0)
+            except InferenceServerException:
+                r = None
+            if r is not None and r.error is None:
+                break
+            time.sleep(0.5)
+        assert r is not None and r.error is None and r.rows.shape == (5, TINY_W), proc.log_tail()
+        log = proc.log_path.read_text(errors="replace")
+        assert "tandem-unit: tandem-proxy exited with status -9: starting a new one" in log, proc.log_tail()
+        assert "restarting tritonserver (1 in the last minute): the IPC proxy was restarted" in log
+        os.kill(sup, signal.SIGTERM)
+        proc.proc.wait(30)
+        gone = time.monotonic() + 10
+        while process_state(new_proxy) not in ("", "Z") and time.monotonic() < gone:
+            time.sleep(0.1)
+        assert process_state(new_proxy) in ("", "Z"), "the proxy outlived its supervisor"
     finally:
         proc.stop()
