@@ -25,7 +25,7 @@ import torch
 
 from tandem.backend.cuda_graphs import GraphedDecode
 from tandem.backend.decoder import Decoder
-from tandem.backend.errors import StreamFailed
+from tandem.backend.errors import Cancelled, StreamFailed
 from tandem.backend.kv_pool import KVPool
 from tandem.backend.metrics import MetricsSink
 from tandem.backend.sampling import sample_on_device
@@ -105,7 +105,12 @@ class DecodeBatch:
             for s in [s for s in self.streams if s.sink.cancelled()]:
                 s.status = StreamStatus.CANCELLED
                 self.metrics.inc("tandem_streams_total", outcome="cancelled")
-                self._leave(s)
+                try:  # the final (CANCELLED) response: without one Triton never releases the request
+                    s.sink.fail(Cancelled("client cancelled the stream"))
+                except Exception:
+                    log.exception("could not close cancelled stream %d", s.stream_id)
+                finally:
+                    self._leave(s)
         self._steps += 1
         active = list(self.streams)
         if not active:
@@ -148,10 +153,15 @@ class DecodeBatch:
         return elapsed
 
     def fail_all(self, reason: str) -> None:
+        """Every stream fails and leaves (pages released), even if one client's sink raises."""
         for s in list(self.streams):
             s.status = StreamStatus.FAILED
-            s.sink.fail(StreamFailed(reason))
-            self._leave(s)
+            try:
+                s.sink.fail(StreamFailed(reason))
+            except Exception:
+                log.exception("could not tell stream %d that it failed", s.stream_id)
+            finally:
+                self._leave(s)
 
     def _after_rows(self, s: Stream) -> None:
         done = s.done_generating

@@ -22,6 +22,7 @@ failed stream's pages return at once. D drains (admits nothing) while quarantine
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -41,7 +42,7 @@ from tandem.backend.engine_parts import (
     wire_layout,
 )
 from tandem.backend.engine_thread import EngineThread
-from tandem.backend.errors import PoolExhausted, StreamFailed
+from tandem.backend.errors import InvalidInput, PoolExhausted, StreamFailed
 from tandem.backend.handoff import Handoff
 from tandem.backend.metrics import MetricsSink, PublishTimer
 from tandem.backend.settings import EngineSettings
@@ -167,14 +168,32 @@ class DecodeEngine:
         self._admission.join(10.0)
         self._thread.stop()
         try:
-            self._fault("decode is shutting down")
-            self.intake.fail_all(StreamFailed("decode is shutting down"))
-        except Exception:
-            log.exception("decode: failing the remaining streams at shutdown")
-        self._complete_scattered(wait=True)
-        self.receiver.close()
+            if self._admission.is_alive() or self._thread.alive:
+                log.error("decode: a thread did not stop within 10 s; its streams are left to the receiver")
+            else:
+                for step in (
+                    lambda: self._fault("decode is shutting down"),
+                    lambda: self.intake.fail_all(StreamFailed("decode is shutting down")),
+                    lambda: self._complete_scattered(wait=True),
+                ):
+                    try:
+                        step()
+                    except Exception:
+                        log.exception("decode: shutdown step failed")
+        finally:
+            self.receiver.close()
 
     def submit(self, req: DecodeRequest) -> None:
+        """Execute thread. A handoff that does not fit this decoder is refused here (InvalidInput),
+        before it can reach the batch and fault every other stream."""
+        row, cfg = req.handoff.first_row, self.decoder.cfg
+        if len(row) != cfg.row_width or not all(0 <= x < cfg.vocab_size for x in row):
+            raise InvalidInput(
+                f"malformed handoff: first row {list(row)[:8]} is not "
+                f"{cfg.row_width} ids below {cfg.vocab_size}"
+            )
+        if req.handoff.prompt_len + req.handoff.max_new_rows > self.pool.num_pages * self.pool.page_size:
+            raise InvalidInput("malformed handoff: prompt_len + max_new_rows exceed D's whole pool")
         self.intake.submit(req)
 
     # ---- loop --------------------------------------------------------------------------------------
@@ -241,6 +260,9 @@ class DecodeEngine:
                 pages = self.pool.allocate(self.pool.pages_for(capacity))
             except PoolExhausted:
                 return False
+            except ValueError as exc:  # sizes submit() did not catch: this request only
+                req.sink.fail(StreamFailed(f"decode admission refused: {exc}"))
+                return True
             self._members += 1
             self._admitted_ctx += h.prompt_len
         stream = Stream(
@@ -370,6 +392,9 @@ class DecodeEngine:
                     s.timings.mark("verified")
                     self._join(s, w.first_row)
                 except BaseException:
+                    if not w.handle.engine_done and all(h is not w.handle for _, h in self._scattering):
+                        with contextlib.suppress(Exception):  # the region goes back (it was verified)
+                            self.receiver.complete(w.handle)
                     if s.status is not StreamStatus.RUNNING:  # never joined: nobody else owns it now
                         self._leave(s, joined=False)
                         self._fail(s, "decode engine fault while the stream's KV was joining")

@@ -29,6 +29,10 @@ class EngineThread:
     def stopping(self) -> bool:
         return self._stop.is_set()
 
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
     def stop(self, timeout_s: float = 10.0) -> None:
         self._stop.set()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:

@@ -50,12 +50,17 @@ class Handoff:
             d = json.loads(text)
             ticket = None if d["ticket"] is None else Ticket.from_json(json.dumps(d["ticket"]))
             t, p, k, seed = d["sampling"]
+            prompt_len, max_new_rows = int(d["prompt_len"]), int(d["max_new_rows"])
+            if prompt_len <= 0 or max_new_rows <= 0:
+                raise ValueError(f"prompt_len {prompt_len} and max_new_rows {max_new_rows} must be positive")
+            if ticket is not None and ticket.n_tokens != prompt_len:
+                raise ValueError(f"ticket carries {ticket.n_tokens} tokens, prompt_len says {prompt_len}")
             return cls(
                 ticket=ticket,
-                prompt_len=int(d["prompt_len"]),
+                prompt_len=prompt_len,
                 first_row=tuple(int(x) for x in d["first_row"]),
                 sampling=SamplingParams(temperature=float(t), top_p=float(p), top_k=int(k), seed=int(seed)),
-                max_new_rows=int(d["max_new_rows"]),
+                max_new_rows=max_new_rows,
                 timings={str(a): int(b) for a, b in d["timings"].items()},
             )
         except (KeyError, TypeError, ValueError) as exc:

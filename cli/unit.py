@@ -204,6 +204,7 @@ class Supervisor:
         ready, _, _ = select.select([self.proxy.stdout], [], [], 60.0)
         line = self.proxy.stdout.readline() if ready else ""  # one line when it serves, then only logs
         if "ready" not in line:
+            self.proxy.kill()  # alive but silent (e.g. stuck starting CUDA): do not wait on it forever
             rc = self.proxy.wait()
             log(f"tandem-proxy for unit {self.unit!r} did not start (status {rc})")
             raise GiveUp(exit_status(rc) or 1)
@@ -446,6 +447,8 @@ class Supervisor:
         try:
             if self.opts.proxy:
                 self.start_proxy()
+                if self.stopping:  # a signal came while the proxy started: no server to start
+                    return 0
             self.start_server()
             while True:
                 assert self.proc is not None
@@ -475,6 +478,8 @@ class Supervisor:
                     self.check_prefill()
                 time.sleep(self.opts.poll_interval)
         except GiveUp as give_up:
+            if self.proc is not None and self.proc.poll() is None:  # e.g. a proxy that will not start
+                self.stop_server(self.opts.stop_timeout)
             return give_up.status
         finally:
             self.stop_proxy()

@@ -146,4 +146,6 @@ def sign_ticket(secret: bytes, ticket_json_without_mac: bytes) -> str:
 
 
 def ticket_signed(secret: bytes, ticket_json_without_mac: bytes, mac_hex: str) -> bool:
+    if len(mac_hex) != 64 or any(c not in "0123456789abcdef" for c in mac_hex):
+        return False
     return hmac.compare_digest(sign_ticket(secret, ticket_json_without_mac), mac_hex)

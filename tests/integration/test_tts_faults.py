@@ -77,6 +77,26 @@ def test_malformed_handoff_is_invalid_arg(server):
     assert err is not None and "[INVALID_ARG]" in err and "malformed handoff" in err, err
 
 
+@pytest.mark.parametrize(
+    ("field", "value", "says"),
+    [
+        ("first_row", [1, 2], "is not 4 ids"),  # wrong row width: would break every batched step
+        ("first_row", [1, 2, 3, 10**6], "ids below"),  # an id past the vocabulary
+        ("prompt_len", 7, "ticket carries"),  # disagrees with the ticket: the scatter would fault
+        ("max_new_rows", -5, "must be positive"),
+        ("max_new_rows", 10**7, "exceed D's whole pool"),
+    ],
+)
+def test_tampered_handoff_fields_are_invalid_arg(server, field, value, says):
+    """Each bad field of a real handoff is refused before D allocates anything; D keeps serving."""
+    forged = json.loads(handoff(server.url))
+    forged[field] = value
+    _, err = decode(server.url, json.dumps(forged))
+    assert err is not None and "[INVALID_ARG]" in err and "malformed handoff" in err and says in err, err
+    out, err = decode(server.url, handoff(server.url))
+    assert err is None and sum(o["TOKENS"].shape[0] for o in out) == 8
+
+
 @pytest.fixture(scope="module")
 def faulty(tmp_path_factory: pytest.TempPathFactory):
     """A server whose P delays every 3rd copy past D's deadline and corrupts every 5th copy after its
