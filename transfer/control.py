@@ -96,24 +96,30 @@ class InstanceLock:
             self._fd = None
 
 
+def lock_held(path: str, open_flags: int = 0) -> bool:
+    """Does some process hold an exclusive flock on the file at `path` right now? Probed through a
+    new open file description with a shared lock taken for an instant (a P starting at that moment
+    retries its exclusive lock). Raises OSError if `path` cannot be opened."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | open_flags)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # closing drops the shared lock if we got it
+    return False
+
+
 def instance_gone(lock_path: str) -> bool:
     """True only if no process holds the slot's instance lock right now (the process-death proof).
 
     Called by the receiver's maintenance thread when it cannot reach an endpoint. A missing lock file
-    is *not* proof (a holder may keep an unlinked inode locked), so it returns False. Takes a shared
-    lock for an instant; a P starting at that moment retries its exclusive lock.
+    is *not* proof (a holder may keep an unlinked inode locked), so it returns False.
     """
     try:
-        fd = os.open(lock_path, os.O_RDONLY | os.O_CLOEXEC)
+        return not lock_held(lock_path)
     except OSError:
         return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return False
-    finally:
-        os.close(fd)  # closing drops the shared lock if we got it
-    return True
 
 
 def peer_cred(sock: socket.socket) -> tuple[int, int, int]:

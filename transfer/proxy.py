@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import fcntl
 import json
 import logging
 import os
@@ -42,7 +41,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from .control import connect_unix, control_dir, listen_unix, peer_cred, same_user
+from .control import connect_unix, control_dir, listen_unix, lock_held, peer_cred, same_user
 from .errors import ProtocolError, TransferError
 from .frames import MAX_FRAME_BYTES, send_frame
 
@@ -63,16 +62,10 @@ def send_msg(sock: socket.socket, obj: dict[str, Any], fds: tuple[int, ...] = ()
 
 
 def lock_is_held(fd: int) -> bool:
-    """Does some process hold an exclusive flock on the file `fd` refers to? Tested through a new
-    open file description (a flock on `fd` itself would convert the holder's lock)."""
-    probe = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
-    try:
-        fcntl.flock(probe, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(probe)
-    return False
+    """Does some process hold an exclusive flock on the file `fd` refers to? Probed by path through
+    /proc (a new open file description: a flock on `fd` itself would convert the holder's lock);
+    OSError if that file cannot be reopened (a socket, a pipe)."""
+    return lock_held(f"/proc/self/fd/{fd}", os.O_NONBLOCK)
 
 
 def _recv_exact(sock: socket.socket, n: int, fds: list[int] | None) -> bytes:
