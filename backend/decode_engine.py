@@ -139,7 +139,6 @@ class DecodeEngine:
         self._closed = False
         self._admission = threading.Thread(target=self._admit_loop, name="tandem-decode-admit", daemon=True)
         self._scattering: list[tuple[torch.cuda.Event, TransferHandle]] = []
-        self._draining = False
         self.step_model = StepTimeModel()
         self._verified = {"ok": 0, "mismatch": 0}
         self._late_dropped = 0
@@ -206,14 +205,15 @@ class DecodeEngine:
         self._take_admitted()
         self._poll_transfers()
         launched = self.batch.launch()
-        self._running_ctx = sum(s.position + 1 for s in self.batch.streams)
+        # The launched streams are the whole batch now; their positions move only in finish().
+        context = 0 if launched is None else sum(s.position + 1 for s in launched.streams)
+        self._running_ctx = context
         if launched is None and not self._waiting:
             self._take_admitted(block_s=0.02)  # idle: sleep until the admission thread hands one over
-        self._take_admitted()
-        self._draining = self.receiver.held_fraction() > self.settings.transfer.drain_held_fraction
+        else:
+            self._take_admitted()
         self._poll_transfers()
         if launched is not None:
-            context = sum(s.position + 1 for s in launched.streams)  # positions move in finish()
             elapsed = self.batch.finish(launched)
             self.step_model.observe(len(launched.streams), context, elapsed)
         elif self._waiting:
@@ -244,7 +244,7 @@ class DecodeEngine:
         """Admission thread: reserve the stream's pages and send its PULL, or return False (no room)."""
         h = req.handoff
         b = self.settings.batch
-        if self.receiver.held_fraction() > self.settings.transfer.drain_held_fraction:
+        if self._is_draining():
             return False  # draining: quarantined memory must come back first
         capacity = h.prompt_len + h.max_new_rows
         with self._admit_lock:
@@ -296,6 +296,11 @@ class DecodeEngine:
             return True
         self._admitted.put(admitted)
         return True
+
+    def _is_draining(self) -> bool:
+        """Quarantined receive memory over `drain_held_fraction`: admit nothing until proofs free it.
+        Any thread (the receiver takes its own lock)."""
+        return self.receiver.held_fraction() > self.settings.transfer.drain_held_fraction
 
     def _leave(self, stream: Stream, joined: bool, wake: bool = True) -> None:
         """A member is gone (finished, failed or never started): its pages and batch room come back,
@@ -459,7 +464,8 @@ class DecodeEngine:
         m.set("tandem_queued_requests", len(self.intake))
         m.set("tandem_free_pages", self.pool.num_free_pages)
         m.set("tandem_held_pages", -(-st.quarantined_bytes // page_bytes))
-        m.set("tandem_draining", 1.0 if self._draining else 0.0)
+        draining = self._is_draining()
+        m.set("tandem_draining", 1.0 if draining else 0.0)
         b = self.settings.batch
         typical = context // n if n else 1024
         free_streams = (
@@ -467,7 +473,7 @@ class DecodeEngine:
             if b.rate_admission
             else max(0, b.max_batch - n)
         )
-        m.set("tandem_admittable_streams", 0 if self._draining else free_streams)
+        m.set("tandem_admittable_streams", 0 if draining else free_streams)
         m.set("tandem_transfer_path", 1, path=self.path.name)
 
     def _fault(self, reason: str) -> None:
