@@ -83,6 +83,15 @@ def _prompt(n: int, seed: int) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 1024, size=(n, 4), dtype=np.int64)
 
 
+def _handoff(p: PrefillEngine, stream_id: int, max_new_rows: int) -> Handoff:
+    """Prefill a 30-row prompt on `p` and return its handoff (what the ensemble would pass to D)."""
+    box = HandoffBox()
+    prompt = _prompt(30, stream_id)
+    p.submit(PrefillRequest(stream_id, prompt, SamplingParams(), max_new_rows, box, Timings()))
+    assert box.done.wait(10) and box.error is None and box.handoff is not None
+    return box.handoff
+
+
 def test_pd_in_process_matches_mono_and_returns_every_page(decoder, tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
     s = _settings(tmp_path)
@@ -276,14 +285,7 @@ def test_d_admits_and_pulls_while_its_engine_is_inside_a_step(decoder, tmp_path,
     p.start()
     d.start()
     try:
-
-        def handoff(i: int, n: int) -> Handoff:
-            box = HandoffBox()
-            p.submit(PrefillRequest(i, _prompt(30, i), SamplingParams(), n, box, Timings()))
-            assert box.done.wait(10) and box.error is None and box.handoff is not None
-            return box.handoff
-
-        first, second = handoff(1, 40), handoff(2, 5)
+        first, second = _handoff(p, 1, 40), _handoff(p, 2, 5)
         sink_a, sink_b = ListSink(), ListSink()
         d.submit(DecodeRequest(1, first, sink_a, Timings(first.timings)))
         deadline = time.monotonic() + 10
@@ -330,13 +332,7 @@ def test_d_fault_while_polling_transfers_fails_both_and_leaks_nothing(decoder, t
     try:
         free = d.pool.num_free_pages
 
-        def handoff(i: int, n: int) -> Handoff:
-            box = HandoffBox()
-            p.submit(PrefillRequest(i, _prompt(30, i), SamplingParams(), n, box, Timings()))
-            assert box.done.wait(10) and box.error is None and box.handoff is not None
-            return box.handoff
-
-        ha, hb = handoff(1, 200), handoff(2, 200)
+        ha, hb = _handoff(p, 1, 200), _handoff(p, 2, 200)
         real_poll, seen = d.receiver.poll, {}
 
         def poll(h):
@@ -370,7 +366,7 @@ def test_d_fault_while_polling_transfers_fails_both_and_leaks_nothing(decoder, t
             time.sleep(0.01)
         assert d.pool.num_free_pages == free and d._members == 0 and d._admitted_ctx == 0
         sc = ListSink()
-        hc = handoff(3, 5)
+        hc = _handoff(p, 3, 5)
         d.submit(DecodeRequest(3, hc, sc, Timings(hc.timings)))
         assert sc.done.wait(10) and sc.error is None and sc.rows().shape[0] == 5
     finally:
@@ -393,11 +389,9 @@ def test_closing_d_tells_waiting_and_running_clients(decoder, tmp_path, monkeypa
     try:
         sinks = []
         for i in (1, 2):
-            box = HandoffBox()
-            p.submit(PrefillRequest(i, _prompt(30, i), SamplingParams(), 2000, box, Timings()))
-            assert box.done.wait(10) and box.handoff is not None
+            h = _handoff(p, i, 2000)
             sinks.append(ListSink())
-            d.submit(DecodeRequest(i, box.handoff, sinks[-1], Timings(box.handoff.timings)))
+            d.submit(DecodeRequest(i, h, sinks[-1], Timings(h.timings)))
         deadline = time.monotonic() + 10
         while not (sinks[0].chunks and d._waiting) and time.monotonic() < deadline:
             time.sleep(0.005)
