@@ -373,7 +373,12 @@ class DecodeEngine:
 
     def _poll_transfers(self) -> None:
         """Engine thread. Each entry leaves `_waiting` right when it is handled (before its side
-        effects that cannot be undone), so an exception midway leaves `_waiting` exact for `_fault`."""
+        effects that cannot be undone), so an exception midway leaves `_waiting` exact for `_fault`.
+
+        A verified transfer's stream gets its transfer stamps in waterfall order: `copy_start`,
+        `copy_end` (P's, carried in DONE), `d_done` (D's reader thread received DONE),
+        `d_checksummed` (the reader's checksum matched), then `verified`: this thread picked the
+        stream up and queued the scatter into its pages (the scatter may still be running)."""
         self._complete_scattered()
         for w in list(self._waiting):
             state = self.receiver.poll(w.handle)
@@ -391,10 +396,15 @@ class DecodeEngine:
                 try:
                     self._release_after_scatter(w.handle)
                     stamps = w.handle.stamps
-                    for stage, at in (("copy_start", stamps.copy_start_ns), ("copy_end", stamps.copy_end_ns)):
+                    for stage, at in (
+                        ("copy_start", stamps.copy_start_ns),  # P's clock, carried in DONE
+                        ("copy_end", stamps.copy_end_ns),
+                        ("d_done", stamps.done_received_ns),  # D's reader thread got DONE
+                        ("d_checksummed", stamps.verified_ns),  # D's reader thread: checksum matched
+                    ):
                         if at:
                             s.timings.mark(stage, at)
-                    s.timings.mark("verified")
+                    s.timings.mark("verified")  # this thread picked it up; the scatter is queued
                     self._join(s, w.first_row)
                 except BaseException:
                     if not w.handle.engine_done and all(h is not w.handle for _, h in self._scattering):

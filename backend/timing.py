@@ -23,8 +23,10 @@ STAGES = (
     "d_entry",  # decode execute saw it
     "d_admit",  # D reserved pages and asked P for the KV
     "copy_start",  # P started gathering/copying
-    "copy_end",
-    "verified",  # D verified the KV checksum and scattered it
+    "copy_end",  # P's copy into D's receive region is done (P's clock, carried in DONE)
+    "d_done",  # D's transfer reader thread received P's DONE
+    "d_checksummed",  # D's checksum of the received region matched P's (reader thread)
+    "verified",  # D's engine thread picked the verified KV up and queued its scatter into the pages
     "first_chunk",  # the engine emitted the first rows
     "first_audio",  # the vocoder produced audio for them
     "client_first_audio",

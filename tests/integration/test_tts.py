@@ -66,6 +66,8 @@ def test_waterfall_adds_up_to_client_time(server):
         "d_admit",
         "copy_start",
         "copy_end",
+        "d_done",
+        "d_checksummed",
         "verified",
         "first_chunk",
         "first_audio",

@@ -1,5 +1,5 @@
-"""Docs that match the code: every metric the engines define is explained in docs/operations.md, and
-every `tandem.<section>.<name>` setting the guide names is one the engines accept."""
+"""Docs that match the code: every metric the engines define and every waterfall stage is explained in
+docs/operations.md, and every `tandem.<section>.<name>` setting the guide names is one the engines accept."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from pathlib import Path
 
 from tandem.backend.metrics import METRICS
 from tandem.backend.settings import EngineSettings
+from tandem.backend.timing import STAGES
 
 DOC = (Path(__file__).resolve().parents[2] / "docs" / "operations.md").read_text()
 
@@ -28,3 +29,8 @@ def test_documented_settings_exist() -> None:
         if not dataclasses.is_dataclass(group) or field not in {f.name for f in dataclasses.fields(group)}:
             unknown.append(name)
     assert named and not unknown, f"docs/operations.md names settings the code does not accept: {unknown}"
+
+
+def test_every_waterfall_stage_is_documented() -> None:
+    missing = [s for s in STAGES if f"`{s}`" not in DOC]
+    assert not missing, f"waterfall stages missing from docs/operations.md: {missing}"

@@ -3,6 +3,7 @@ with recording sinks. Checks tokens agree, every page returns, and admission bou
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from dataclasses import replace
@@ -22,7 +23,7 @@ from tandem.backend.sampling import SamplingParams
 from tandem.backend.settings import BatchSettings, EngineSettings, PoolSettings, TransferSettings
 from tandem.backend.step_model import StepTimeModel
 from tandem.backend.stream import Chunk, EngineRequest
-from tandem.backend.timing import Timings
+from tandem.backend.timing import Timings, waterfall
 
 
 class ListSink:
@@ -106,7 +107,7 @@ def test_pd_in_process_matches_mono_and_returns_every_page(decoder, tmp_path, mo
             (_prompt(10 + 13 * i, i), SamplingParams(temperature=0.7 * (i % 2), seed=i), 5 + i)
             for i in range(8)
         ]
-        mono_sinks, pd_sinks = [], []
+        mono_sinks, pd_sinks, pd_timings = [], [], []
         for i, (x, sp, n) in enumerate(jobs):
             ms = ListSink()
             mono.submit(EngineRequest(i + 1, x, sp, n, ms, Timings()))
@@ -116,13 +117,23 @@ def test_pd_in_process_matches_mono_and_returns_every_page(decoder, tmp_path, mo
             assert box.done.wait(10) and box.error is None
             assert box.handoff is not None
             ds = ListSink()
-            d.submit(DecodeRequest(i + 1, box.handoff, ds, Timings(box.handoff.timings)))
+            pd_timings.append(Timings(box.handoff.timings))
+            d.submit(DecodeRequest(i + 1, box.handoff, ds, pd_timings[-1]))
             pd_sinks.append(ds)
         for a, b, (_, _, n) in zip(mono_sinks, pd_sinks, jobs, strict=True):
             assert a.done.wait(10) and b.done.wait(10)
             assert a.error is None and b.error is None
             np.testing.assert_array_equal(a.rows(), b.rows())
             assert a.rows().shape == (n, 4)
+        # D stamps the KV's journey in waterfall order: P's copy, DONE at D's reader, its checksum,
+        # the engine thread's pickup (one clock: P and D share this process)
+        journey = ("d_admit", "copy_start", "copy_end", "d_done", "d_checksummed", "verified", "first_chunk")
+        for t in pd_timings:
+            stamps = t.as_dict()
+            assert all(stage in stamps for stage in journey), sorted(stamps)
+            assert [stamps[x] for x in journey] == sorted(stamps[x] for x in journey), stamps
+            names = [name for name, _ in waterfall(stamps)]
+            assert all(f"{x}->{y}" in names for x, y in itertools.pairwise(journey)), names
         deadline = time.monotonic() + 5
         while time.monotonic() < deadline and (
             mono.cache.available_pages != free_mono or d.pool.num_free_pages != free_d or p._open
