@@ -5,7 +5,9 @@ so one contiguous buffer per sequence would fragment device memory. Instead one 
 fixed-size pages; a sequence owns a list of pages (in any order), and every token of it lives in one
 *slot* (a row of the token axis). Attention reads K/V by slot index, so a sequence's pages need not be
 adjacent. The layout is layer-major, `[L, 2, slots, kvh, hd]`, which makes `gather`/`scatter` of a whole
-sequence (what the prefill->decode hand-off moves) a single `index_select`/`index_copy_` each.
+sequence (what the prefill->decode hand-off moves) one row copy each over the token axis: the
+`tandem.csrc.kv_cuda` kernels on a GPU (torch `index_select`/`index_copy_` on the CPU or when the kernels
+are not built; bit-for-bit the same).
 
 The free list is a LIFO stack: the most recently freed page is handed out first. That keeps hot pages
 hot and makes fragmented allocations easy to provoke in tests (allocate, free every other page, allocate).
@@ -19,6 +21,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
+from tandem.csrc import kv_cuda
 
 from .config import ModelConfig
 from .errors import PoolExhausted
@@ -139,17 +143,30 @@ class KVPool:
         return (page_t[:, None] * self.page_size + offsets[None, :]).reshape(-1)[:n_tokens]
 
     def gather(self, slots: torch.Tensor, out: torch.Tensor) -> None:
-        """Copy the KV of `slots` into `out[L, 2, T, kvh, hd]` (contiguous, pool dtype, pool device).
+        """Copy the KV of `slots` (LongTensor[T], contiguous, on the pool's device) into
+        `out[L, 2, T, kvh, hd]` (`layout.staging_shape(T)`: contiguous, pool dtype, pool device).
 
-        Called by the prefill side before shipping a sequence's KV; `out` stays the caller's.
+        Called by the prefill side before shipping a sequence's KV; `out` stays the caller's. Runs
+        `kv_cuda.gather` (the pool `[L, 2, S, kvh, hd]` is its `[L, 2, S, *row]`), ordered on the current
+        stream. Slots are not bounds-checked (that would sync the device): they must come from
+        `slots()` of pages this pool handed out. Raises ValueError/TypeError on a shape, dtype, device
+        or contiguity mismatch; T = 0 copies nothing.
         """
-        torch.index_select(self.kv, 2, slots, out=out)
+        if slots.numel() == 0:
+            return
+        kv_cuda.gather(self.kv, slots, out, check_bounds=False)
 
     def scatter(self, slots: torch.Tensor, src: torch.Tensor) -> None:
-        """Write `src[L, 2, T, kvh, hd]` into the pool at `slots`.
+        """Write `src[L, 2, T, kvh, hd]` (`layout.staging_shape(T)`: contiguous, pool dtype, pool device)
+        into the pool at `slots` (LongTensor[T], contiguous, on the pool's device).
 
-        Called by the decode side when it receives a sequence's KV; `src` stays the caller's. The copy
-        is ordered on the current stream: work on that stream may reuse `src` at once, but a writer
-        ordered on nothing of ours (another process) only after the stream passed this point.
+        Called by the decode side when it receives a sequence's KV; `src` stays the caller's. Runs
+        `kv_cuda.scatter` without a bounds check (no device sync, so D's overlapped loop never stalls
+        here): slots must come from `slots()` of pages this pool handed out. The copy is ordered on the
+        current stream: work on that stream may reuse `src` at once, but a writer ordered on nothing of
+        ours (another process) only after the stream passed this point. Raises ValueError/TypeError on
+        a shape, dtype, device or contiguity mismatch; T = 0 copies nothing.
         """
-        self.kv.index_copy_(2, slots, src)
+        if slots.numel() == 0:
+            return
+        kv_cuda.scatter(src, self.kv, slots, check_bounds=False)

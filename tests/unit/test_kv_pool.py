@@ -91,3 +91,71 @@ def test_gather_scatter_round_trip_on_fragmented_pages() -> None:
     assert pool.kv[:, :, untouched].abs().sum() == 0
     # Slot 4*frag[0]+1 holds token 1.
     torch.testing.assert_close(pool.kv[:, :, frag[0] * 4 + 1], src[:, :, 1])
+
+
+def test_gather_scatter_run_kv_cuda_without_a_bounds_sync(monkeypatch) -> None:
+    """The pool's hand-off copies go through the kv_cuda entry points (kernels on a GPU) with
+    check_bounds=False: a bounds check is a device sync, and D's loop scatters while a step runs."""
+    from tandem.csrc import kv_cuda
+
+    calls: list[tuple[str, bool]] = []
+    gather, scatter = kv_cuda.gather, kv_cuda.scatter
+
+    def spy_gather(pool, slots, out, *, check_bounds=True):
+        calls.append(("gather", check_bounds))
+        gather(pool, slots, out, check_bounds=check_bounds)
+
+    def spy_scatter(staging, pool, slots, *, check_bounds=True):
+        calls.append(("scatter", check_bounds))
+        scatter(staging, pool, slots, check_bounds=check_bounds)
+
+    monkeypatch.setattr(kv_cuda, "gather", spy_gather)
+    monkeypatch.setattr(kv_cuda, "scatter", spy_scatter)
+    pool = KVPool(LAYOUT, num_pages=4, page_size=4, device="cpu")
+    slots = pool.slots(pool.allocate(2), 6)
+    src = torch.randn(LAYOUT.staging_shape(6))
+    pool.scatter(slots, src)
+    out = torch.empty(LAYOUT.staging_shape(6))
+    pool.gather(slots, out)
+    assert torch.equal(out, src)
+    assert calls == [("scatter", False), ("gather", False)]
+
+
+def test_gather_scatter_check_shapes_and_copy_nothing_for_no_tokens() -> None:
+    pool = KVPool(LAYOUT, num_pages=4, page_size=4, device="cpu")
+    slots = pool.slots(pool.allocate(2), 6)
+    with pytest.raises(ValueError, match="staging has shape"):
+        pool.gather(slots, torch.empty(LAYOUT.staging_shape(5)))  # index_select would have resized it
+    with pytest.raises(ValueError, match="staging has shape"):
+        pool.scatter(slots, torch.empty(LAYOUT.staging_shape(7)))
+    with pytest.raises(TypeError):
+        pool.scatter(slots, torch.empty(LAYOUT.staging_shape(6), dtype=torch.float16))
+    with pytest.raises(TypeError):
+        pool.gather(slots.int(), torch.empty(LAYOUT.staging_shape(6)))
+    none = slots[:0]
+    pool.scatter(none, torch.empty(LAYOUT.staging_shape(0)))
+    pool.gather(none, torch.empty(LAYOUT.staging_shape(0)))
+    assert pool.kv.abs().sum() == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gpu_gather_scatter_match_the_reference_bit_for_bit(dtype) -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("CUDA not available")
+    from tandem.csrc import kv_cuda
+
+    layout = KVLayout(num_layers=3, num_kv_heads=2, head_dim=64, dtype=dtype)
+    pool = KVPool(layout, num_pages=64, page_size=1, device="cuda")
+    g = torch.Generator().manual_seed(0)
+    pages = pool.allocate(64)
+    pool.free([pages[i] for i in torch.randperm(64, generator=g)[:40].tolist()])  # fragment the free list
+    slots = pool.slots(pool.allocate(37), 37)
+    src = torch.randn(layout.staging_shape(37), generator=g).to("cuda", dtype)
+    ref = pool.kv.clone()
+    pool.scatter(slots, src)
+    kv_cuda.reference_scatter(src, ref, slots)
+    assert torch.equal(pool.kv.view(torch.uint8), ref.view(torch.uint8))
+    out = torch.full(layout.staging_shape(37), float("nan"), dtype=dtype, device="cuda")
+    pool.gather(slots, out)
+    assert torch.equal(out.view(torch.uint8), src.view(torch.uint8))
