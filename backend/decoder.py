@@ -20,10 +20,19 @@ from typing import cast
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.bias import causal_lower_right
+
+from tandem.csrc import kv_cuda
 
 from .config import ModelConfig
 from .kv_pool import KVLayout, KVPool
 from .layers import Body, DecoderLayer, rope_cos_sin, rope_inv_freq
+
+# Prefill's SDPA backends: flash (causal, no cached prefix) and memory-efficient (masked) kernels have
+# no per-shape setup, while backends that build a plan per new sequence length (cuDNN attention) would
+# pay it on the first prompt of every length a server sees. Math stays as the fallback of last resort.
+_PREFILL_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 # attend(layer, q [N, nh, hd], k [N, kvh, hd], v [N, kvh, hd]) -> attention output [N, nh*hd]
 _Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -65,6 +74,10 @@ class Decoder(nn.Module):
                 else nn.Linear(cfg.hidden_size, cfg.row_width * cfg.vocab_size, bias=False, dtype=dtype)
             )
         self.to_empty(device=device)
+        # Decode attention reads K/V in place with the compiled kernel when it exists for this shape
+        # (`tandem.csrc.kv_cuda.kernel_decodes`); False forces the gather + SDPA path (setting
+        # `tandem.batch.paged_attention`). Read when a step runs (or a CUDA graph is captured).
+        self.paged_attention = True
         dev = self.model.embed_tokens.weight.device
         self.register_buffer("inv_freq", rope_inv_freq(cfg.head_dim, cfg.rope_theta, dev), persistent=False)
         self.register_buffer(
@@ -163,9 +176,13 @@ class Decoder(nn.Module):
         slots = slots.to(pool.device)
         new_slots, old_slots = slots[start:], slots[:start]
         mask = None
-        if start:
+        if start and x.device.type != "cuda":
             q_pos = torch.arange(start, start + t, device=x.device)
             mask = torch.arange(start + t, device=x.device)[None, :] <= q_pos[:, None]
+
+        on_gpu = x.device.type == "cuda"
+        group = self.cfg.num_heads // self.cfg.num_kv_heads
+        lower_right = causal_lower_right(t, start + t) if start and on_gpu else None
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             kv = pool.kv[layer]
@@ -173,12 +190,25 @@ class Decoder(nn.Module):
             if start:
                 past = kv.index_select(1, old_slots)
                 k, v = torch.cat((past[0], k)), torch.cat((past[1], v))
-            o = _sdpa(
-                q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], mask, not start
-            )
+            if on_gpu:
+                # Fused kernels only: K/V expanded per query head (as HF's repeat_kv) and the prefix
+                # case as a lower-right causal bias rather than a boolean mask, which flash and
+                # memory-efficient attention take without falling back to the math backend.
+                if group > 1:
+                    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+                qh, kh, vh = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
+                if lower_right is not None:
+                    o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=lower_right)
+                else:
+                    o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True)
+            else:
+                o = _sdpa(
+                    q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], mask, not start
+                )
             return o[0].transpose(0, 1).reshape(t, -1)
 
-        h = self._run(x, torch.arange(start, start + t, device=x.device), attend)
+        with sdpa_kernel(_PREFILL_BACKENDS):
+            h = self._run(x, torch.arange(start, start + t, device=x.device), attend)
         return self._logits(h[-1:])[0]
 
     @torch.inference_mode()
@@ -222,6 +252,21 @@ class Decoder(nn.Module):
         x = self._embed(rows)
         b, longest = padded.shape
         dev = pool.device
+        cfg = self.cfg
+        if self.paged_attention and kv_cuda.kernel_decodes(
+            pool.kv.dtype, dev, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        ):
+            new_slot = padded.gather(1, (lengths - 1)[:, None])[:, 0]
+            scale = cfg.head_dim**-0.5
+
+            def attend_in_place(
+                layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+            ) -> torch.Tensor:
+                kv = pool.kv[layer]
+                kv.index_copy_(1, new_slot, torch.stack((k, v)))
+                return kv_cuda.decode_attention(q, kv, padded, lengths, scale).reshape(b, -1)
+
+            return self._logits(self._run(x, positions, attend_in_place))
         cols = torch.arange(longest, device=dev)
         valid = cols[None, :] < lengths[:, None]
         # Pad with each sequence's own newest slot (always written) so masked reads stay finite.

@@ -36,6 +36,7 @@ def chunk_policy(settings: EngineSettings) -> ChunkPolicy:
 
 def make_batch(decoder: Decoder, pool: KVPool, settings: EngineSettings, metrics: MetricsSink) -> DecodeBatch:
     b = settings.batch
+    decoder.paged_attention = b.paged_attention
     return DecodeBatch(
         decoder,
         pool,

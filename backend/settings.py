@@ -42,6 +42,7 @@ class BatchSettings:
     rate_margin: float = 0.2  # admit only if predicted step time <= (1 - margin) / floor
     rate_admission: bool = True
     cuda_graphs: bool = True  # replay captured decode steps on CUDA devices (backend/cuda_graphs.py)
+    paged_attention: bool = True  # decode attention reads KV in place (csrc/decode_attention.cu) where built
     graph_warmup_context: int = 0  # >0: capture every bucket up to this context at start (no lazy stalls)
 
 

@@ -1,4 +1,4 @@
-"""Builds `tandem.csrc._cuda_kernels` (the KV row kernels and CUDA IPC/VMM helpers) with nvcc.
+"""Builds `tandem.csrc._cuda_kernels` (KV row kernels, paged decode attention, CUDA IPC/VMM helpers).
 
     python csrc/build_cuda.py [--arch 90] [--nvcc PATH]
 
@@ -55,12 +55,14 @@ def build(arch: str, nvcc: str) -> Path:
     suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
     out = HERE / f"_cuda_kernels{suffix}"
     with tempfile.TemporaryDirectory() as tmp:
-        kern = os.path.join(tmp, "kv_kernels.o")
+        objs = []
+        for name in ("kv_kernels.cu", "decode_attention.cu"):
+            objs.append(os.path.join(tmp, name.replace(".cu", ".o")))
+            run([nvcc, *common, *gencode, "-c", str(HERE / name), "-o", objs[-1]])
         mod = os.path.join(tmp, "cuda_module.o")
-        run([nvcc, *common, *gencode, "-c", str(HERE / "kv_kernels.cu"), "-o", kern])
         run([nvcc, *common, "-c", str(HERE / "cuda_module.cpp"), "-o", mod])
         tmp_out = os.path.join(tmp, out.name)
-        run([nvcc, "-shared", *gencode, "-cudart=static", kern, mod, "-o", tmp_out])
+        run([nvcc, "-shared", *gencode, "-cudart=static", *objs, mod, "-o", tmp_out])
         shutil.move(tmp_out, out)
     print(f"build_cuda: wrote {out}", flush=True)
     return out

@@ -11,6 +11,10 @@ Shapes (every tensor contiguous; `R` = any trailing row shape, e.g. `(num_kv_hea
     staging  [L, 2, T, *R]   contiguous, the wire layout (`WireLayout.staging_shape(T)`)
     slots    [T] int64       slot of each token, on the pool's device (for `gather_write`: the source's)
 
+`decode_attention` is the decode step's attention read in place from one layer of such a pool (one
+query row per sequence over its own slots; see csrc/decode_attention.cu), with
+`reference_decode_attention` (gather + masked SDPA) as its reference and CPU path.
+
 The compiled kernels (`tandem.csrc._cuda_kernels`, built by `csrc/build_cuda.py`) run when the module is
 built and the tensors are on a CUDA device; otherwise the `reference_*` functions (torch `index_select`
 / `index_copy_`) run, which are also what the tests hold the kernels to. Kernels are asynchronous on the
@@ -29,9 +33,13 @@ import torch
 
 __all__ = [
     "build_info",
+    "decode_attention",
+    "decode_attention_supported",
     "gather",
     "gather_write",
+    "kernel_decodes",
     "module",
+    "reference_decode_attention",
     "reference_gather",
     "reference_gather_write",
     "reference_scatter",
@@ -243,3 +251,127 @@ def gather_write(
         dev,
         _stream(src_pool.device),
     )
+
+
+# ---- paged decode attention ----------------------------------------------------------------------------
+
+_DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+_sm_counts: dict[int, int] = {}
+
+
+def reference_decode_attention(
+    q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Torch reference (and CPU path): each sequence's query attends over its first `lengths[b]` slots.
+
+    q [B, NH, HD], kv [2, S_pool, KVH, HD] (one layer of the pool), slots [B, S] int64 (entries past a
+    sequence's length are never read, whatever they hold), lengths [B] int64 in [1, S]. Returns a new
+    [B, NH, HD] tensor in q's dtype. Gathers the padded context, then masked SDPA.
+    """
+    b, s = slots.shape
+    cols = torch.arange(s, device=slots.device)
+    # Pad with each sequence's own last valid slot so masked reads stay finite.
+    safe = slots.gather(1, torch.minimum(cols[None, :], lengths[:, None] - 1))
+    ctx = kv.index_select(1, safe.reshape(-1)).view(2, b, s, *kv.shape[2:]).transpose(2, 3)
+    mask = (cols[None, :] < lengths[:, None])[:, None, None, :]
+    o = torch.nn.functional.scaled_dot_product_attention(
+        q[:, :, None, :], ctx[0], ctx[1], attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != kv.shape[2]
+    )
+    return o[:, :, 0, :]
+
+
+def kernel_decodes(
+    dtype: torch.dtype, device: torch.device, num_heads: int, kv_heads: int, head_dim: int
+) -> bool:
+    """True when the compiled decode-attention kernel exists for this model shape on `device`: CUDA,
+    module built, float32/float16/bfloat16, head_dim 64/128/256, 1/2/4/8 query heads per KV head."""
+    if _MODULE is None or device.type != "cuda" or dtype not in _DTYPE_CODES or num_heads % kv_heads:
+        return False
+    return bool(_MODULE.decode_attention_supported(_DTYPE_CODES[dtype], head_dim, num_heads // kv_heads))
+
+
+def decode_attention_supported(q: torch.Tensor, kv: torch.Tensor) -> bool:
+    """True when `decode_attention` runs the compiled kernel for these tensors (`kernel_decodes` for
+    their shape, both on one CUDA device, 16-byte aligned); otherwise it runs
+    `reference_decode_attention`."""
+    if q.dim() != 3 or kv.dim() != 4 or q.device != kv.device:
+        return False
+    if q.data_ptr() % 16 or kv.data_ptr() % 16:
+        return False
+    return kernel_decodes(q.dtype, q.device, q.shape[1], kv.shape[2], q.shape[2])
+
+
+def _chunk(batch: int, kv_heads: int, s: int, device: torch.device) -> int:
+    """Tokens per split: 256, halved (down to 32) until the grid has ~4 blocks per SM. Depends only on
+    shapes, so a captured graph keeps its grid."""
+    index = device.index or 0
+    sms = _sm_counts.get(index)
+    if sms is None:
+        sms = _sm_counts[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    chunk = 256
+    while chunk > 32 and batch * kv_heads * -(-s // chunk) < 4 * sms:
+        chunk //= 2
+    return chunk
+
+
+def decode_attention(
+    q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Decode-step attention reading K/V in place from one layer of a paged pool (no gathered context).
+
+    Same contract as `reference_decode_attention`, which runs instead when `decode_attention_supported`
+    is False. On CUDA it is two kernels on the current stream, no host synchronisation and no
+    value-dependent shape (CUDA-graph safe); lengths are read on the device, and slots past a
+    sequence's length are never read. Raises ValueError/TypeError on shapes, dtypes or devices that
+    do not fit together.
+    """
+    if q.dim() != 3 or kv.dim() != 4 or kv.shape[0] != 2:
+        raise ValueError(
+            f"need q [B, NH, HD] and kv [2, S, KVH, HD], got {tuple(q.shape)} and {tuple(kv.shape)}"
+        )
+    b, nh, hd = q.shape
+    if kv.shape[3] != hd or nh % kv.shape[2]:
+        raise ValueError(f"q {tuple(q.shape)} does not fit kv {tuple(kv.shape)} (head_dim, grouped heads)")
+    if slots.dim() != 2 or slots.shape[0] != b or lengths.shape != (b,):
+        raise ValueError(
+            f"need slots [{b}, S] and lengths [{b}], got {tuple(slots.shape)}, {tuple(lengths.shape)}"
+        )
+    if slots.dtype != torch.int64 or lengths.dtype != torch.int64:
+        raise TypeError("slots and lengths must be int64")
+    if q.dtype != kv.dtype:
+        raise TypeError(f"q is {q.dtype} but kv is {kv.dtype}")
+    if not (q.device == kv.device == slots.device == lengths.device):
+        raise ValueError("q, kv, slots and lengths must be on one device")
+    if not decode_attention_supported(q, kv):
+        return reference_decode_attention(q, kv, slots, lengths, scale)
+    assert _MODULE is not None
+    q, slots, lengths = q.contiguous(), slots.contiguous(), lengths.contiguous()
+    if not kv.is_contiguous():
+        raise ValueError("kv must be contiguous (a layer of a KVPool is)")
+    kvh, s = kv.shape[2], slots.shape[1]
+    chunk = _chunk(b, kvh, s, q.device)
+    splits = -(-s // chunk)
+    part_acc = torch.empty((b, nh, splits, hd), dtype=torch.float32, device=q.device)
+    part_ml = torch.empty((b, nh, splits, 2), dtype=torch.float32, device=q.device)
+    out = torch.empty_like(q)
+    _MODULE.decode_attention(
+        q.data_ptr(),
+        kv.data_ptr(),
+        kv.shape[1],
+        slots.data_ptr(),
+        s,
+        lengths.data_ptr(),
+        b,
+        kvh,
+        nh // kvh,
+        hd,
+        _DTYPE_CODES[q.dtype],
+        float(scale),
+        chunk,
+        part_acc.data_ptr(),
+        part_ml.data_ptr(),
+        out.data_ptr(),
+        q.device.index,
+        _stream(q.device),
+    )
+    return out

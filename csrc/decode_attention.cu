@@ -1,0 +1,317 @@
+// Paged decode attention (split-K, "flash decoding"): each sequence's single new query attends over
+// its own KV rows read in place from the layer-major pool, by slot.
+//
+// Why: the torch decode path gathers every sequence's context out of the pool into a padded
+// [2, B, S, KVH, HD] tensor per layer, then runs masked SDPA, which with grouped-query heads expands
+// K/V per query head. On the 4B shape that moved several times the KV bytes per step and made a
+// 32-stream step at 2k context ~29 ms (docs/benchmarks/decoder-qwen3-4b-shape-h200-graphs.json),
+// over the 24 ms a 42 tok/s stream allows. Here the KV is read once: the cost is the bytes of the
+// context, whatever the fragmentation (a slot is read as one row, like the hand-off kernels).
+//
+// Layout of the work: block (b, h, split) = one sequence b, one KV head h (its G query heads ride
+// along, so K/V are read once per group), tokens [split * chunk, ...). Four warps stride over those
+// tokens, U tokens per iteration with all their loads in flight; a lane holds HD/32 elements of a row,
+// so a K row costs one vector load per lane and a score one warp reduction. Each warp keeps an online
+// softmax (running max, sum, weighted V) in registers; the block merges its warps in shared memory and
+// writes one partial per (head, split); a second kernel merges the splits. Scores use exp2 with the
+// scale folded into q (scale * log2 e). Accumulation is float32 throughout; the output is q's dtype.
+#include "decode_attention.h"
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cmath>
+#include <stdexcept>
+#include <string>
+
+namespace tandem {
+namespace {
+
+constexpr int kWarps = 4;
+constexpr int kUnroll = 4;  // tokens per warp per iteration, their K and V loads issued together
+
+void check(cudaError_t err, const char* what) {
+  if (err != cudaSuccess) {
+    throw std::runtime_error(std::string(what) + ": " + cudaGetErrorName(err) + " (" + cudaGetErrorString(err) +
+                             ")");
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ float to_float(T x);
+template <>
+__device__ __forceinline__ float to_float<float>(float x) {
+  return x;
+}
+template <>
+__device__ __forceinline__ float to_float<__half>(__half x) {
+  return __half2float(x);
+}
+template <>
+__device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 x) {
+  return __bfloat162float(x);
+}
+
+template <typename T>
+__device__ __forceinline__ T from_float(float x);
+template <>
+__device__ __forceinline__ float from_float<float>(float x) {
+  return x;
+}
+template <>
+__device__ __forceinline__ __half from_float<__half>(float x) {
+  return __float2half_rn(x);
+}
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
+  return __float2bfloat16_rn(x);
+}
+
+// EPL elements of one lane, loaded as one (or, for 32 bytes, two) vector loads.
+template <typename T, int EPL>
+struct alignas(EPL * sizeof(T) >= 16 ? 16 : EPL * sizeof(T)) Pack {
+  T v[EPL];
+};
+
+template <typename T, int EPL, int G>
+__global__ void __launch_bounds__(kWarps * 32)
+    decode_partial(const T* __restrict__ q, const T* __restrict__ kv, int64_t pool_rows,
+                   const int64_t* __restrict__ slots, int64_t s_max, const int64_t* __restrict__ lengths,
+                   int kv_heads, int64_t chunk, int splits, float scale_log2, float* __restrict__ part_acc,
+                   float* __restrict__ part_ml) {
+  constexpr int HD = 32 * EPL;
+  using P = Pack<T, EPL>;
+  const int b = blockIdx.x / kv_heads;
+  const int h = blockIdx.x - b * kv_heads;
+  const int split = blockIdx.y;
+  const int warp = threadIdx.x >> 5;
+  const int lane = threadIdx.x & 31;
+  const int nh = kv_heads * G;
+  const int64_t len = lengths[b];
+  const int64_t t0 = static_cast<int64_t>(split) * chunk;
+  const int64_t t1 = t0 + chunk < len ? t0 + chunk : len;
+
+  float qr[G][EPL];
+#pragma unroll
+  for (int g = 0; g < G; ++g) {
+    const P p = *reinterpret_cast<const P*>(q + (static_cast<int64_t>(b) * nh + h * G + g) * HD + lane * EPL);
+#pragma unroll
+    for (int e = 0; e < EPL; ++e) qr[g][e] = to_float(p.v[e]) * scale_log2;
+  }
+  float m[G], l[G], acc[G][EPL];
+#pragma unroll
+  for (int g = 0; g < G; ++g) {
+    m[g] = -INFINITY;
+    l[g] = 0.f;
+#pragma unroll
+    for (int e = 0; e < EPL; ++e) acc[g][e] = 0.f;
+  }
+
+  const int64_t row = static_cast<int64_t>(kv_heads) * HD;  // elements per slot of one of K / V
+  const T* kbase = kv + static_cast<int64_t>(h) * HD + lane * EPL;
+  const T* vbase = kbase + pool_rows * row;
+  const int64_t* srow = slots + static_cast<int64_t>(b) * s_max;
+  for (int64_t base = t0 + warp * kUnroll; base < t1; base += kWarps * kUnroll) {
+    P kp[kUnroll], vp[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      if (base + u < t1) {
+        const int64_t slot = srow[base + u];
+        kp[u] = *reinterpret_cast<const P*>(kbase + slot * row);
+        vp[u] = *reinterpret_cast<const P*>(vbase + slot * row);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      if (base + u >= t1) break;
+      float kf[EPL], vf[EPL];
+#pragma unroll
+      for (int e = 0; e < EPL; ++e) {
+        kf[e] = to_float(kp[u].v[e]);
+        vf[e] = to_float(vp[u].v[e]);
+      }
+#pragma unroll
+      for (int g = 0; g < G; ++g) {
+        float s = 0.f;
+#pragma unroll
+        for (int e = 0; e < EPL; ++e) s += qr[g][e] * kf[e];
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
+        const float mn = fmaxf(m[g], s);
+        const float corr = exp2f(m[g] - mn);  // 0 for the first token (m = -inf)
+        const float p = exp2f(s - mn);
+        l[g] = l[g] * corr + p;
+#pragma unroll
+        for (int e = 0; e < EPL; ++e) acc[g][e] = acc[g][e] * corr + p * vf[e];
+        m[g] = mn;
+      }
+    }
+  }
+
+  __shared__ float s_m[kWarps][G];
+  __shared__ float s_l[kWarps][G];
+  __shared__ float s_acc[kWarps][G][HD];
+#pragma unroll
+  for (int g = 0; g < G; ++g) {
+    if (lane == 0) {
+      s_m[warp][g] = m[g];
+      s_l[warp][g] = l[g];
+    }
+#pragma unroll
+    for (int e = 0; e < EPL; ++e) s_acc[warp][g][lane * EPL + e] = acc[g][e];
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < G * HD; i += kWarps * 32) {
+    const int g = i / HD;
+    const int d = i - g * HD;
+    float mx = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) mx = fmaxf(mx, s_m[w][g]);
+    float sum = 0.f, a = 0.f;
+    if (mx != -INFINITY) {
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) {
+        const float f = s_m[w][g] == -INFINITY ? 0.f : exp2f(s_m[w][g] - mx);
+        sum += s_l[w][g] * f;
+        a += s_acc[w][g][d] * f;
+      }
+    }
+    const int64_t at = (static_cast<int64_t>(b) * nh + h * G + g) * splits + split;
+    part_acc[at * HD + d] = a;
+    if (d == 0) {
+      part_ml[at * 2] = mx;
+      part_ml[at * 2 + 1] = sum;
+    }
+  }
+}
+
+// One block per (sequence, query head), one thread per element of the head: merge the splits.
+template <typename T>
+__global__ void decode_merge(const float* __restrict__ part_acc, const float* __restrict__ part_ml, int splits,
+                             int head_dim, T* __restrict__ out) {
+  const int64_t head = blockIdx.x;
+  const int d = threadIdx.x;
+  const float* ml = part_ml + head * splits * 2;
+  float mx = -INFINITY;
+  for (int s = 0; s < splits; ++s) mx = fmaxf(mx, ml[2 * s]);
+  float sum = 0.f, a = 0.f;
+  if (mx != -INFINITY) {
+    for (int s = 0; s < splits; ++s) {
+      if (ml[2 * s] == -INFINITY) continue;
+      const float f = exp2f(ml[2 * s] - mx);
+      sum += ml[2 * s + 1] * f;
+      a += part_acc[(head * splits + s) * head_dim + d] * f;
+    }
+  }
+  out[head * head_dim + d] = from_float<T>(sum > 0.f ? a / sum : 0.f);
+}
+
+template <typename T, int EPL, int G>
+void launch(const void* q, const void* kv, int64_t pool_rows, const int64_t* slots, int64_t s_max,
+            const int64_t* lengths, int64_t batch, int64_t kv_heads, float scale, int64_t chunk, int splits,
+            float* part_acc, float* part_ml, void* out, cudaStream_t stream) {
+  const float scale_log2 = scale * 1.4426950408889634f;
+  const dim3 grid(static_cast<unsigned>(batch * kv_heads), static_cast<unsigned>(splits));
+  decode_partial<T, EPL, G><<<grid, kWarps * 32, 0, stream>>>(
+      static_cast<const T*>(q), static_cast<const T*>(kv), pool_rows, slots, s_max, lengths,
+      static_cast<int>(kv_heads), chunk, splits, scale_log2, part_acc, part_ml);
+  check(cudaGetLastError(), "decode_partial launch");
+  decode_merge<T><<<static_cast<unsigned>(batch * kv_heads * G), 32 * EPL, 0, stream>>>(
+      part_acc, part_ml, splits, 32 * EPL, static_cast<T*>(out));
+  check(cudaGetLastError(), "decode_merge launch");
+}
+
+template <typename T, int EPL>
+bool by_group(int64_t group, const void* q, const void* kv, int64_t pool_rows, const int64_t* slots, int64_t s_max,
+              const int64_t* lengths, int64_t batch, int64_t kv_heads, float scale, int64_t chunk, int splits,
+              float* part_acc, float* part_ml, void* out, cudaStream_t stream) {
+  switch (group) {
+    case 1:
+      launch<T, EPL, 1>(q, kv, pool_rows, slots, s_max, lengths, batch, kv_heads, scale, chunk, splits, part_acc,
+                        part_ml, out, stream);
+      return true;
+    case 2:
+      launch<T, EPL, 2>(q, kv, pool_rows, slots, s_max, lengths, batch, kv_heads, scale, chunk, splits, part_acc,
+                        part_ml, out, stream);
+      return true;
+    case 4:
+      launch<T, EPL, 4>(q, kv, pool_rows, slots, s_max, lengths, batch, kv_heads, scale, chunk, splits, part_acc,
+                        part_ml, out, stream);
+      return true;
+    case 8:
+      launch<T, EPL, 8>(q, kv, pool_rows, slots, s_max, lengths, batch, kv_heads, scale, chunk, splits, part_acc,
+                        part_ml, out, stream);
+      return true;
+    default:
+      return false;
+  }
+}
+
+template <typename T>
+bool by_head_dim(int64_t head_dim, int64_t group, const void* q, const void* kv, int64_t pool_rows,
+                 const int64_t* slots, int64_t s_max, const int64_t* lengths, int64_t batch, int64_t kv_heads,
+                 float scale, int64_t chunk, int splits, float* part_acc, float* part_ml, void* out,
+                 cudaStream_t stream) {
+  switch (head_dim) {
+    case 64:
+      return by_group<T, 2>(group, q, kv, pool_rows, slots, s_max, lengths, batch, kv_heads, scale, chunk, splits,
+                            part_acc, part_ml, out, stream);
+    case 128:
+      return by_group<T, 4>(group, q, kv, pool_rows, slots, s_max, lengths, batch, kv_heads, scale, chunk, splits,
+                            part_acc, part_ml, out, stream);
+    case 256:
+      return by_group<T, 8>(group, q, kv, pool_rows, slots, s_max, lengths, batch, kv_heads, scale, chunk, splits,
+                            part_acc, part_ml, out, stream);
+    default:
+      return false;
+  }
+}
+
+}  // namespace
+
+bool decode_attention_supported(int dtype, int64_t head_dim, int64_t group) {
+  return dtype >= 0 && dtype <= 2 && (head_dim == 64 || head_dim == 128 || head_dim == 256) &&
+         (group == 1 || group == 2 || group == 4 || group == 8);
+}
+
+void decode_attention(const void* q, const void* kv, int64_t pool_rows, const int64_t* slots, int64_t s_max,
+                      const int64_t* lengths, int64_t batch, int64_t kv_heads, int64_t group, int64_t head_dim,
+                      int dtype, float scale, int64_t chunk, float* part_acc, float* part_ml, void* out,
+                      int device, cudaStream_t stream) {
+  if (!decode_attention_supported(dtype, head_dim, group)) {
+    throw std::runtime_error("decode_attention: no kernel for dtype " + std::to_string(dtype) + ", head_dim " +
+                             std::to_string(head_dim) + ", group " + std::to_string(group));
+  }
+  if (batch <= 0 || kv_heads <= 0 || s_max <= 0 || chunk <= 0) {
+    throw std::runtime_error("decode_attention: batch, kv_heads, s_max and chunk must be positive");
+  }
+  const int64_t splits = (s_max + chunk - 1) / chunk;
+  if (splits > 65535 || batch * kv_heads > 0x7fffffff) {
+    throw std::runtime_error("decode_attention: grid too large (lower s_max or raise chunk)");
+  }
+  int previous = 0;
+  check(cudaGetDevice(&previous), "cudaGetDevice");
+  if (previous != device) check(cudaSetDevice(device), "cudaSetDevice");
+  try {
+    const int n = static_cast<int>(splits);
+    switch (dtype) {
+      case 0:
+        by_head_dim<float>(head_dim, group, q, kv, pool_rows, slots, s_max, lengths, batch, kv_heads, scale, chunk,
+                           n, part_acc, part_ml, out, stream);
+        break;
+      case 1:
+        by_head_dim<__half>(head_dim, group, q, kv, pool_rows, slots, s_max, lengths, batch, kv_heads, scale,
+                            chunk, n, part_acc, part_ml, out, stream);
+        break;
+      default:
+        by_head_dim<__nv_bfloat16>(head_dim, group, q, kv, pool_rows, slots, s_max, lengths, batch, kv_heads,
+                                   scale, chunk, n, part_acc, part_ml, out, stream);
+    }
+  } catch (...) {
+    if (previous != device) cudaSetDevice(previous);
+    throw;
+  }
+  if (previous != device) check(cudaSetDevice(previous), "cudaSetDevice (restore)");
+}
+
+}  // namespace tandem
