@@ -4,6 +4,9 @@
 # PYTHONPATH, CUDA kernels built). Writes server logs and bench results into OUT.
 #
 #   cli/run_capacity.sh CARRY.tar.xz OUT PATH [tandem-bench args...]
+#
+# CAPACITY_SET (optional, space-separated MODEL:KEY=VALUE) adds settings to the rendered repository,
+# e.g. CAPACITY_SET="decode:tandem.batch.paged_attention=false tts_mono:tandem.batch.paged_attention=false".
 set -euo pipefail
 carry=${1:?carry tarball}; out=${2:?output dir}; path=${3:?transfer path}; shift 3
 source "$(dirname "$0")/device_env.sh" "$carry" "$out"
@@ -13,7 +16,8 @@ python3 -m tandem.cli.make_repository --out /tmp/repo --preset qwen3-4b-shape --
   --path "$path" \
   --set "decode:tandem.transfer.arena_mb=8192" --set "decode:tandem.transfer.deadline_s=10" \
   --set "tts_mono:tandem.batch.max_queue=1024" --set "decode:tandem.batch.max_queue=1024" \
-  --set "tts_mono:tandem.batch.graph_warmup_context=2560" --set "decode:tandem.batch.graph_warmup_context=2560"
+  --set "tts_mono:tandem.batch.graph_warmup_context=2560" --set "decode:tandem.batch.graph_warmup_context=2560" \
+  $(for kv in ${CAPACITY_SET:-}; do printf -- '--set %s ' "$kv"; done)
 python3 -m tandem.cli.tritonserver --model-repository /tmp/repo --grpc-port 8001 --http-port 8000 \
   --metrics-port 8002 > "$out/server.log" 2>&1 &
 server=$!

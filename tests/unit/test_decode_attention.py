@@ -131,6 +131,27 @@ def test_decoder_step_same_with_kernel_and_without(dtype: str) -> None:
     torch.testing.assert_close(logits[True], logits[False], atol=tol, rtol=tol)
 
 
+@pytest.mark.gpu
+def test_gpu_prefill_with_prefix_and_kernel_decode_match_full_forward() -> None:
+    """On a GPU: prefill in two parts (the second over a cached prefix: the lower-right causal bias) and
+    then kernel decode steps give the logits of one pool-free forward over the whole sequence."""
+    _need_cuda()
+    dec = _gpu_decoder("float32")
+    g = torch.Generator().manual_seed(4)
+    seq = torch.randint(0, dec.cfg.vocab_size, (40, dec.cfg.row_width), generator=g).cuda()
+    full = dec(seq)
+    pool = KVPool(dec.kv_layout(), num_pages=64, page_size=4, device="cuda")
+    pages = pool.allocate(pool.pages_for(40))
+    pages.reverse()  # fragmented: positions run backwards through the pages
+    slots = pool.slots(pages, 40)
+    dec.prefill(seq[:13], pool, slots[:13], 0)
+    last = dec.prefill(seq[13:30], pool, slots[:30], 13)
+    torch.testing.assert_close(last, full[29], atol=1e-4, rtol=1e-4)
+    for pos in range(30, 40):
+        out = dec.decode(seq[pos : pos + 1], pool, [slots[: pos + 1]], torch.tensor([pos]))
+        torch.testing.assert_close(out[0], full[pos], atol=1e-4, rtol=1e-4)
+
+
 # ---- everywhere ----------------------------------------------------------------------------------------
 
 
