@@ -14,6 +14,15 @@ On CUDA each interval is timed with CUDA events around a host-synchronous step (
 tokens to the host), so launch overhead is included. Prefill is `Decoder.prefill` of a whole prompt at
 position 0 (no prefix cache), timed the same way.
 
+`--distinct-lengths N` adds, after those, a first-call probe of prefill: N prompt lengths no call in
+the process used before, each run once at position 0, then N more (also new) after a page-aligned cached
+prefix (start > 0: the masked attention path, as a prefix-cache hit runs it). Each call is timed as
+CUDA-synchronised wall time, so per-shape setup on the host (e.g. an SDPA backend building a plan for a
+new sequence length) counts. The lengths are spread over `--distinct-range` and run in a shuffled
+order; the JSON gets them under `prefill_first_call` (samples, p50/p95/max), the SDPA backends torch
+had enabled under `meta.sdpa_enabled` and those `Decoder.prefill` restricts itself to under
+`meta.sdpa_prefill_backends`; compare with the steady-state prefill table.
+
 Writes <out>/<name>.json (provenance + figures) and <out>/<name>.png; `--replot FILE.json` redraws the
 PNG from an existing result file.
 """
@@ -32,6 +41,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from tandem.backend import decoder as decoder_module
 from tandem.backend.config import ModelConfig, preset
 from tandem.backend.cuda_graphs import GraphedDecode
 from tandem.backend.decoder import Decoder
@@ -114,6 +124,95 @@ def bench_prefill(
         s = benchutil.summary(times)
         out.append({"prompt_rows": n, **s, "rows_per_s": n / (s["median_ms"] / 1e3)})
     return out
+
+
+def distinct_lengths(n: int, lo: int, hi: int, used: set[int]) -> tuple[list[int], list[int]]:
+    """2n lengths in [lo, hi], none in `used` and no two equal, spread evenly over the range; returned
+    interleaved as (n for position 0, n totals for prefixed calls) so both span the range."""
+    candidates = [x for x in range(lo, hi + 1) if x not in used]
+    if n < 1 or len(candidates) < 2 * n:
+        raise ValueError(f"[{lo}, {hi}] holds {len(candidates)} unused lengths, {2 * n} needed")
+    if n == 1 and len(candidates) == 2:
+        picks = candidates
+    else:
+        picks = [candidates[round(i * (len(candidates) - 1) / (2 * n - 1))] for i in range(2 * n)]
+    return picks[0::2], picks[1::2]
+
+
+def _wall(fn: Callable[[], _T], device: torch.device) -> float:
+    """Seconds of wall time for `fn`, the device synchronised before and after (host-side setup counts)."""
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    fn()
+    if cuda:
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - t0
+
+
+def _quantiles_ms(values_s: list[float]) -> dict[str, float | int]:
+    ms = [v * 1e3 for v in values_s]
+    return {
+        "p50_ms": benchutil.quantile(ms, 0.5),
+        "p95_ms": benchutil.quantile(ms, 0.95),
+        "max_ms": max(ms),
+        "n": len(ms),
+    }
+
+
+def bench_prefill_first_calls(
+    dec: Decoder, pool: KVPool, n: int, lo: int, hi: int, used: set[int], seed: int
+) -> dict[str, Any]:
+    """Prefill once per never-used length: n at position 0, n after a cached prefix (masked path).
+
+    The prefix is page-aligned (about half the total, at least one page, never the whole prompt), as a
+    prefix-cache hit is; its slots hold the pool's random KV. Calls run in a shuffled order (a
+    monotonic order would also grow the allocator's blocks call by call)."""
+    cfg = dec.cfg
+    zero, prefixed = distinct_lengths(n, lo, hi, used)
+    calls: list[tuple[str, int, int]] = [("position0", t, 0) for t in zero]
+    for total in prefixed:
+        start = max(pool.page_size, total // 2 // pool.page_size * pool.page_size)
+        if start >= total:
+            start = total // 2
+        calls.append(("prefixed", total - start, start))
+    random.Random(seed).shuffle(calls)
+    samples: list[dict[str, Any]] = []
+    for i, (path, rows_n, start) in enumerate(calls):
+        total = start + rows_n
+        pages = pool.allocate(pool.pages_for(total))
+        slots = pool.slots(pages, total)
+        rows = torch.randint(0, cfg.vocab_size, (rows_n, cfg.row_width))
+        dt = _wall(partial(dec.prefill, rows, pool, slots, start), pool.device)
+        pool.free(pages)
+        samples.append(
+            {"call": i, "path": path, "rows": rows_n, "start": start, "total": total, "ms": dt * 1e3}
+        )
+    result: dict[str, Any] = {"n": n, "range": [lo, hi], "order": "shuffled", "timer": "synchronised wall"}
+    for path in ("position0", "prefixed"):
+        result[path] = _quantiles_ms([x["ms"] / 1e3 for x in samples if x["path"] == path])
+    result["samples"] = samples
+    return result
+
+
+def sdpa_enabled() -> dict[str, bool]:
+    """Which scaled-dot-product-attention backends torch has enabled (only the flags this torch has).
+
+    These are the process-wide flags; a `sdpa_kernel` context inside the decoder narrows them while it
+    runs (see `sdpa_prefill_backends` in the result's meta)."""
+    flags = {}
+    for name in ("flash", "mem_efficient", "math", "cudnn"):
+        fn = getattr(torch.backends.cuda, f"{name}_sdp_enabled", None)
+        if callable(fn):
+            flags[name] = bool(fn())
+    return flags
+
+
+def sdpa_prefill_backends() -> list[str] | None:
+    """The SDPA backends `Decoder.prefill` restricts itself to, when the decoder declares them."""
+    backends = getattr(decoder_module, "_PREFILL_BACKENDS", None)
+    return None if backends is None else [getattr(b, "name", str(b)) for b in backends]
 
 
 def bench_decode(
@@ -228,6 +327,20 @@ def print_tables(result: dict[str, Any]) -> None:
             ],
         )
     )
+    first = result.get("prefill_first_call")
+    if first:
+        lo, hi = first["range"]
+        print()
+        for path, what in (("position0", "at position 0"), ("prefixed", "after a cached prefix")):
+            q = first[path]
+            print(
+                f"prefill first call {what}: {q['n']} new lengths in [{lo}, {hi}]: p50 {q['p50_ms']:.2f} ms, "
+                f"p95 {q['p95_ms']:.2f} ms, max {q['max_ms']:.2f} ms"
+            )
+        print(
+            f"SDPA backends enabled: {meta.get('sdpa_enabled', 'not recorded')}; "
+            f"prefill restricted to: {meta.get('sdpa_prefill_backends') or 'no restriction recorded'}"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -245,6 +358,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefill-reps", type=int, default=5)
     ap.add_argument("--prefill-warmup", type=int, default=2)
     ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument(
+        "--distinct-lengths",
+        type=int,
+        default=0,
+        metavar="N",
+        help="then time prefill's first call at N new lengths from position 0 and N after a cached "
+        "prefix (0: off)",
+    )
+    ap.add_argument(
+        "--distinct-range",
+        type=_ints,
+        default=[1000, 2047],
+        metavar="LO,HI",
+        help="prompt lengths (rows, total with the prefix) the first-call probe draws from",
+    )
     ap.add_argument("--graphs", action="store_true", help="replay CUDA graphs of the decode step (GPU)")
     ap.add_argument("--temperature", type=float, default=0.8)
     ap.add_argument("--top-p", type=float, default=0.95)
@@ -253,6 +381,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--name", help="file stem (default: decoder-<preset>-<device type>)")
     ap.add_argument("--replot", type=Path, help="only redraw the PNG of an existing result JSON")
     args = ap.parse_args(argv)
+    if args.distinct_lengths < 0:
+        ap.error("--distinct-lengths must be >= 0")
+    if args.distinct_lengths:
+        if len(args.distinct_range) != 2 or not 2 <= args.distinct_range[0] <= args.distinct_range[1]:
+            ap.error("--distinct-range must be LO,HI with 2 <= LO <= HI")
+        try:
+            lo, hi = args.distinct_range
+            distinct_lengths(args.distinct_lengths, lo, hi, set(args.prompts))
+        except ValueError as exc:
+            ap.error(f"--distinct-lengths: {exc}")
 
     if args.replot is not None:
         result = json.loads(args.replot.read_text())
@@ -274,6 +412,8 @@ def main(argv: list[str] | None = None) -> int:
     # one spare page: the CUDA-graph runner reserves a scratch page for padding rows
     pages = max(args.batches) * -(-longest // args.page_size) + 1
     pool_tokens = max(pages * args.page_size, max(args.prompts))
+    if args.distinct_lengths:
+        pool_tokens = max(pool_tokens, args.distinct_range[1])
     pool = _shuffled_pool(cfg, pool_tokens, args.page_size, device, args.seed)
     setup_s = time.perf_counter() - t0
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p)
@@ -299,6 +439,13 @@ def main(argv: list[str] | None = None) -> int:
                 flush=True,
             )
 
+    first_call = None
+    if args.distinct_lengths:
+        lo, hi = args.distinct_range
+        first_call = bench_prefill_first_calls(
+            dec, pool, args.distinct_lengths, lo, hi, set(args.prompts), args.seed
+        )
+
     meta = {
         **benchutil.provenance(device, "tandem-bench-decoder", argv),
         "benchmark": "decoder",
@@ -317,10 +464,14 @@ def main(argv: list[str] | None = None) -> int:
         "timer": "cuda events" if timer.cuda else "perf_counter",
         "setup_s": setup_s,
         "floor_tok_s": FLOOR_TOK_S,
+        "sdpa_enabled": sdpa_enabled(),
+        "sdpa_prefill_backends": sdpa_prefill_backends(),
     }
     if device.type == "cuda":
         meta["max_memory_allocated_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
     result = {"meta": meta, "prefill": prefill, "decode": decode}
+    if first_call is not None:
+        result["prefill_first_call"] = first_call
     name = args.name or f"decoder-{cfg.name}-{device.type}"
     benchutil.write_json(args.out / f"{name}.json", result)
     plot(result, args.out / f"{name}.png")

@@ -1,0 +1,65 @@
+"""`tandem-bench-decoder` on the CPU (tiny preset, a few steps): the result file, and the prefill
+first-call probe (`--distinct-lengths`)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tandem.cli import bench_decoder
+
+SMALL = ["--preset", "tiny", "--device", "cpu", "--prompts", "64,128", "--batches", "1,2", "--context", "32"]
+SMALL += ["--steps", "2", "--warmup", "1", "--prefill-reps", "1", "--prefill-warmup", "1"]
+
+
+def test_distinct_lengths_are_new_unique_and_span_the_range() -> None:
+    zero, prefixed = bench_decoder.distinct_lengths(5, 100, 200, {100, 150})
+    both = zero + prefixed
+    assert len(zero) == len(prefixed) == 5
+    assert len(set(both)) == 10 and not {100, 150} & set(both)
+    assert all(100 <= x <= 200 for x in both)
+    assert min(both) == 101 and max(both) == 200
+    assert bench_decoder.distinct_lengths(1, 7, 8, set()) == ([7], [8])
+    with pytest.raises(ValueError, match="unused lengths"):
+        bench_decoder.distinct_lengths(3, 10, 14, {12})
+
+
+def test_cpu_run_with_the_first_call_probe(tmp_path, capsys) -> None:
+    argv = [*SMALL, "--distinct-lengths", "3", "--distinct-range", "60,140", "--out", str(tmp_path)]
+    argv += ["--name", "r"]
+    assert bench_decoder.main(argv) == 0
+    result = json.loads((tmp_path / "r.json").read_text())
+    assert [p["prompt_rows"] for p in result["prefill"]] == [64, 128]
+    assert len(result["decode"]) == 2
+    sdpa = result["meta"]["sdpa_enabled"]
+    assert "math" in sdpa and all(isinstance(v, bool) for v in sdpa.values())
+    prefill_backends = result["meta"]["sdpa_prefill_backends"]
+    assert prefill_backends is None or all(isinstance(b, str) for b in prefill_backends)
+    first = result["prefill_first_call"]
+    assert first["range"] == [60, 140]
+    samples = first["samples"]
+    zero = [s for s in samples if s["path"] == "position0"]
+    prefixed = [s for s in samples if s["path"] == "prefixed"]
+    assert len(zero) == len(prefixed) == 3
+    assert all(s["start"] == 0 and s["total"] == s["rows"] for s in zero)
+    # the masked path: a page-aligned cached prefix (page size 16), never the whole prompt
+    assert all(0 < s["start"] < s["total"] and s["start"] % 16 == 0 for s in prefixed)
+    totals = [s["total"] for s in samples]
+    assert len(set(totals)) == 6 and not {64, 128} & set(totals)  # each length new to the process
+    for path in ("position0", "prefixed"):
+        q = first[path]
+        ms = sorted(s["ms"] for s in samples if s["path"] == path)
+        assert q["n"] == 3 and q["max_ms"] == ms[-1] and q["p50_ms"] == ms[1]
+        assert all(v > 0 for v in ms)
+    out = capsys.readouterr().out
+    assert "prefill first call at position 0: 3 new lengths in [60, 140]" in out
+    assert "prefill first call after a cached prefix: 3 new lengths" in out
+
+
+def test_probe_is_off_by_default_and_checks_its_range(tmp_path) -> None:
+    assert bench_decoder.main([*SMALL, "--out", str(tmp_path), "--name", "r"]) == 0
+    result = json.loads((tmp_path / "r.json").read_text())
+    assert "prefill_first_call" not in result and "sdpa_enabled" in result["meta"]
+    with pytest.raises(SystemExit):
+        bench_decoder.main([*SMALL, "--distinct-lengths", "5", "--distinct-range", "60,65"])
