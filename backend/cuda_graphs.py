@@ -48,6 +48,7 @@ class GraphedDecode:
         self._graphs: dict[tuple[int, int], _Graph] = {}
         self._mempool = torch.cuda.graph_pool_handle()
         self._stream = torch.cuda.Stream(device=pool.device)
+        self.failed: str | None = None  # why capturing stopped (every step then runs eagerly)
 
     def warm_up(self, max_context: int) -> int:
         """Capture every bucket up to (max_batch, max_context) now, so no capture stalls live streams.
@@ -83,7 +84,9 @@ class GraphedDecode:
                 self.decoder.decode_padded(rows, self.pool, padded, lengths, positions)
         torch.cuda.current_stream(dev).wait_stream(self._stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._mempool):
+        # thread_local: D's other threads (admission, the receiver's checksum) keep using CUDA on their
+        # own streams while this thread captures; "global" would make their calls fail the capture.
+        with torch.cuda.graph(graph, pool=self._mempool, capture_error_mode="thread_local"):
             logits = self.decoder.decode_padded(rows, self.pool, padded, lengths, positions)
         log.info("captured decode graph for batch %d, context %d", bb, s)
         return _Graph(graph, rows, padded, lengths, positions, logits)
@@ -96,11 +99,19 @@ class GraphedDecode:
         b = rows.shape[0]
         longest = max(int(t.numel()) for t in slot_tables)
         bb, s = self._bucket(b, longest)
-        if bb > self.max_batch:
+        if bb > self.max_batch or self.failed is not None:
             return self.decoder.decode(rows, self.pool, slot_tables, positions)
         g = self._graphs.get((bb, s))
         if g is None:
-            g = self._graphs[(bb, s)] = self._capture(bb, s)
+            try:
+                g = self._graphs[(bb, s)] = self._capture(bb, s)
+            except Exception as exc:  # a failed capture can leave the graph pool unusable: stop capturing
+                self.failed = f"{type(exc).__name__}: {exc}"
+                log.exception(
+                    "capturing the decode graph for batch %d, context %d failed; decoding eagerly", bb, s
+                )
+                torch.cuda.synchronize(self.pool.device)
+                return self.decoder.decode(rows, self.pool, slot_tables, positions)
         dev = self.pool.device
         g.rows.zero_()
         g.rows[:b].copy_(rows.to(dev, non_blocking=True))

@@ -27,10 +27,11 @@ from typing import Any
 import numpy as np
 import tritonclient.grpc as grpcclient
 
+from tandem.backend.settings import TransferSettings
 from tandem.cli.tts_client import StreamResult, TTSClient
 from tandem.serving.repository import model_parameter
 from tests.integration.helpers import metric_value, metrics_text
-from tests.integration.server import REPO, TritonProcess
+from tests.integration.server import TritonProcess
 
 
 def children(ppid: int) -> list[int]:
@@ -160,17 +161,19 @@ class FaultUnit:
         self.control_file = workdir / "faults.json"
         merged = {m: dict(v) for m, v in overrides.items()}
         merged.setdefault("prefill", {})["tandem.faults.control_file"] = str(self.control_file)
-        self.unit_name = merged.get("decode", {}).get("tandem.transfer.unit") or model_parameter(
-            REPO / "model_repository", "decode", "tandem.transfer.unit"
-        )
         self.proc = TritonProcess(
             workdir, merged, extra_args=("--model-control-mode=explicit", "--load-model=*"), groups=groups
+        )
+        # The unit the server's repository names (a placed repository is rendered afresh, not copied).
+        self.unit_name = (
+            model_parameter(self.proc.repo, "decode", "tandem.transfer.unit") or TransferSettings.unit
         )
         self.proxy: subprocess.Popen[str] | None = None
         self._want_proxy = proxy
         self.path = model_parameter(self.proc.repo, "decode", "tandem.transfer.paths") or "?"
         shutil.rmtree(self.proc.repo / "tts_mono")  # not part of the matrix; saves a stub start
         self.rows: list[Row] = []
+        self.idle: Snapshot | None = None  # the settled unit before its first row (the rows' baseline)
 
     @property
     def url(self) -> str:

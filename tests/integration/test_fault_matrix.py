@@ -111,9 +111,14 @@ def unit(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
 
 @pytest.fixture
 def row(unit: FaultUnit) -> Iterator[tuple[FaultUnit, Snapshot]]:
-    """Each row starts from a settled unit (its baseline) and leaves one behind: faults off, P running."""
+    """Each row starts from a settled unit (its baseline) and leaves one behind: faults off, P running.
+
+    The baseline is the idle unit's, taken once: a row that left pages out must not pass it on as the
+    next row's normal."""
     unit.clear_faults()
-    base = unit.settle(unit.snapshot())
+    if unit.idle is None:
+        unit.idle = unit.settle(unit.snapshot())
+    base = unit.settle(unit.idle)
     base = unit.wait_for(lambda s: s.p_free_pages > 0, 10, "P publishes")
     yield unit, base
     unit.clear_faults()

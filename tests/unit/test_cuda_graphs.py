@@ -55,3 +55,53 @@ def test_warm_up_captures_every_bucket(cuda):
     pool = KVPool(dec.kv_layout(), 64, 16, cuda)
     graphed = GraphedDecode(dec, pool, max_batch=8, context_step=64)
     assert graphed.warm_up(256) == 4 * 4  # batch buckets 1, 2, 4, 8 x contexts 64..256
+
+
+def test_capture_while_another_thread_synchronises(cuda):
+    """D captures lazily while its admission and checksum threads keep using CUDA on their own streams
+    (a 2xH200 fault-matrix run failed every capture with the default global capture mode)."""
+    import threading
+
+    from tandem.backend.cuda_graphs import GraphedDecode
+
+    dec = Decoder.random(preset("tiny"), cuda, seed=1)
+    pool = KVPool(dec.kv_layout(), 64, 16, cuda)
+    graphed = GraphedDecode(dec, pool, max_batch=8, context_step=64)
+    stop = threading.Event()
+
+    def busy() -> None:
+        side = torch.cuda.Stream(device=cuda)
+        x = torch.ones(1 << 20, device=cuda)
+        with torch.cuda.stream(side):
+            while not stop.is_set():
+                (x * 2).sum().item()  # a synchronising call, like the receiver's checksum
+
+    t = threading.Thread(target=busy)
+    t.start()
+    try:
+        assert graphed.warm_up(256) == 16
+    finally:
+        stop.set()
+        t.join()
+    assert graphed.failed is None
+
+
+def test_failed_capture_falls_back_to_eager(cuda, monkeypatch):
+    from tandem.backend.cuda_graphs import GraphedDecode
+
+    dec = Decoder.random(preset("tiny"), cuda, seed=1)
+    pool = KVPool(dec.kv_layout(), 64, 16, cuda)
+    graphed = GraphedDecode(dec, pool, max_batch=8, context_step=64)
+
+    def broken(bb: int, s: int) -> None:
+        raise RuntimeError("capture refused")
+
+    monkeypatch.setattr(graphed, "_capture", broken)
+    pages = pool.allocate(2)
+    tables = [pool.slots(pages, 20)]
+    rows = torch.randint(0, 1024, (1, 4))
+    before = pool.kv.clone()
+    got = graphed.decode(rows, tables, torch.tensor([19]))
+    assert graphed.failed == "RuntimeError: capture refused"
+    pool.kv.copy_(before)
+    torch.testing.assert_close(got, dec.decode(rows, pool, tables, torch.tensor([19])))
