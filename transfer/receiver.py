@@ -481,7 +481,9 @@ class TransferReceiver:
         with self._lock:
             stream = self._verify_streams.get(device)
             if stream is None:
-                stream = self._verify_streams[device] = torch.cuda.Stream(device=device)
+                # High priority: the hash is on every new stream's path to its first audio, and the
+                # engine's decode steps would otherwise keep the device's SMs ahead of it.
+                stream = self._verify_streams[device] = torch.cuda.Stream(device=device, priority=-1)
         return torch.cuda.stream(stream)
 
     def _handles_ep_discard(self, h: TransferHandle) -> None:
