@@ -30,6 +30,7 @@ class MetricDef:
 
 _MS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 50, 100, 250, 500, 1000, 2500)
 _BYTES = (2**16, 2**20, 2**22, 2**24, 2**26, 2**28, 2**30)
+_PROMPTS = (1, 2, 4, 8, 16, 32, 64)
 
 METRICS: tuple[MetricDef, ...] = (
     MetricDef("tandem_inflight_streams", Kind.GAUGE, "Streams admitted and not yet finished"),
@@ -62,6 +63,7 @@ METRICS: tuple[MetricDef, ...] = (
         "Time the device spent running decode steps (CUDA: event span of each step; CPU: the step's compute)",
     ),
     MetricDef("tandem_prefill_ms", Kind.HISTOGRAM, "Prefill forward time", _MS),
+    MetricDef("tandem_prefill_batch", Kind.HISTOGRAM, "Prompts per prefill forward", _PROMPTS),
     MetricDef("tandem_admission_ms", Kind.HISTOGRAM, "Time from engine receipt to admission", _MS),
     MetricDef(
         "tandem_prefix_cache_hit_tokens_total", Kind.COUNTER, "Prompt tokens served by the prefix cache"

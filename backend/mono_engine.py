@@ -1,10 +1,11 @@
 """The monolithic engine: prefill and decode share one device and one loop (the baseline PD beats).
 
-Each loop iteration first admits every pending request that fits (one prefill forward each, with
-prefix caching), then runs one decode step over the running batch. A cold prompt's prefill therefore
-pauses every playing stream on the device — exactly the stall the PD split removes — and both
-engines share every other piece (decoder, batch, sampling, chunking), so `tts` and `tts_mono`
-produce identical tokens for identical requests.
+Each loop iteration first admits every pending request that fits (together in one prefill forward,
+with prefix caching, as P does), then runs one decode step over the running batch. A cold prompt's
+prefill therefore pauses every playing stream on the device — exactly the stall the PD split
+removes — and both engines share every other piece (decoder, batch, sampling, chunking), so `tts`
+and `tts_mono` produce identical tokens for identical requests (on a GPU, up to the float rounding
+of which prompts shared a forward).
 """
 
 from __future__ import annotations
@@ -13,12 +14,12 @@ import time
 
 import torch
 
-from tandem.backend.decoder import Decoder
+from tandem.backend.decoder import Decoder, PrefillItem
 from tandem.backend.engine_parts import make_batch, make_intake, make_pool
 from tandem.backend.engine_thread import EngineThread
 from tandem.backend.errors import PoolExhausted, StreamFailed
 from tandem.backend.metrics import MetricsSink, PublishTimer
-from tandem.backend.prefix_cache import PrefixCache
+from tandem.backend.prefix_cache import PrefixAllocation, PrefixCache
 from tandem.backend.sampling import sample
 from tandem.backend.settings import EngineSettings
 from tandem.backend.stream import EngineRequest, Stream
@@ -48,53 +49,78 @@ class MonoEngine:
 
     def _iterate(self) -> None:
         self.intake.pull(0.0 if len(self.batch) else 0.05)
-        for _ in self.intake.admit(self._prefill):
+        batch: list[tuple[EngineRequest, PrefixAllocation]] = []
+        for _ in self.intake.admit(lambda req: self._reserve(req, batch)):
             pass
+        if batch:
+            self._prefill(batch)
         self.batch.step()
         if self._publish_timer.due():
             self._publish()
 
-    def _prefill(self, req: EngineRequest) -> bool:
-        if len(self.batch) >= self.settings.batch.max_batch:
+    def _reserve(self, req: EngineRequest, batch: list[tuple[EngineRequest, PrefixAllocation]]) -> bool:
+        """Admission: batch room and pages for the prompt plus its output, within one forward's limits
+        (as P: `prefill_batch_max` prompts, `prefill_batch_rows` rows), or False (it waits)."""
+        b = self.settings.batch
+        if len(self.batch) + len(batch) >= b.max_batch or len(batch) >= b.prefill_batch_max:
             return False
-        rows_np = req.prompt
-        t = rows_np.shape[0]
         try:
-            alloc = self.cache.allocate(rows_np, extra_tokens=req.max_new_rows)
+            alloc = self.cache.allocate(req.prompt, extra_tokens=req.max_new_rows)
         except PoolExhausted:
             return False
+        if batch:
+            rows = sum(r.prompt.shape[0] - a.cached_tokens for r, a in batch)
+            if rows + req.prompt.shape[0] - alloc.cached_tokens > b.prefill_batch_rows:
+                self.cache.release(alloc)
+                return False
         req.timings.mark("admit")
         self.metrics.observe("tandem_admission_ms", (time.monotonic() - req.received_s) * 1e3)
-        try:
-            slots = self.pool.slots(alloc.pages, t + req.max_new_rows)
-            rows = torch.from_numpy(rows_np).to(self.pool.device)
-            req.timings.mark("forward_start")
-            start = alloc.cached_tokens
-            logits = self.decoder.prefill(rows[start:], self.pool, slots[:t], start)
-            first = sample(logits[None], [req.sampling], [t])[0].numpy()
-            req.timings.mark("forward_end")
-            self.cache.commit(alloc, rows_np)
-        except Exception:
-            self.cache.release(alloc)
-            raise
-        self.metrics.observe(
-            "tandem_prefill_ms",
-            (req.timings.get("forward_end") - req.timings.get("forward_start")) / 1e6,
-        )
-        self.metrics.inc("tandem_prefix_cache_hit_tokens_total", alloc.cached_tokens)
-        stream = Stream(
-            stream_id=req.stream_id,
-            prompt_len=t,
-            sampling=req.sampling,
-            max_new_rows=req.max_new_rows,
-            sink=req.sink,
-            timings=req.timings,
-            eos_token_id=self.decoder.cfg.eos_token_id,
-            pages=alloc.pages,
-            slots=slots,
-        )
-        self.batch.add(stream, first, lambda: self.cache.release(alloc))
+        batch.append((req, alloc))
         return True
+
+    def _prefill(self, batch: list[tuple[EngineRequest, PrefixAllocation]]) -> None:
+        """One forward over the batch's prompts; each then joins the running batch with its row 0.
+        If the forward fails, every prompt of the batch fails and its pages come back."""
+        items, tables = [], []
+        try:
+            for req, alloc in batch:
+                t = req.prompt.shape[0]
+                slots = self.pool.slots(alloc.pages, t + req.max_new_rows)
+                rows = torch.from_numpy(req.prompt[alloc.cached_tokens :]).to(self.pool.device)
+                items.append(PrefillItem(rows, slots[:t], alloc.cached_tokens))
+                tables.append(slots)
+            for req, _ in batch:
+                req.timings.mark("forward_start")
+            logits = self.decoder.prefill_many(self.pool, items)
+            firsts = sample(
+                logits, [req.sampling for req, _ in batch], [req.prompt.shape[0] for req, _ in batch]
+            ).numpy()
+        except Exception as exc:
+            for req, alloc in batch:
+                self.cache.release(alloc)
+                req.sink.fail(StreamFailed(f"prefill failed: {type(exc).__name__}: {exc}"))
+            raise
+        self.metrics.observe("tandem_prefill_batch", len(batch))
+        for (req, alloc), slots, first in zip(batch, tables, firsts, strict=True):
+            req.timings.mark("forward_end")
+            self.cache.commit(alloc, req.prompt)
+            self.metrics.observe(
+                "tandem_prefill_ms",
+                (req.timings.get("forward_end") - req.timings.get("forward_start")) / 1e6,
+            )
+            self.metrics.inc("tandem_prefix_cache_hit_tokens_total", alloc.cached_tokens)
+            stream = Stream(
+                stream_id=req.stream_id,
+                prompt_len=req.prompt.shape[0],
+                sampling=req.sampling,
+                max_new_rows=req.max_new_rows,
+                sink=req.sink,
+                timings=req.timings,
+                eos_token_id=self.decoder.cfg.eos_token_id,
+                pages=alloc.pages,
+                slots=slots,
+            )
+            self.batch.add(stream, first, lambda a=alloc: self.cache.release(a))
 
     def _publish(self) -> None:
         m = self.metrics

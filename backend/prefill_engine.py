@@ -27,7 +27,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from tandem.backend.decoder import Decoder
+from tandem.backend.decoder import Decoder, PrefillItem
 from tandem.backend.engine_parts import control_secret, make_intake, make_pool, transfer_path, wire_layout
 from tandem.backend.engine_thread import EngineThread
 from tandem.backend.errors import PoolExhausted, StreamFailed, TandemError
@@ -171,8 +171,11 @@ class PrefillEngine:
     def _iterate(self) -> None:
         self._release_sources()
         self.intake.pull(0.02)
-        for _ in self.intake.admit(self._prefill):
+        batch: list[tuple[PrefillRequest, PrefixAllocation]] = []
+        for _ in self.intake.admit(lambda req: self._reserve(req, batch)):
             pass
+        if batch:
+            self._prefill(batch)
         if self._publish_timer.due():
             self._publish()
 
@@ -186,25 +189,60 @@ class PrefillEngine:
             if alloc is not None:
                 self.cache.release(alloc)
 
-    def _prefill(self, req: PrefillRequest) -> bool:
-        rows_np = req.prompt
-        t = rows_np.shape[0]
+    def _reserve(self, req: PrefillRequest, batch: list[tuple[PrefillRequest, PrefixAllocation]]) -> bool:
+        """Admission: pages for `req` join this iteration's forward, or False (it waits for the next):
+        at most `prefill_batch_max` prompts and `prefill_batch_rows` rows to compute per forward (a
+        prompt longer than that runs alone), and only while the pool has room."""
+        b = self.settings.batch
+        if len(batch) >= b.prefill_batch_max:
+            return False
         try:
-            alloc = self.cache.allocate(rows_np)
+            alloc = self.cache.allocate(req.prompt)
         except PoolExhausted:
             return False
+        if batch:
+            rows = sum(r.prompt.shape[0] - a.cached_tokens for r, a in batch)
+            if rows + req.prompt.shape[0] - alloc.cached_tokens > b.prefill_batch_rows:
+                self.cache.release(alloc)
+                return False
         req.timings.mark("admit")
         self.metrics.observe("tandem_admission_ms", (time.monotonic() - req.received_s) * 1e3)
+        batch.append((req, alloc))
+        return True
+
+    def _prefill(self, batch: list[tuple[PrefillRequest, PrefixAllocation]]) -> None:
+        """One forward over the batch's prompts, then per prompt: row 0, cache commit, the KV offer and
+        the HANDOFF. If the forward fails, every prompt of the batch fails and its pages come back."""
+        items = []
+        try:
+            for req, alloc in batch:
+                t = req.prompt.shape[0]
+                slots = self.pool.slots(alloc.pages, t)
+                rows = torch.from_numpy(req.prompt[alloc.cached_tokens :]).to(self.pool.device)
+                items.append(PrefillItem(rows, slots, alloc.cached_tokens))
+            for req, _ in batch:
+                req.timings.mark("forward_start")
+            logits = self.decoder.prefill_many(self.pool, items)
+            firsts = sample(
+                logits, [req.sampling for req, _ in batch], [req.prompt.shape[0] for req, _ in batch]
+            ).numpy()
+        except Exception as exc:
+            for req, alloc in batch:
+                self.cache.release(alloc)
+                req.sink.fail(StreamFailed(f"prefill failed: {type(exc).__name__}: {exc}"))
+            raise
+        self.metrics.observe("tandem_prefill_batch", len(batch))
+        for (req, alloc), item, first in zip(batch, items, firsts, strict=True):
+            req.timings.mark("forward_end")
+            self._hand_off(req, alloc, item.slots, first)
+
+    def _hand_off(
+        self, req: PrefillRequest, alloc: PrefixAllocation, slots: torch.Tensor, first: np.ndarray
+    ) -> None:
+        t = req.prompt.shape[0]
         offered = False
         try:
-            slots = self.pool.slots(alloc.pages, t)
-            rows = torch.from_numpy(rows_np).to(self.pool.device)
-            req.timings.mark("forward_start")
-            start = alloc.cached_tokens
-            logits = self.decoder.prefill(rows[start:], self.pool, slots, start)
-            first = sample(logits[None], [req.sampling], [t])[0].numpy()
-            req.timings.mark("forward_end")
-            self.cache.commit(alloc, rows_np)
+            self.cache.commit(alloc, req.prompt)
             eos = self.decoder.cfg.eos_token_id
             ends_now = req.max_new_rows <= 1 or (eos is not None and int(first[0]) == eos)
             ticket = None
@@ -233,7 +271,6 @@ class PrefillEngine:
                 timings=req.timings.as_dict(),
             )
         )
-        return True
 
     def _publish(self) -> None:
         m = self.metrics

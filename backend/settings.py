@@ -44,6 +44,8 @@ class BatchSettings:
     cuda_graphs: bool = True  # replay captured decode steps on CUDA devices (backend/cuda_graphs.py)
     paged_attention: bool = True  # decode attention reads KV in place (csrc/decode_attention.cu) where built
     graph_warmup_context: int = 0  # >0: capture every bucket up to this context at start (no lazy stalls)
+    prefill_batch_max: int = 16  # prompts that queued while a prefill ran go through one forward, up to this
+    prefill_batch_rows: int = 8192  # ...and up to this many rows to compute (a longer prompt runs alone)
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tandem.backend.config import PRESETS, ModelConfig
-from tandem.backend.decoder import Decoder
+from tandem.backend.decoder import Decoder, PrefillItem
 from tandem.backend.kv_pool import KVPool
 from tandem.backend.prefix_cache import PrefixCache
 
@@ -125,6 +125,30 @@ def test_prefix_cache_reuse_matches_full_prefill(dec: Decoder) -> None:
     assert torch.equal(pool.kv[:, :, slots[:8]], shared_before)
     cache.release(alloc)
     cache.release(reuse)
+
+
+def test_prefill_many_matches_each_prompt_alone(dec: Decoder) -> None:
+    """Prompts prefilled in one forward (some over a cached prefix, fragmented pages) give each prompt's
+    own logits and KV, as if each ran alone: no prompt attends to another's rows."""
+    pool = fragmented_pool(dec, 96)
+    seqs = [rows(9, 30), rows(21, 31), rows(4, 32)]
+    starts = [0, 12, 3]  # the prefixes of prompts 1 and 2 are already in the pool
+    tables = [pool.slots(pool.allocate(pool.pages_for(len(q) + 1)), len(q) + 1) for q in seqs]
+    for q, st, slots in zip(seqs, starts, tables, strict=True):
+        if st:
+            dec.prefill(q[:st], pool, slots[:st], 0)
+    items = [PrefillItem(q[st:], sl[: len(q)], st) for q, st, sl in zip(seqs, starts, tables, strict=True)]
+    logits = dec.prefill_many(pool, items)
+    assert logits.shape == (3, CFG.row_width, CFG.vocab_size)
+    for i, q in enumerate(seqs):
+        torch.testing.assert_close(logits[i], dec(q)[-1], atol=1e-5, rtol=1e-5)
+        nxt = rows(1, 40 + i)  # decoding on top shows the KV each prompt left is its own
+        step = dec.decode(nxt, pool, [tables[i]], torch.tensor([len(q)]))
+        torch.testing.assert_close(step[0], dec(torch.cat([q, nxt]))[-1], atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="at least one"):
+        dec.prefill_many(pool, [])
+    with pytest.raises(ValueError, match="no rows"):
+        dec.prefill_many(pool, [PrefillItem(seqs[0][:0], tables[0][:0], 0)])
 
 
 def test_variants_and_bfloat16() -> None:

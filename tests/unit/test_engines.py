@@ -10,16 +10,18 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+import torch
 
 from tandem.backend.config import preset
 from tandem.backend.decode_engine import DecodeEngine, DecodeRequest
 from tandem.backend.decoder import Decoder
 from tandem.backend.errors import Cancelled, Overloaded, TandemError
 from tandem.backend.handoff import Handoff
+from tandem.backend.kv_pool import KVPool
 from tandem.backend.metrics import RecordingMetrics
 from tandem.backend.mono_engine import MonoEngine
 from tandem.backend.prefill_engine import PrefillEngine, PrefillRequest
-from tandem.backend.sampling import SamplingParams
+from tandem.backend.sampling import SamplingParams, sample
 from tandem.backend.settings import BatchSettings, EngineSettings, PoolSettings, TransferSettings
 from tandem.backend.step_model import StepTimeModel
 from tandem.backend.stream import Chunk, EngineRequest
@@ -414,4 +416,57 @@ def test_closing_d_tells_waiting_and_running_clients(decoder, tmp_path, monkeypa
             assert sink.done.is_set() and "shutting down" in str(sink.error), sink.error
     finally:
         d.close()
+        p.close()
+
+
+def _queued_prefills(p: PrefillEngine, n: int) -> list[HandoffBox]:
+    """Submit `n` prompts before P's loop runs, so they are all queued when it first looks."""
+    boxes = []
+    for i in range(n):
+        box = HandoffBox()
+        p.submit(PrefillRequest(100 + i, _prompt(12 + 9 * i, 100 + i), SamplingParams(), 5, box, Timings()))
+        boxes.append(box)
+    return boxes
+
+
+def test_p_prefills_queued_prompts_in_one_forward_up_to_its_limits(decoder, tmp_path, monkeypatch):
+    """Prompts that queued while P was busy go through one forward (at most prefill_batch_max, here
+    4: so 6 prompts take two), and each gets the first row a lone prefill gives it."""
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    metrics = RecordingMetrics()
+    p = PrefillEngine(decoder, _settings(tmp_path, prefill_batch_max=4), metrics, "p0", on_fatal=pytest.fail)
+    boxes = _queued_prefills(p, 6)
+    p.start()
+    try:
+        for box in boxes:
+            assert box.done.wait(10) and box.error is None and box.handoff is not None
+        assert metrics.samples[("tandem_prefill_batch", ())] == [4, 2]
+        pool = KVPool(decoder.kv_layout(), 64, 16, "cpu")
+        for i, box in enumerate(boxes):
+            prompt = torch.from_numpy(_prompt(12 + 9 * i, 100 + i))
+            slots = pool.slots(pool.allocate(pool.pages_for(len(prompt))), len(prompt))
+            logits = decoder.prefill(prompt, pool, slots, 0)
+            first = sample(logits[None], [SamplingParams()], [len(prompt)])[0]
+            assert box.handoff is not None and box.handoff.first_row == tuple(int(x) for x in first)
+    finally:
+        p.close()
+
+
+def test_p_prefill_failure_fails_the_whole_batch_and_returns_its_pages(decoder, tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    p = PrefillEngine(decoder, _settings(tmp_path), RecordingMetrics(), "p0", on_fatal=pytest.fail)
+    free = p.cache.available_pages
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(p.decoder, "prefill_many", broken)
+    boxes = _queued_prefills(p, 3)
+    p.start()
+    try:
+        for box in boxes:
+            assert box.done.wait(10) and box.handoff is None
+            assert "prefill failed: RuntimeError: device lost" in str(box.error)
+        assert p.cache.available_pages == free
+    finally:
         p.close()
