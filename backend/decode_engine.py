@@ -110,7 +110,7 @@ class DecodeEngine:
         self.batch = make_batch(decoder, self.pool, settings, metrics)
         self.intake = make_intake(settings, DecodeRequest)
         t = settings.transfer
-        self.path = transfer_path(settings)
+        self.path = transfer_path(settings, wire_layout(decoder))
         self.receiver = TransferReceiver(
             wire_layout(decoder),
             t.unit,

@@ -7,6 +7,7 @@ settings must mean equal behaviour, or `tts` and `tts_mono` stop producing ident
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
@@ -20,6 +21,7 @@ from tandem.backend.vocoder import ChunkPolicy
 from tandem.transfer import PATHS, TransferError, TransferPath, WireLayout, select_path
 from tandem.transfer.auth import read_secret, unit_secret
 from tandem.transfer.control import control_dir
+from tandem.transfer.proxy_path import ProxyPath
 from tandem.transfer.tcp_path import TcpPath
 
 R = TypeVar("R", bound=_HasSink)
@@ -54,9 +56,11 @@ def make_intake(settings: EngineSettings, _kind: type[R]) -> Intake[R]:
     return Intake(settings.batch.max_queue, settings.batch.admission_timeout_s)
 
 
-def transfer_path(settings: EngineSettings) -> TransferPath:
+def transfer_path(settings: EngineSettings, layout: WireLayout | None = None) -> TransferPath:
     """Probe the configured paths in order; with `require_path` set, that one or a start-up error.
-    The tcp path gets this unit's bind/advertise addresses and secret file."""
+    The tcp path gets this unit's bind/advertise addresses and secret file; the proxy path this unit's
+    sidecar (`tandem.transfer.unit`, the name `tandem-proxy --unit` serves) and the KV layout, which
+    the sidecar checks on every registration."""
     t = settings.transfer
     if t.control not in ("unix", "tcp"):
         raise TransferError(f"tandem.transfer.control must be 'unix' or 'tcp', got {t.control!r}")
@@ -70,6 +74,17 @@ def transfer_path(settings: EngineSettings) -> TransferPath:
             "tandem.transfer.control=tcp needs tandem.transfer.require_path=tcp: across hosts only a path "
             "where D writes every byte itself keeps the proofs (docs/protocol.md)"
         )
+    registry = path_registry(settings, layout)
+    names = [p.strip() for p in t.paths.split(",") if p.strip()]
+    return select_path(names, t.require_path or None, registry)
+
+
+def path_registry(
+    settings: EngineSettings, layout: WireLayout | None = None
+) -> dict[str, Callable[[], TransferPath]]:
+    """The path factories `transfer_path` chooses from: the library's, with the tcp and proxy paths
+    bound to this engine's settings (addresses and secret; unit and KV layout)."""
+    t = settings.transfer
     registry = {
         **PATHS,
         "tcp": lambda: TcpPath(
@@ -78,8 +93,9 @@ def transfer_path(settings: EngineSettings) -> TransferPath:
             secret_file=t.secret_file or None,
         ),
     }
-    names = [p.strip() for p in t.paths.split(",") if p.strip()]
-    return select_path(names, t.require_path or None, registry)
+    if ProxyPath.name in PATHS:
+        registry[ProxyPath.name] = lambda: ProxyPath(unit=t.unit, layout=layout)
+    return registry
 
 
 def control_secret(settings: EngineSettings) -> bytes | None:

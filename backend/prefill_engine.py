@@ -132,7 +132,7 @@ class PrefillEngine:
         self.cache = PrefixCache(self.pool, enabled=settings.pool.prefix_cache)
         self.intake = make_intake(settings, PrefillRequest)
         t = settings.transfer
-        self.path = transfer_path(settings)
+        self.path = transfer_path(settings, wire_layout(decoder))
         self._open: dict[str, PrefixAllocation] = {}
         self._released: queue.SimpleQueue[str] = queue.SimpleQueue()
         self.sender = TransferSender(

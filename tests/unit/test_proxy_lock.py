@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from tandem.transfer.control import InstanceLock, instance_gone
+from tandem.transfer.control import InstanceLock, control_dir, instance_gone
 from tandem.transfer.errors import TransferError
 from tandem.transfer.proxy import ProxyClient, ProxyServer, proxy_socket_path
 from tandem.transfer.proxy_path import ProxyPath
@@ -108,3 +108,19 @@ def test_bad_hold_requests_get_clear_errors_and_keep_the_connection(unit: str) -
             client.request(op="nope")
     finally:
         client.close()
+
+
+def test_engines_proxy_path_is_their_units_sidecar(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The proxy path an engine builds serves `tandem.transfer.unit` (what `tandem-proxy --unit`
+    serves), not $TANDEM_UNIT or "default", and carries the engine's KV layout (a GPU fault-matrix
+    run found engines looking for the sidecar of the unit "default")."""
+    from tandem.backend.engine_parts import path_registry
+    from tandem.backend.settings import EngineSettings, TransferSettings
+    from tandem.transfer import WireLayout
+
+    monkeypatch.delenv("TANDEM_UNIT", raising=False)
+    layout = WireLayout(num_layers=2, num_kv_heads=2, head_dim=16, dtype_name="float32")
+    path = path_registry(EngineSettings(transfer=TransferSettings(unit="u9")), layout)["proxy"]()
+    assert isinstance(path, ProxyPath)
+    assert path.unit == "u9" and path.layout == layout
+    assert path.socket_path == str(control_dir("u9") / "proxy.sock")
