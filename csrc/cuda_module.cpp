@@ -169,17 +169,17 @@ PYBIND11_MODULE(_cuda_kernels, m) {
       "decode_attention",
       [](uintptr_t q, uintptr_t kv, int64_t pool_rows, uintptr_t slots, int64_t s_max, uintptr_t lengths,
          int64_t batch, int64_t kv_heads, int64_t group, int64_t head_dim, int dtype, float scale, int64_t chunk,
-         uintptr_t part_acc, uintptr_t part_ml, uintptr_t out, int device, uintptr_t stream) {
+         uintptr_t part_acc, uintptr_t part_ml, uintptr_t out, int device, uintptr_t stream, int variant) {
         tandem::decode_attention(reinterpret_cast<const void*>(q), reinterpret_cast<const void*>(kv), pool_rows,
                                  reinterpret_cast<const int64_t*>(slots), s_max,
                                  reinterpret_cast<const int64_t*>(lengths), batch, kv_heads, group, head_dim, dtype,
                                  scale, chunk, reinterpret_cast<float*>(part_acc), reinterpret_cast<float*>(part_ml),
-                                 reinterpret_cast<void*>(out), device, as_stream(stream));
+                                 reinterpret_cast<void*>(out), device, as_stream(stream), variant);
       },
       py::arg("q"), py::arg("kv"), py::arg("pool_rows"), py::arg("slots"), py::arg("s_max"), py::arg("lengths"),
       py::arg("batch"), py::arg("kv_heads"), py::arg("group"), py::arg("head_dim"), py::arg("dtype"),
       py::arg("scale"), py::arg("chunk"), py::arg("part_acc"), py::arg("part_ml"), py::arg("out"),
-      py::arg("device"), py::arg("stream"),
+      py::arg("device"), py::arg("stream"), py::arg("variant") = 2,
       "out[b, h] = softmax(q[b, h] . K[slots[b, :len]]) V[...] per sequence, K/V read in place (out written)");
   m.def(
       "vector_bytes",

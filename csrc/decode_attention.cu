@@ -185,6 +185,151 @@ __global__ void __launch_bounds__(kWarps * 32)
   }
 }
 
+// Variant 2 (the default): the same work, mapped for fewer shuffles and no redundant exponentials.
+// A warp takes 32 tokens at a time, one per lane: each lane computes its token's G scores against
+// q held in shared memory (a K row read as 16-byte vectors), the warp then updates the online
+// softmax once per tile (two reductions per head instead of a reduction per token), and for P.V the
+// lanes switch to owning dimensions, taking each token's weight and slot from its lane by shuffle.
+// Variant 1 above does a full warp reduction and an exponential in every lane for every token.
+template <typename T, int EPL, int G>
+__global__ void __launch_bounds__(kWarps * 32)
+    decode_partial_tiles(const T* __restrict__ q, const T* __restrict__ kv, int64_t pool_rows,
+                         const int64_t* __restrict__ slots, int64_t s_max, const int64_t* __restrict__ lengths,
+                         int kv_heads, int64_t chunk, int splits, float scale_log2, float* __restrict__ part_acc,
+                         float* __restrict__ part_ml) {
+  constexpr int HD = 32 * EPL;
+  constexpr int VEC = 16 / static_cast<int>(sizeof(T));  // elements per 16-byte load of a K row
+  constexpr int NV = HD / VEC;
+  constexpr int kBatch = 8;  // V rows in flight per lane in P.V
+  using P = Pack<T, EPL>;
+  const int b = blockIdx.x / kv_heads;
+  const int h = blockIdx.x - b * kv_heads;
+  const int split = blockIdx.y;
+  const int warp = threadIdx.x >> 5;
+  const int lane = threadIdx.x & 31;
+  const int nh = kv_heads * G;
+  const int64_t len = lengths[b];
+  const int64_t t0 = static_cast<int64_t>(split) * chunk;
+  const int64_t t1 = t0 + chunk < len ? t0 + chunk : len;
+
+  __shared__ __align__(16) float s_q[G][HD];
+  for (int i = threadIdx.x; i < G * HD; i += kWarps * 32) {
+    const int g = i / HD;
+    s_q[g][i - g * HD] = to_float(q[(static_cast<int64_t>(b) * nh + h * G) * HD + i]) * scale_log2;
+  }
+  __syncthreads();
+
+  float m[G], l[G], acc[G][EPL];
+#pragma unroll
+  for (int g = 0; g < G; ++g) {
+    m[g] = -INFINITY;
+    l[g] = 0.f;
+#pragma unroll
+    for (int e = 0; e < EPL; ++e) acc[g][e] = 0.f;
+  }
+  const int64_t row = static_cast<int64_t>(kv_heads) * HD;
+  const T* kbase = kv + static_cast<int64_t>(h) * HD;
+  const T* vbase = kbase + pool_rows * row + lane * EPL;
+  const int64_t* srow = slots + static_cast<int64_t>(b) * s_max;
+
+  for (int64_t base = t0 + warp * 32; base < t1; base += kWarps * 32) {
+    const int64_t t = base + lane;
+    const bool valid = t < t1;
+    const int64_t slot = valid ? srow[t] : 0;
+    float s[G];
+#pragma unroll
+    for (int g = 0; g < G; ++g) s[g] = 0.f;
+    if (valid) {
+      const uint4* krow = reinterpret_cast<const uint4*>(kbase + slot * row);
+#pragma unroll 4
+      for (int c = 0; c < NV; ++c) {
+        const uint4 raw = krow[c];
+        const T* e = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) {
+          const float kf = to_float(e[i]);
+#pragma unroll
+          for (int g = 0; g < G; ++g) s[g] += s_q[g][c * VEC + i] * kf;
+        }
+      }
+    }
+    float p[G];
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+      const float sg = valid ? s[g] : -INFINITY;
+      float tmax = sg;
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, off));
+      const float mn = fmaxf(m[g], tmax);  // finite: lane 0's token is always valid
+      const float corr = exp2f(m[g] - mn);
+      p[g] = valid ? exp2f(sg - mn) : 0.f;
+      float psum = p[g];
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) psum += __shfl_xor_sync(0xffffffffu, psum, off);
+      l[g] = l[g] * corr + psum;
+#pragma unroll
+      for (int e = 0; e < EPL; ++e) acc[g][e] *= corr;
+      m[g] = mn;
+    }
+    const int n = t1 - base < 32 ? static_cast<int>(t1 - base) : 32;
+    for (int j0 = 0; j0 < n; j0 += kBatch) {
+      P vp[kBatch];
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u) {
+        const int64_t sj = __shfl_sync(0xffffffffu, slot, (j0 + u) & 31);
+        if (j0 + u < n) vp[u] = *reinterpret_cast<const P*>(vbase + sj * row);
+      }
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u) {
+#pragma unroll
+        for (int g = 0; g < G; ++g) {
+          const float pj = __shfl_sync(0xffffffffu, p[g], (j0 + u) & 31);
+          if (j0 + u < n) {
+#pragma unroll
+            for (int e = 0; e < EPL; ++e) acc[g][e] += pj * to_float(vp[u].v[e]);
+          }
+        }
+      }
+    }
+  }
+
+  __shared__ float s_m[kWarps][G];
+  __shared__ float s_l[kWarps][G];
+  __shared__ float s_acc[kWarps][G][HD];
+#pragma unroll
+  for (int g = 0; g < G; ++g) {
+    if (lane == 0) {
+      s_m[warp][g] = m[g];
+      s_l[warp][g] = l[g];
+    }
+#pragma unroll
+    for (int e = 0; e < EPL; ++e) s_acc[warp][g][lane * EPL + e] = acc[g][e];
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < G * HD; i += kWarps * 32) {
+    const int g = i / HD;
+    const int d = i - g * HD;
+    float mx = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) mx = fmaxf(mx, s_m[w][g]);
+    float sum = 0.f, a = 0.f;
+    if (mx != -INFINITY) {
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) {
+        const float f = s_m[w][g] == -INFINITY ? 0.f : exp2f(s_m[w][g] - mx);
+        sum += s_l[w][g] * f;
+        a += s_acc[w][g][d] * f;
+      }
+    }
+    const int64_t at = (static_cast<int64_t>(b) * nh + h * G + g) * splits + split;
+    part_acc[at * HD + d] = a;
+    if (d == 0) {
+      part_ml[at * 2] = mx;
+      part_ml[at * 2 + 1] = sum;
+    }
+  }
+}
+
 // One block per (sequence, query head), one thread per element of the head: merge the splits.
 template <typename T>
 __global__ void decode_merge(const float* __restrict__ part_acc, const float* __restrict__ part_ml, int splits,
@@ -207,14 +352,20 @@ __global__ void decode_merge(const float* __restrict__ part_acc, const float* __
 }
 
 template <typename T, int EPL, int G>
-void launch(const void* q, const void* kv, int64_t pool_rows, const int64_t* slots, int64_t s_max,
+void launch(int variant, const void* q, const void* kv, int64_t pool_rows, const int64_t* slots, int64_t s_max,
             const int64_t* lengths, int64_t batch, int64_t kv_heads, float scale, int64_t chunk, int splits,
             float* part_acc, float* part_ml, void* out, cudaStream_t stream) {
   const float scale_log2 = scale * 1.4426950408889634f;
   const dim3 grid(static_cast<unsigned>(batch * kv_heads), static_cast<unsigned>(splits));
-  decode_partial<T, EPL, G><<<grid, kWarps * 32, 0, stream>>>(
-      static_cast<const T*>(q), static_cast<const T*>(kv), pool_rows, slots, s_max, lengths,
-      static_cast<int>(kv_heads), chunk, splits, scale_log2, part_acc, part_ml);
+  if (variant == 1) {
+    decode_partial<T, EPL, G><<<grid, kWarps * 32, 0, stream>>>(
+        static_cast<const T*>(q), static_cast<const T*>(kv), pool_rows, slots, s_max, lengths,
+        static_cast<int>(kv_heads), chunk, splits, scale_log2, part_acc, part_ml);
+  } else {
+    decode_partial_tiles<T, EPL, G><<<grid, kWarps * 32, 0, stream>>>(
+        static_cast<const T*>(q), static_cast<const T*>(kv), pool_rows, slots, s_max, lengths,
+        static_cast<int>(kv_heads), chunk, splits, scale_log2, part_acc, part_ml);
+  }
   check(cudaGetLastError(), "decode_partial launch");
   decode_merge<T><<<static_cast<unsigned>(batch * kv_heads * G), 32 * EPL, 0, stream>>>(
       part_acc, part_ml, splits, 32 * EPL, static_cast<T*>(out));
@@ -222,24 +373,24 @@ void launch(const void* q, const void* kv, int64_t pool_rows, const int64_t* slo
 }
 
 template <typename T, int EPL>
-bool by_group(int64_t group, const void* q, const void* kv, int64_t pool_rows, const int64_t* slots, int64_t s_max,
+bool by_group(int variant, int64_t group, const void* q, const void* kv, int64_t pool_rows, const int64_t* slots, int64_t s_max,
               const int64_t* lengths, int64_t batch, int64_t kv_heads, float scale, int64_t chunk, int splits,
               float* part_acc, float* part_ml, void* out, cudaStream_t stream) {
   switch (group) {
     case 1:
-      launch<T, EPL, 1>(q, kv, pool_rows, slots, s_max, lengths, batch, kv_heads, scale, chunk, splits, part_acc,
+      launch<T, EPL, 1>(variant, q, kv, pool_rows, slots, s_max, lengths, batch, kv_heads, scale, chunk, splits, part_acc,
                         part_ml, out, stream);
       return true;
     case 2:
-      launch<T, EPL, 2>(q, kv, pool_rows, slots, s_max, lengths, batch, kv_heads, scale, chunk, splits, part_acc,
+      launch<T, EPL, 2>(variant, q, kv, pool_rows, slots, s_max, lengths, batch, kv_heads, scale, chunk, splits, part_acc,
                         part_ml, out, stream);
       return true;
     case 4:
-      launch<T, EPL, 4>(q, kv, pool_rows, slots, s_max, lengths, batch, kv_heads, scale, chunk, splits, part_acc,
+      launch<T, EPL, 4>(variant, q, kv, pool_rows, slots, s_max, lengths, batch, kv_heads, scale, chunk, splits, part_acc,
                         part_ml, out, stream);
       return true;
     case 8:
-      launch<T, EPL, 8>(q, kv, pool_rows, slots, s_max, lengths, batch, kv_heads, scale, chunk, splits, part_acc,
+      launch<T, EPL, 8>(variant, q, kv, pool_rows, slots, s_max, lengths, batch, kv_heads, scale, chunk, splits, part_acc,
                         part_ml, out, stream);
       return true;
     default:
@@ -248,19 +399,19 @@ bool by_group(int64_t group, const void* q, const void* kv, int64_t pool_rows, c
 }
 
 template <typename T>
-bool by_head_dim(int64_t head_dim, int64_t group, const void* q, const void* kv, int64_t pool_rows,
+bool by_head_dim(int variant, int64_t head_dim, int64_t group, const void* q, const void* kv, int64_t pool_rows,
                  const int64_t* slots, int64_t s_max, const int64_t* lengths, int64_t batch, int64_t kv_heads,
                  float scale, int64_t chunk, int splits, float* part_acc, float* part_ml, void* out,
                  cudaStream_t stream) {
   switch (head_dim) {
     case 64:
-      return by_group<T, 2>(group, q, kv, pool_rows, slots, s_max, lengths, batch, kv_heads, scale, chunk, splits,
+      return by_group<T, 2>(variant, group, q, kv, pool_rows, slots, s_max, lengths, batch, kv_heads, scale, chunk, splits,
                             part_acc, part_ml, out, stream);
     case 128:
-      return by_group<T, 4>(group, q, kv, pool_rows, slots, s_max, lengths, batch, kv_heads, scale, chunk, splits,
+      return by_group<T, 4>(variant, group, q, kv, pool_rows, slots, s_max, lengths, batch, kv_heads, scale, chunk, splits,
                             part_acc, part_ml, out, stream);
     case 256:
-      return by_group<T, 8>(group, q, kv, pool_rows, slots, s_max, lengths, batch, kv_heads, scale, chunk, splits,
+      return by_group<T, 8>(variant, group, q, kv, pool_rows, slots, s_max, lengths, batch, kv_heads, scale, chunk, splits,
                             part_acc, part_ml, out, stream);
     default:
       return false;
@@ -277,7 +428,8 @@ bool decode_attention_supported(int dtype, int64_t head_dim, int64_t group) {
 void decode_attention(const void* q, const void* kv, int64_t pool_rows, const int64_t* slots, int64_t s_max,
                       const int64_t* lengths, int64_t batch, int64_t kv_heads, int64_t group, int64_t head_dim,
                       int dtype, float scale, int64_t chunk, float* part_acc, float* part_ml, void* out,
-                      int device, cudaStream_t stream) {
+                      int device, cudaStream_t stream, int variant) {
+  if (variant != 1 && variant != 2) throw std::runtime_error("decode_attention: variant must be 1 or 2");
   if (!decode_attention_supported(dtype, head_dim, group)) {
     throw std::runtime_error("decode_attention: no kernel for dtype " + std::to_string(dtype) + ", head_dim " +
                              std::to_string(head_dim) + ", group " + std::to_string(group));
@@ -296,15 +448,15 @@ void decode_attention(const void* q, const void* kv, int64_t pool_rows, const in
     const int n = static_cast<int>(splits);
     switch (dtype) {
       case 0:
-        by_head_dim<float>(head_dim, group, q, kv, pool_rows, slots, s_max, lengths, batch, kv_heads, scale, chunk,
+        by_head_dim<float>(variant, head_dim, group, q, kv, pool_rows, slots, s_max, lengths, batch, kv_heads, scale, chunk,
                            n, part_acc, part_ml, out, stream);
         break;
       case 1:
-        by_head_dim<__half>(head_dim, group, q, kv, pool_rows, slots, s_max, lengths, batch, kv_heads, scale,
+        by_head_dim<__half>(variant, head_dim, group, q, kv, pool_rows, slots, s_max, lengths, batch, kv_heads, scale,
                             chunk, n, part_acc, part_ml, out, stream);
         break;
       default:
-        by_head_dim<__nv_bfloat16>(head_dim, group, q, kv, pool_rows, slots, s_max, lengths, batch, kv_heads,
+        by_head_dim<__nv_bfloat16>(variant, head_dim, group, q, kv, pool_rows, slots, s_max, lengths, batch, kv_heads,
                                    scale, chunk, n, part_acc, part_ml, out, stream);
     }
   } catch (...) {

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import importlib
 import math
+import os
 from types import ModuleType
 
 import torch
@@ -256,6 +257,9 @@ def gather_write(
 # ---- paged decode attention ----------------------------------------------------------------------------
 
 _DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+# Which decode-attention kernel runs (csrc/decode_attention.cu): 2, one token per lane for the scores
+# (default); 1, one token per warp. $TANDEM_DECODE_ATTENTION_KERNEL picks one for a process (A/B runs).
+KERNEL_VARIANT = int(os.environ.get("TANDEM_DECODE_ATTENTION_KERNEL", "2"))
 _sm_counts: dict[int, int] = {}
 
 
@@ -315,15 +319,20 @@ def _chunk(batch: int, kv_heads: int, s: int, device: torch.device) -> int:
 
 
 def decode_attention(
-    q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor, scale: float
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    slots: torch.Tensor,
+    lengths: torch.Tensor,
+    scale: float,
+    variant: int | None = None,
 ) -> torch.Tensor:
     """Decode-step attention reading K/V in place from one layer of a paged pool (no gathered context).
 
     Same contract as `reference_decode_attention`, which runs instead when `decode_attention_supported`
     is False. On CUDA it is two kernels on the current stream, no host synchronisation and no
     value-dependent shape (CUDA-graph safe); lengths are read on the device, and slots past a
-    sequence's length are never read. Raises ValueError/TypeError on shapes, dtypes or devices that
-    do not fit together.
+    sequence's length are never read. `variant` (default `KERNEL_VARIANT`) picks the kernel. Raises
+    ValueError/TypeError on shapes, dtypes or devices that do not fit together.
     """
     if q.dim() != 3 or kv.dim() != 4 or kv.shape[0] != 2:
         raise ValueError(
@@ -373,5 +382,6 @@ def decode_attention(
         out.data_ptr(),
         q.device.index,
         _stream(q.device),
+        KERNEL_VARIANT if variant is None else variant,
     )
     return out

@@ -59,11 +59,14 @@ def _float_reference(
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("group", [1, 4, 8])
 @pytest.mark.parametrize(("batch", "s"), [(1, 17), (5, 300), (3, 2048)])
-def test_kernel_matches_reference(dtype: torch.dtype, head_dim: int, group: int, batch: int, s: int) -> None:
+@pytest.mark.parametrize("variant", [1, 2])
+def test_kernel_matches_reference(
+    dtype: torch.dtype, head_dim: int, group: int, batch: int, s: int, variant: int
+) -> None:
     _need_cuda()
     q, kv, slots, lengths = _case(batch, 2, group, head_dim, s, dtype, "cuda", seed=batch * s + group)
     assert kv_cuda.decode_attention_supported(q, kv)
-    got = kv_cuda.decode_attention(q, kv, slots, lengths, head_dim**-0.5)
+    got = kv_cuda.decode_attention(q, kv, slots, lengths, head_dim**-0.5, variant=variant)
     want = _float_reference(q, kv, slots, lengths)
     assert got.dtype == dtype and got.shape == q.shape
     torch.testing.assert_close(got.float(), want, atol=TOL[dtype], rtol=TOL[dtype])
