@@ -98,6 +98,7 @@ class _Admitted:
     handle: TransferHandle | None  # None: nothing to transfer (the stream ended at row 0) or refused
     admission_ms: float
     error: str | None = None  # the receiver refused the ticket: the engine fails the stream
+    slots: np.ndarray | None = None  # the stream's slot table, on the host (the engine moves it)
 
 
 class DecodeEngine:
@@ -138,11 +139,6 @@ class DecodeEngine:
         self._stop_admission = threading.Event()
         self._closed = False
         self._admission = threading.Thread(target=self._admit_loop, name="tandem-decode-admit", daemon=True)
-        # The admission thread's device work (a stream's slot table) goes on a high-priority stream of
-        # its own: on the default stream it would queue behind the running decode step (~a step of
-        # admission latency on a GPU).
-        on_gpu = self.pool.device.type == "cuda"
-        self._admit_stream = torch.cuda.Stream(device=self.pool.device, priority=-1) if on_gpu else None
         self._scattering: list[tuple[torch.cuda.Event, TransferHandle]] = []
         self.step_model = StepTimeModel()
         self._verified = {"ok": 0, "mismatch": 0}
@@ -281,14 +277,13 @@ class DecodeEngine:
             pages=pages,
         )
         try:
-            if self._admit_stream is None:
-                stream.slots = self.pool.slots(pages, capacity)
-            else:
-                with torch.cuda.stream(self._admit_stream):
-                    stream.slots = self.pool.slots(pages, capacity)
-                self._admit_stream.synchronize()  # our few bytes only; the engine reads them on its stream
+            # Host work only on this thread (no torch call): each would wait for the GIL, and a device
+            # copy for the running step; the engine thread puts the slot table on the device.
+            slots = self.pool.slot_array(pages, capacity)
             req.timings.mark("d_admit")
-            admitted = _Admitted(stream, h.first_row_array(), None, (time.monotonic() - req.received_s) * 1e3)
+            admitted = _Admitted(
+                stream, h.first_row_array(), None, (time.monotonic() - req.received_s) * 1e3, slots=slots
+            )
             if h.ticket is not None:
                 try:
                     admitted.handle = self.receiver.request(h.ticket, self.settings.transfer.deadline_s)
@@ -346,6 +341,8 @@ class DecodeEngine:
             block_s = 0.0
             self.metrics.observe("tandem_admission_ms", a.admission_ms)
             s = a.stream
+            if a.slots is not None:  # ordered on the engine's stream before anything that reads it
+                s.slots = self.pool.slots_to_device(a.slots)
             if a.error is not None:
                 self._leave(s, joined=False)
                 self._fail(s, a.error)

@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from tandem.csrc import kv_cuda
@@ -131,16 +132,31 @@ class KVPool:
             self._is_free[p] = True
         self._free.extend(reversed(pages))
 
+    def slot_array(self, pages: Sequence[int], n_tokens: int) -> np.ndarray:
+        """`slots` as a host int64 array: no torch call, no device. D's admission thread uses it (a
+        device copy there would wait for the running step and for the GIL, docs/benchmarks)."""
+        if n_tokens > len(pages) * self.page_size:
+            raise ValueError(f"{n_tokens} tokens do not fit in {len(pages)} pages of {self.page_size}")
+        page_a = np.asarray(pages, dtype=np.int64)
+        return (page_a[:, None] * self.page_size + np.arange(self.page_size, dtype=np.int64)).reshape(-1)[
+            :n_tokens
+        ]
+
     def slots(self, pages: Sequence[int], n_tokens: int) -> torch.Tensor:
         """Slot of each of the first `n_tokens` tokens stored in `pages` (in order), on the pool's device.
 
         Returns a fresh LongTensor[n_tokens] the caller owns.
         """
-        if n_tokens > len(pages) * self.page_size:
-            raise ValueError(f"{n_tokens} tokens do not fit in {len(pages)} pages of {self.page_size}")
-        page_t = torch.tensor(list(pages), dtype=torch.long).to(self.device, non_blocking=True)
-        offsets = torch.arange(self.page_size, dtype=torch.long, device=self.device)
-        return (page_t[:, None] * self.page_size + offsets[None, :]).reshape(-1)[:n_tokens]
+        return self.slots_to_device(self.slot_array(pages, n_tokens))
+
+    def slots_to_device(self, arr: np.ndarray) -> torch.Tensor:
+        """A host slot array on the pool's device, ordered on the current stream. On a GPU the copy goes
+        through pinned memory, so it neither blocks the host nor waits for earlier work on the stream
+        (a pageable copy would wait for the running decode step)."""
+        t = torch.from_numpy(np.ascontiguousarray(arr, dtype=np.int64))
+        if self.device.type != "cuda":
+            return t.to(self.device)
+        return t.pin_memory().to(self.device, non_blocking=True)
 
     def gather(self, slots: torch.Tensor, out: torch.Tensor) -> None:
         """Copy the KV of `slots` (LongTensor[T], contiguous, on the pool's device) into
