@@ -341,8 +341,14 @@ class DecodeEngine:
             block_s = 0.0
             self.metrics.observe("tandem_admission_ms", a.admission_ms)
             s = a.stream
-            if a.slots is not None:  # ordered on the engine's stream before anything that reads it
-                s.slots = self.pool.slots_to_device(a.slots)
+            if a.error is None and a.slots is not None:
+                try:  # ordered on the engine's stream before anything that reads it
+                    s.slots = self.pool.slots_to_device(a.slots)
+                except Exception as exc:  # a broken device: this stream fails, nothing of it leaks
+                    log.exception("moving stream %d's slot table to the device failed", s.stream_id)
+                    a.error = f"decode admission failed: {type(exc).__name__}: {exc}"
+                    if a.handle is not None:  # its region returns once the transfer is terminal
+                        self._waiting.append(_Waiting(s, a.handle, a.first_row, dead=True))
             if a.error is not None:
                 self._leave(s, joined=False)
                 self._fail(s, a.error)

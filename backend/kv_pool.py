@@ -150,9 +150,9 @@ class KVPool:
         return self.slots_to_device(self.slot_array(pages, n_tokens))
 
     def slots_to_device(self, arr: np.ndarray) -> torch.Tensor:
-        """A host slot array on the pool's device, ordered on the current stream. On a GPU the copy goes
-        through pinned memory, so it neither blocks the host nor waits for earlier work on the stream
-        (a pageable copy would wait for the running decode step)."""
+        """A host slot array on the pool's device, ordered on the current stream (after the work
+        already queued there, before what follows). On a GPU the copy goes through pinned memory, so
+        the host does not wait for it (from pageable memory it would wait for the running step)."""
         t = torch.from_numpy(np.ascontiguousarray(arr, dtype=np.int64))
         if self.device.type != "cuda":
             return t.to(self.device)

@@ -12,15 +12,16 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import torch
 
 from tandem.backend.decoder import Decoder, PrefillItem
 from tandem.backend.engine_parts import make_batch, make_intake, make_pool
 from tandem.backend.engine_thread import EngineThread
-from tandem.backend.errors import PoolExhausted, StreamFailed
+from tandem.backend.errors import StreamFailed
 from tandem.backend.metrics import MetricsSink, PublishTimer
+from tandem.backend.prefill_batch import PrefillBatch
 from tandem.backend.prefix_cache import PrefixAllocation, PrefixCache
-from tandem.backend.sampling import sample
 from tandem.backend.settings import EngineSettings
 from tandem.backend.stream import EngineRequest, Stream
 
@@ -49,78 +50,62 @@ class MonoEngine:
 
     def _iterate(self) -> None:
         self.intake.pull(0.0 if len(self.batch) else 0.05)
-        batch: list[tuple[EngineRequest, PrefixAllocation]] = []
-        for _ in self.intake.admit(lambda req: self._reserve(req, batch)):
-            pass
-        if batch:
-            self._prefill(batch)
+        batch: PrefillBatch[EngineRequest] = PrefillBatch(self.cache, self.settings.batch, self.metrics)
+        room = self.settings.batch.max_batch - len(self.batch)
+        try:
+            for _ in self.intake.admit(
+                lambda req: (
+                    len(batch) < room and batch.reserve(req, time.monotonic(), extra_tokens=req.max_new_rows)
+                )
+            ):
+                pass
+            if batch:
+                self._prefill(batch)
+        except BaseException as exc:  # whatever was admitted and not handed on is answered and freed
+            batch.fail_rest(StreamFailed(f"prefill failed: {type(exc).__name__}: {exc}"))
+            raise
         self.batch.step()
         if self._publish_timer.due():
             self._publish()
 
-    def _reserve(self, req: EngineRequest, batch: list[tuple[EngineRequest, PrefixAllocation]]) -> bool:
-        """Admission: batch room and pages for the prompt plus its output, within one forward's limits
-        (as P: `prefill_batch_max` prompts, `prefill_batch_rows` rows), or False (it waits)."""
-        b = self.settings.batch
-        if len(self.batch) + len(batch) >= b.max_batch or len(batch) >= b.prefill_batch_max:
-            return False
-        try:
-            alloc = self.cache.allocate(req.prompt, extra_tokens=req.max_new_rows)
-        except PoolExhausted:
-            return False
-        if batch:
-            rows = sum(r.prompt.shape[0] - a.cached_tokens for r, a in batch)
-            if rows + req.prompt.shape[0] - alloc.cached_tokens > b.prefill_batch_rows:
-                self.cache.release(alloc)
-                return False
-        req.timings.mark("admit")
-        self.metrics.observe("tandem_admission_ms", (time.monotonic() - req.received_s) * 1e3)
-        batch.append((req, alloc))
-        return True
-
-    def _prefill(self, batch: list[tuple[EngineRequest, PrefixAllocation]]) -> None:
-        """One forward over the batch's prompts; each then joins the running batch with its row 0.
-        If the forward fails, every prompt of the batch fails and its pages come back."""
+    def _prefill(self, batch: PrefillBatch[EngineRequest]) -> None:
+        """One forward over the batch's prompts; each then joins the running batch with its row 0."""
         items, tables = [], []
+        for req, alloc in batch.members:
+            t = req.prompt.shape[0]
+            slots = self.pool.slots(alloc.pages, t + req.max_new_rows)
+            rows = torch.from_numpy(req.prompt[alloc.cached_tokens :]).to(self.pool.device)
+            items.append(PrefillItem(rows, slots[:t], alloc.cached_tokens))
+            tables.append(slots)
+        firsts = batch.forward(self.decoder, self.pool, items)
+        batch.hand_on(lambda req, alloc, i: self._join(req, alloc, tables[i], firsts[i]))
+
+    def _join(
+        self, req: EngineRequest, alloc: PrefixAllocation, slots: torch.Tensor, first: np.ndarray
+    ) -> None:
+        """A prefilled prompt joins the running batch (which owns its pages from `add` on)."""
         try:
-            for req, alloc in batch:
-                t = req.prompt.shape[0]
-                slots = self.pool.slots(alloc.pages, t + req.max_new_rows)
-                rows = torch.from_numpy(req.prompt[alloc.cached_tokens :]).to(self.pool.device)
-                items.append(PrefillItem(rows, slots[:t], alloc.cached_tokens))
-                tables.append(slots)
-            for req, _ in batch:
-                req.timings.mark("forward_start")
-            logits = self.decoder.prefill_many(self.pool, items)
-            firsts = sample(
-                logits, [req.sampling for req, _ in batch], [req.prompt.shape[0] for req, _ in batch]
-            ).numpy()
-        except Exception as exc:
-            for req, alloc in batch:
-                self.cache.release(alloc)
-                req.sink.fail(StreamFailed(f"prefill failed: {type(exc).__name__}: {exc}"))
-            raise
-        self.metrics.observe("tandem_prefill_batch", len(batch))
-        for (req, alloc), slots, first in zip(batch, tables, firsts, strict=True):
-            req.timings.mark("forward_end")
             self.cache.commit(alloc, req.prompt)
-            self.metrics.observe(
-                "tandem_prefill_ms",
-                (req.timings.get("forward_end") - req.timings.get("forward_start")) / 1e6,
-            )
-            self.metrics.inc("tandem_prefix_cache_hit_tokens_total", alloc.cached_tokens)
-            stream = Stream(
-                stream_id=req.stream_id,
-                prompt_len=req.prompt.shape[0],
-                sampling=req.sampling,
-                max_new_rows=req.max_new_rows,
-                sink=req.sink,
-                timings=req.timings,
-                eos_token_id=self.decoder.cfg.eos_token_id,
-                pages=alloc.pages,
-                slots=slots,
-            )
-            self.batch.add(stream, first, lambda a=alloc: self.cache.release(a))
+        except Exception:
+            self.cache.release(alloc)
+            raise
+        self.metrics.observe(
+            "tandem_prefill_ms",
+            (req.timings.get("forward_end") - req.timings.get("forward_start")) / 1e6,
+        )
+        self.metrics.inc("tandem_prefix_cache_hit_tokens_total", alloc.cached_tokens)
+        stream = Stream(
+            stream_id=req.stream_id,
+            prompt_len=req.prompt.shape[0],
+            sampling=req.sampling,
+            max_new_rows=req.max_new_rows,
+            sink=req.sink,
+            timings=req.timings,
+            eos_token_id=self.decoder.cfg.eos_token_id,
+            pages=alloc.pages,
+            slots=slots,
+        )
+        self.batch.add(stream, first, lambda a=alloc: self.cache.release(a))
 
     def _publish(self) -> None:
         m = self.metrics

@@ -13,6 +13,7 @@ the engine releases them only then (on its own thread, via `_released`).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -30,11 +31,12 @@ import torch
 from tandem.backend.decoder import Decoder, PrefillItem
 from tandem.backend.engine_parts import control_secret, make_intake, make_pool, transfer_path, wire_layout
 from tandem.backend.engine_thread import EngineThread
-from tandem.backend.errors import PoolExhausted, StreamFailed, TandemError
+from tandem.backend.errors import StreamFailed, TandemError
 from tandem.backend.handoff import Handoff
 from tandem.backend.metrics import MetricsSink, PublishTimer
+from tandem.backend.prefill_batch import PrefillBatch
 from tandem.backend.prefix_cache import PrefixAllocation, PrefixCache
-from tandem.backend.sampling import SamplingParams, sample
+from tandem.backend.sampling import SamplingParams
 from tandem.backend.settings import EngineSettings, FaultSettings
 from tandem.backend.timing import Timings
 from tandem.transfer import TransferSender
@@ -171,11 +173,15 @@ class PrefillEngine:
     def _iterate(self) -> None:
         self._release_sources()
         self.intake.pull(0.02)
-        batch: list[tuple[PrefillRequest, PrefixAllocation]] = []
-        for _ in self.intake.admit(lambda req: self._reserve(req, batch)):
-            pass
-        if batch:
-            self._prefill(batch)
+        batch: PrefillBatch[PrefillRequest] = PrefillBatch(self.cache, self.settings.batch, self.metrics)
+        try:
+            for _ in self.intake.admit(lambda req: batch.reserve(req, time.monotonic())):
+                pass
+            if batch:
+                self._prefill(batch)
+        except BaseException as exc:  # whatever was admitted and not handed on is answered and freed
+            batch.fail_rest(StreamFailed(f"prefill failed: {type(exc).__name__}: {exc}"))
+            raise
         if self._publish_timer.due():
             self._publish()
 
@@ -189,56 +195,23 @@ class PrefillEngine:
             if alloc is not None:
                 self.cache.release(alloc)
 
-    def _reserve(self, req: PrefillRequest, batch: list[tuple[PrefillRequest, PrefixAllocation]]) -> bool:
-        """Admission: pages for `req` join this iteration's forward, or False (it waits for the next):
-        at most `prefill_batch_max` prompts and `prefill_batch_rows` rows to compute per forward (a
-        prompt longer than that runs alone), and only while the pool has room."""
-        b = self.settings.batch
-        if len(batch) >= b.prefill_batch_max:
-            return False
-        try:
-            alloc = self.cache.allocate(req.prompt)
-        except PoolExhausted:
-            return False
-        if batch:
-            rows = sum(r.prompt.shape[0] - a.cached_tokens for r, a in batch)
-            if rows + req.prompt.shape[0] - alloc.cached_tokens > b.prefill_batch_rows:
-                self.cache.release(alloc)
-                return False
-        req.timings.mark("admit")
-        self.metrics.observe("tandem_admission_ms", (time.monotonic() - req.received_s) * 1e3)
-        batch.append((req, alloc))
-        return True
-
-    def _prefill(self, batch: list[tuple[PrefillRequest, PrefixAllocation]]) -> None:
+    def _prefill(self, batch: PrefillBatch[PrefillRequest]) -> None:
         """One forward over the batch's prompts, then per prompt: row 0, cache commit, the KV offer and
         the HANDOFF. If the forward fails, every prompt of the batch fails and its pages come back."""
         items = []
-        try:
-            for req, alloc in batch:
-                t = req.prompt.shape[0]
-                slots = self.pool.slots(alloc.pages, t)
-                rows = torch.from_numpy(req.prompt[alloc.cached_tokens :]).to(self.pool.device)
-                items.append(PrefillItem(rows, slots, alloc.cached_tokens))
-            for req, _ in batch:
-                req.timings.mark("forward_start")
-            logits = self.decoder.prefill_many(self.pool, items)
-            firsts = sample(
-                logits, [req.sampling for req, _ in batch], [req.prompt.shape[0] for req, _ in batch]
-            ).numpy()
-        except Exception as exc:
-            for req, alloc in batch:
-                self.cache.release(alloc)
-                req.sink.fail(StreamFailed(f"prefill failed: {type(exc).__name__}: {exc}"))
-            raise
-        self.metrics.observe("tandem_prefill_batch", len(batch))
-        for (req, alloc), item, first in zip(batch, items, firsts, strict=True):
-            req.timings.mark("forward_end")
-            self._hand_off(req, alloc, item.slots, first)
+        for req, alloc in batch.members:
+            slots = self.pool.slots(alloc.pages, req.prompt.shape[0])
+            rows = torch.from_numpy(req.prompt[alloc.cached_tokens :]).to(self.pool.device)
+            items.append(PrefillItem(rows, slots, alloc.cached_tokens))
+        firsts = batch.forward(self.decoder, self.pool, items)
+        batch.hand_on(lambda req, alloc, i: self._hand_off(req, alloc, items[i].slots, firsts[i]))
 
     def _hand_off(
         self, req: PrefillRequest, alloc: PrefixAllocation, slots: torch.Tensor, first: np.ndarray
     ) -> None:
+        """Row 0 is known and the prompt's KV is in the pool: commit it to the prefix cache, offer it
+        to D (the sender owns the pages until it releases them) and send the HANDOFF. On any error the
+        pages come back (unless the sender owns them) and the client is told, then the error is raised."""
         t = req.prompt.shape[0]
         offered = False
         try:
@@ -252,25 +225,30 @@ class PrefillEngine:
                 )
                 self._open[ticket.transfer_id] = alloc
                 offered = True
-        finally:
+            self.metrics.observe(
+                "tandem_prefill_ms",
+                (req.timings.get("forward_end") or 0) / 1e6 - (req.timings.get("forward_start") or 0) / 1e6,
+            )
+            self.metrics.inc("tandem_prefix_cache_hit_tokens_total", alloc.cached_tokens)
+            req.timings.mark("ticket")
+            req.sink.send(
+                Handoff(
+                    ticket=ticket,
+                    prompt_len=t,
+                    first_row=tuple(int(x) for x in first),
+                    sampling=req.sampling,
+                    max_new_rows=req.max_new_rows,
+                    timings=req.timings.as_dict(),
+                )
+            )
+        except Exception as exc:
             if not offered:
                 self.cache.release(alloc)
-        self.metrics.observe(
-            "tandem_prefill_ms",
-            (req.timings.get("forward_end") or 0) / 1e6 - (req.timings.get("forward_start") or 0) / 1e6,
-        )
-        self.metrics.inc("tandem_prefix_cache_hit_tokens_total", alloc.cached_tokens)
-        req.timings.mark("ticket")
-        req.sink.send(
-            Handoff(
-                ticket=ticket,
-                prompt_len=t,
-                first_row=tuple(int(x) for x in first),
-                sampling=req.sampling,
-                max_new_rows=req.max_new_rows,
-                timings=req.timings.as_dict(),
-            )
-        )
+            with contextlib.suppress(Exception):
+                req.sink.fail(StreamFailed(f"prefill hand-off failed: {type(exc).__name__}: {exc}"))
+            raise
+        if not offered:  # ended at row 0: nothing for D to pull
+            self.cache.release(alloc)
 
     def _publish(self) -> None:
         m = self.metrics

@@ -72,6 +72,21 @@ class PrefixCache:
             keys.append(parent)
         return keys
 
+    def peek(self, rows: torch.Tensor | np.ndarray) -> tuple[int, bytes | None]:
+        """(tokens `allocate` would serve from the cache now, the key of the prompt's first full page
+        or None) without allocating, evicting or counting anything. Lets an engine size a prefill
+        batch, and hold back a prompt whose first page another prompt of the batch is computing (it
+        hits the cache one forward later instead of computing the same prefix twice)."""
+        arr = _as_rows(rows)
+        max_pages = (arr.shape[0] - 1) // self.pool.page_size
+        keys = self._keys(arr, max_pages) if self.enabled else []
+        hits = 0
+        for key in keys:
+            if key not in self._key_to_page:
+                break
+            hits += 1
+        return hits * self.pool.page_size, keys[0] if keys else None
+
     @property
     def available_pages(self) -> int:
         """Free pool pages plus evictable cached pages: what `allocate` could hand out right now."""

@@ -259,7 +259,11 @@ def gather_write(
 _DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 # Which decode-attention kernel runs (csrc/decode_attention.cu): 2, one token per lane for the scores
 # (default); 1, one token per warp. $TANDEM_DECODE_ATTENTION_KERNEL picks one for a process (A/B runs).
-KERNEL_VARIANT = int(os.environ.get("TANDEM_DECODE_ATTENTION_KERNEL", "2"))
+KERNEL_VARIANT = 2
+_variant = os.environ.get("TANDEM_DECODE_ATTENTION_KERNEL", "2").strip()
+if _variant not in ("1", "2"):
+    raise ValueError(f"TANDEM_DECODE_ATTENTION_KERNEL must be 1 or 2, got {_variant!r}")
+KERNEL_VARIANT = int(_variant)
 _sm_counts: dict[int, int] = {}
 
 
@@ -328,7 +332,8 @@ def decode_attention(
 ) -> torch.Tensor:
     """Decode-step attention reading K/V in place from one layer of a paged pool (no gathered context).
 
-    Same contract as `reference_decode_attention`, which runs instead when `decode_attention_supported`
+    Same contract as `reference_decode_attention` (1 <= lengths[b] <= S is the caller's to keep: the
+    kernel reads slots[b, :lengths[b]] unchecked), which runs instead when `decode_attention_supported`
     is False. On CUDA it is two kernels on the current stream, no host synchronisation and no
     value-dependent shape (CUDA-graph safe); lengths are read on the device, and slots past a
     sequence's length are never read. `variant` (default `KERNEL_VARIANT`) picks the kernel. Raises

@@ -73,6 +73,19 @@ def test_kernel_matches_reference(
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("variant", [1, 2])
+def test_kernel_matches_reference_at_the_serving_shape(variant: int) -> None:
+    """The 4B shape at a serving batch: large enough that splits are 256 tokens and every warp of a
+    block has tiles (the small grid above runs 32-token splits on an H200)."""
+    _need_cuda()
+    q, kv, slots, lengths = _case(48, 8, 4, 128, 2048, torch.bfloat16, "cuda", seed=9)
+    lengths[2:6] = torch.tensor([256, 257, 512, 1023], device="cuda")  # split and tile boundaries
+    assert kv_cuda._chunk(48, 8, 2048, q.device) == 256
+    got = kv_cuda.decode_attention(q, kv, slots, lengths, 128**-0.5, variant=variant)
+    torch.testing.assert_close(got.float(), _float_reference(q, kv, slots, lengths), atol=1.6e-2, rtol=1.6e-2)
+
+
+@pytest.mark.gpu
 def test_kernel_ignores_slots_past_each_length() -> None:
     """Entries past a sequence's length may hold anything (a CUDA graph's padding): never read."""
     _need_cuda()
@@ -153,6 +166,30 @@ def test_gpu_prefill_with_prefix_and_kernel_decode_match_full_forward() -> None:
     for pos in range(30, 40):
         out = dec.decode(seq[pos : pos + 1], pool, [slots[: pos + 1]], torch.tensor([pos]))
         torch.testing.assert_close(out[0], full[pos], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.gpu
+def test_gpu_prefill_many_matches_each_prompt_alone() -> None:
+    """The GPU branch of `prefill_many` (per-head K/V, lower-right causal bias) with several prompts,
+    some over a cached prefix, gives each prompt's own full-forward logits."""
+    _need_cuda()
+    from tandem.backend.decoder import PrefillItem
+
+    dec = _gpu_decoder("float32")
+    g = torch.Generator().manual_seed(6)
+    pool = KVPool(dec.kv_layout(), num_pages=96, page_size=4, device="cuda")
+    seqs = [
+        torch.randint(0, dec.cfg.vocab_size, (n, dec.cfg.row_width), generator=g).cuda() for n in (9, 21, 4)
+    ]
+    starts = [0, 12, 3]
+    tables = [pool.slots(pool.allocate(pool.pages_for(len(x))), len(x)) for x in seqs]
+    for x, st, sl in zip(seqs, starts, tables, strict=True):
+        if st:
+            dec.prefill(x[:st], pool, sl[:st], 0)
+    items = [PrefillItem(x[st:], sl, st) for x, st, sl in zip(seqs, starts, tables, strict=True)]
+    logits = dec.prefill_many(pool, items)
+    for i, x in enumerate(seqs):
+        torch.testing.assert_close(logits[i], dec(x)[-1], atol=1e-4, rtol=1e-4)
 
 
 # ---- everywhere ----------------------------------------------------------------------------------------

@@ -470,3 +470,107 @@ def test_p_prefill_failure_fails_the_whole_batch_and_returns_its_pages(decoder, 
         assert p.cache.available_pages == free
     finally:
         p.close()
+
+
+def _wait_until(cond, timeout_s: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and not cond():
+        time.sleep(0.02)
+    return cond()
+
+
+def test_p_hand_off_failure_answers_and_frees_the_whole_batch(decoder, tmp_path, monkeypatch):
+    """The sender refusing offers after the forward (e.g. it went fatal): every prompt of the batch
+    is answered with an error and every page comes back (a review found them orphaned)."""
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    p = PrefillEngine(decoder, _settings(tmp_path), RecordingMetrics(), "p0", on_fatal=pytest.fail)
+    free = p.cache.available_pages
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("sender is not serving")
+
+    monkeypatch.setattr(p.sender, "offer", refuse)
+    boxes = _queued_prefills(p, 3)
+    p.start()
+    try:
+        for box in boxes:
+            assert box.done.wait(5) and box.handoff is None
+            assert "sender is not serving" in str(box.error)
+        assert _wait_until(lambda: p.cache.available_pages == free)
+    finally:
+        p.close()
+
+
+class _RaisingSink(ListSink):
+    def emit(self, chunk: Chunk) -> None:
+        raise RuntimeError("response sender closed")
+
+
+def test_mono_join_failure_answers_and_frees_the_rest_of_the_batch(decoder, tmp_path):
+    mono = MonoEngine(decoder, _settings(tmp_path), RecordingMetrics())
+    free = mono.cache.available_pages
+    sinks = [_RaisingSink(), ListSink(), ListSink()]
+    for i, sink in enumerate(sinks):  # queued before the loop starts: one forward takes all three
+        mono.submit(EngineRequest(i + 1, _prompt(12 + 9 * i, i), SamplingParams(), 1, sink, Timings()))
+    mono.start()
+    try:
+        for sink in sinks[1:]:
+            assert sink.done.wait(5) and sink.error is not None
+        assert _wait_until(lambda: mono.cache.available_pages == free)
+    finally:
+        mono.close()
+
+
+def test_d_slot_table_copy_failure_fails_only_that_stream(decoder, tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    s = _settings(tmp_path)
+    p = PrefillEngine(decoder, s, RecordingMetrics(), "p0", on_fatal=lambda r: pytest.fail(r))
+    d = DecodeEngine(decoder, s, RecordingMetrics())
+    p.start()
+    d.start()
+    try:
+        free = d.pool.num_free_pages
+        real, calls = d.pool.slots_to_device, []
+
+        def once(arr):
+            calls.append(1)
+            if len(calls) == 1:
+                raise RuntimeError("CUDA error: out of memory")
+            return real(arr)
+
+        monkeypatch.setattr(d.pool, "slots_to_device", once)
+        sinks = []
+        for i in (1, 2):
+            h = _handoff(p, i, 6)
+            sinks.append(ListSink())
+            d.submit(DecodeRequest(i, h, sinks[-1], Timings(h.timings)))
+        assert sinks[0].done.wait(5) and "out of memory" in str(sinks[0].error)
+        assert sinks[1].done.wait(5) and sinks[1].error is None and sinks[1].rows().shape == (6, 4)
+        assert _wait_until(lambda: d.pool.num_free_pages == free and d._members == 0)
+        assert _wait_until(lambda: d.receiver.stats().quarantined_bytes == 0)
+    finally:
+        d.close()
+        p.close()
+
+
+def test_p_defers_a_prompt_whose_voice_another_batch_member_computes(decoder, tmp_path, monkeypatch):
+    """Two queued prompts with the same (uncached) voice prefix: the second waits one forward and then
+    hits the prefix cache, instead of computing the same prefix again beside the first."""
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    metrics = RecordingMetrics()
+    p = PrefillEngine(decoder, _settings(tmp_path), metrics, "p0", on_fatal=pytest.fail)
+    voice = _prompt(32, 7)  # two full pages of 16
+    boxes = []
+    for i in range(2):
+        box = HandoffBox()
+        prompt = np.concatenate([voice, _prompt(5 + i, 50 + i)])
+        p.submit(PrefillRequest(200 + i, prompt, SamplingParams(), 5, box, Timings()))
+        boxes.append(box)
+    p.start()
+    try:
+        for box in boxes:
+            assert box.done.wait(10) and box.error is None
+        assert metrics.samples[("tandem_prefill_batch", ())] == [1, 1]
+        assert metrics.get("tandem_prefix_cache_hit_tokens_total") == 32
+    finally:
+        p.close()
