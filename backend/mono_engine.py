@@ -52,18 +52,13 @@ class MonoEngine:
         self.intake.pull(0.0 if len(self.batch) else 0.05)
         batch: PrefillBatch[EngineRequest] = PrefillBatch(self.cache, self.settings.batch, self.metrics)
         room = self.settings.batch.max_batch - len(self.batch)
-        try:
-            for _ in self.intake.admit(
-                lambda req: (
-                    len(batch) < room and batch.reserve(req, time.monotonic(), extra_tokens=req.max_new_rows)
-                )
-            ):
-                pass
-            if batch:
-                self._prefill(batch)
-        except BaseException as exc:  # whatever was admitted and not handed on is answered and freed
-            batch.fail_rest(StreamFailed(f"prefill failed: {type(exc).__name__}: {exc}"))
-            raise
+        batch.run(
+            self.intake,
+            lambda req: (
+                len(batch) < room and batch.reserve(req, time.monotonic(), extra_tokens=req.max_new_rows)
+            ),
+            lambda: self._prefill(batch),
+        )
         self.batch.step()
         if self._publish_timer.due():
             self._publish()

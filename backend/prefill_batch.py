@@ -21,6 +21,7 @@ from tandem.backend.errors import PoolExhausted, StreamFailed, TandemError
 from tandem.backend.kv_pool import KVPool
 from tandem.backend.metrics import MetricsSink
 from tandem.backend.prefix_cache import PrefixAllocation, PrefixCache
+from tandem.backend.queueing import Intake
 from tandem.backend.sampling import SamplingParams, sample
 from tandem.backend.settings import BatchSettings
 from tandem.backend.timing import Timings
@@ -84,6 +85,19 @@ class PrefillBatch(Generic[R]):
         self.metrics.observe("tandem_admission_ms", (now_s - req.received_s) * 1e3)
         self.members.append((req, alloc))
         return True
+
+    def run(self, intake: Intake[R], admit: Callable[[R], bool], prefill: Callable[[], None]) -> None:
+        """One engine iteration's prefill: admit queued requests in order while `admit(req)` (which
+        calls `reserve`) says yes, then `prefill()` if any was admitted. On any error every member not
+        handed on is answered and freed, and the error propagates to the engine's fault handler."""
+        try:
+            for _ in intake.admit(admit):
+                pass
+            if self.members:
+                prefill()
+        except BaseException as exc:
+            self.fail_rest(StreamFailed(f"prefill failed: {type(exc).__name__}: {exc}"))
+            raise
 
     def forward(self, decoder: Decoder, pool: KVPool, items: Sequence[PrefillItem]) -> np.ndarray:
         """The batch's one forward (`items[i]` is member i's prompt rows and slots): stamps every

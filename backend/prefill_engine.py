@@ -174,14 +174,7 @@ class PrefillEngine:
         self._release_sources()
         self.intake.pull(0.02)
         batch: PrefillBatch[PrefillRequest] = PrefillBatch(self.cache, self.settings.batch, self.metrics)
-        try:
-            for _ in self.intake.admit(lambda req: batch.reserve(req, time.monotonic())):
-                pass
-            if batch:
-                self._prefill(batch)
-        except BaseException as exc:  # whatever was admitted and not handed on is answered and freed
-            batch.fail_rest(StreamFailed(f"prefill failed: {type(exc).__name__}: {exc}"))
-            raise
+        batch.run(self.intake, lambda req: batch.reserve(req, time.monotonic()), lambda: self._prefill(batch))
         if self._publish_timer.due():
             self._publish()
 

@@ -452,26 +452,6 @@ def test_p_prefills_queued_prompts_in_one_forward_up_to_its_limits(decoder, tmp_
         p.close()
 
 
-def test_p_prefill_failure_fails_the_whole_batch_and_returns_its_pages(decoder, tmp_path, monkeypatch):
-    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
-    p = PrefillEngine(decoder, _settings(tmp_path), RecordingMetrics(), "p0", on_fatal=pytest.fail)
-    free = p.cache.available_pages
-
-    def broken(*args, **kwargs):
-        raise RuntimeError("device lost")
-
-    monkeypatch.setattr(p.decoder, "prefill_many", broken)
-    boxes = _queued_prefills(p, 3)
-    p.start()
-    try:
-        for box in boxes:
-            assert box.done.wait(10) and box.handoff is None
-            assert "prefill failed: RuntimeError: device lost" in str(box.error)
-        assert p.cache.available_pages == free
-    finally:
-        p.close()
-
-
 def _wait_until(cond, timeout_s: float = 5.0) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline and not cond():
@@ -479,23 +459,32 @@ def _wait_until(cond, timeout_s: float = 5.0) -> bool:
     return cond()
 
 
-def test_p_hand_off_failure_answers_and_frees_the_whole_batch(decoder, tmp_path, monkeypatch):
-    """The sender refusing offers after the forward (e.g. it went fatal): every prompt of the batch
-    is answered with an error and every page comes back (a review found them orphaned)."""
+@pytest.mark.parametrize(
+    ("where", "expected"),
+    [
+        ("forward", "prefill failed: RuntimeError: broken"),  # the device fails the batch's forward
+        ("hand-off", "prefill hand-off failed: RuntimeError: broken"),  # the sender refuses offers
+    ],
+)
+def test_p_failure_answers_and_frees_the_whole_batch(decoder, tmp_path, monkeypatch, where, expected):
+    """Every prompt of a failed batch is answered with an error and every page comes back, whether the
+    forward failed or the hand-off after it (a review found the latter orphaned)."""
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
     p = PrefillEngine(decoder, _settings(tmp_path), RecordingMetrics(), "p0", on_fatal=pytest.fail)
     free = p.cache.available_pages
 
-    def refuse(*args, **kwargs):
-        raise RuntimeError("sender is not serving")
+    def broken(*args, **kwargs):
+        raise RuntimeError("broken")
 
-    monkeypatch.setattr(p.sender, "offer", refuse)
+    target = (p.decoder, "prefill_many") if where == "forward" else (p.sender, "offer")
+    monkeypatch.setattr(*target, broken)
     boxes = _queued_prefills(p, 3)
     p.start()
     try:
         for box in boxes:
             assert box.done.wait(5) and box.handoff is None
-            assert "sender is not serving" in str(box.error)
+            assert expected in str(box.error) or "prefill failed" in str(box.error), box.error
+        assert expected in str(boxes[0].error)
         assert _wait_until(lambda: p.cache.available_pages == free)
     finally:
         p.close()
