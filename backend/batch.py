@@ -84,6 +84,11 @@ class DecodeBatch:
     def __len__(self) -> int:
         return len(self.streams)
 
+    @property
+    def graphs_failed(self) -> bool:
+        """A CUDA-graph capture failed and every step now runs eagerly (~10x slower on a GPU)."""
+        return self._graphed is not None and self._graphed.failed is not None
+
     def add(self, stream: Stream, first_row: np.ndarray, release: Callable[[], None]) -> None:
         """Join a stream whose prompt KV is in the pool; `release` frees its pages exactly once."""
         assert stream.slots is not None

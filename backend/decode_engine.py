@@ -483,6 +483,7 @@ class DecodeEngine:
         page_bytes = self.pool.layout.token_bytes * self.pool.page_size
         with self._admit_lock:
             n, context = self._members, self._running_ctx + self._admitted_ctx
+        m.set("tandem_decode_eager", 1.0 if self.batch.graphs_failed else 0.0)
         m.set("tandem_inflight_streams", n)
         m.set("tandem_queued_requests", len(self.intake))
         m.set("tandem_free_pages", self.pool.num_free_pages)

@@ -58,6 +58,11 @@ METRICS: tuple[MetricDef, ...] = (
     MetricDef("tandem_streams_total", Kind.COUNTER, "Streams by outcome (label outcome)"),
     MetricDef("tandem_step_ms", Kind.HISTOGRAM, "Decode step time", _MS),
     MetricDef(
+        "tandem_decode_eager",
+        Kind.GAUGE,
+        "1 when a CUDA-graph capture failed and decode steps run eagerly (much slower; see the log)",
+    ),
+    MetricDef(
         "tandem_device_busy_seconds_total",
         Kind.COUNTER,
         "Time the device spent running decode steps (CUDA: event span of each step; CPU: the step's compute)",

@@ -104,6 +104,7 @@ class MonoEngine:
 
     def _publish(self) -> None:
         m = self.metrics
+        m.set("tandem_decode_eager", 1.0 if self.batch.graphs_failed else 0.0)
         m.set("tandem_inflight_streams", len(self.batch))
         m.set("tandem_queued_requests", len(self.intake))
         m.set("tandem_free_pages", self.cache.available_pages)  # evictable cached pages count as free
