@@ -310,6 +310,11 @@ def test_three_held_acks_make_p_exit(row):
     reload_s = unit.reload("prefill")
     ok = streams(unit.url, jobs(4, 40, 10, seed=7))
     assert all(r.error is None for r in ok), [r.error for r in ok]
+    # The three held copies' regions come back by P's death; a fourth copy that had not started when
+    # D aborted it (P prefills the four prompts together, so all four PULLs can queue at once) is
+    # rightly ACKed at once: "never started" is proof too.
+    released = unit.snapshot().released_since(base)
+    assert released.get("instance_gone", 0) + released.get("instance_changed", 0) >= 3, released
     finish(
         unit,
         base,
@@ -317,7 +322,7 @@ def test_three_held_acks_make_p_exit(row):
         t0,
         results + ok,
         10,
-        proofs={"instance_gone", "instance_changed"},
+        proofs={"instance_gone", "instance_changed", "abort_ack"},
         p_exit_logged=exit_logged,
         reload_s=round(reload_s, 1),
     )
