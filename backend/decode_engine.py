@@ -97,8 +97,8 @@ class _Admitted:
     first_row: np.ndarray
     handle: TransferHandle | None  # None: nothing to transfer (the stream ended at row 0) or refused
     admission_ms: float
+    slots: np.ndarray  # the stream's slot table, on the host (the engine moves it to the device)
     error: str | None = None  # the receiver refused the ticket: the engine fails the stream
-    slots: np.ndarray | None = None  # the stream's slot table, on the host (the engine moves it)
 
 
 class DecodeEngine:
@@ -282,7 +282,7 @@ class DecodeEngine:
             slots = self.pool.slot_array(pages, capacity)
             req.timings.mark("d_admit")
             admitted = _Admitted(
-                stream, h.first_row_array(), None, (time.monotonic() - req.received_s) * 1e3, slots=slots
+                stream, h.first_row_array(), None, (time.monotonic() - req.received_s) * 1e3, slots
             )
             if h.ticket is not None:
                 try:
@@ -341,7 +341,7 @@ class DecodeEngine:
             block_s = 0.0
             self.metrics.observe("tandem_admission_ms", a.admission_ms)
             s = a.stream
-            if a.error is None and a.slots is not None:
+            if a.error is None:
                 try:  # ordered on the engine's stream before anything that reads it
                     s.slots = self.pool.slots_to_device(a.slots)
                 except Exception as exc:  # a broken device: this stream fails, nothing of it leaks

@@ -15,7 +15,7 @@ import time
 import numpy as np
 import torch
 
-from tandem.backend.decoder import Decoder, PrefillItem
+from tandem.backend.decoder import Decoder
 from tandem.backend.engine_parts import make_batch, make_intake, make_pool
 from tandem.backend.engine_thread import EngineThread
 from tandem.backend.errors import StreamFailed
@@ -65,14 +65,11 @@ class MonoEngine:
 
     def _prefill(self, batch: PrefillBatch[EngineRequest]) -> None:
         """One forward over the batch's prompts; each then joins the running batch with its row 0."""
-        items, tables = [], []
-        for req, alloc in batch.members:
-            t = req.prompt.shape[0]
-            slots = self.pool.slots(alloc.pages, t + req.max_new_rows)
-            rows = torch.from_numpy(req.prompt[alloc.cached_tokens :]).to(self.pool.device)
-            items.append(PrefillItem(rows, slots[:t], alloc.cached_tokens))
-            tables.append(slots)
-        firsts = batch.forward(self.decoder, self.pool, items)
+        tables = [
+            self.pool.slots(alloc.pages, req.prompt.shape[0] + req.max_new_rows)
+            for req, alloc in batch.members
+        ]
+        firsts = batch.forward(self.decoder, self.pool, tables)
         batch.hand_on(lambda req, alloc, i: self._join(req, alloc, tables[i], firsts[i]))
 
     def _join(
@@ -84,11 +81,6 @@ class MonoEngine:
         except Exception:
             self.cache.release(alloc)
             raise
-        self.metrics.observe(
-            "tandem_prefill_ms",
-            (req.timings.get("forward_end") - req.timings.get("forward_start")) / 1e6,
-        )
-        self.metrics.inc("tandem_prefix_cache_hit_tokens_total", alloc.cached_tokens)
         stream = Stream(
             stream_id=req.stream_id,
             prompt_len=req.prompt.shape[0],

@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from typing import Generic, Protocol, TypeVar
 
 import numpy as np
+import torch
 
 from tandem.backend.decoder import Decoder, PrefillItem
 from tandem.backend.errors import PoolExhausted, StreamFailed, TandemError
@@ -99,9 +100,14 @@ class PrefillBatch(Generic[R]):
             self.fail_rest(StreamFailed(f"prefill failed: {type(exc).__name__}: {exc}"))
             raise
 
-    def forward(self, decoder: Decoder, pool: KVPool, items: Sequence[PrefillItem]) -> np.ndarray:
-        """The batch's one forward (`items[i]` is member i's prompt rows and slots): stamps every
-        member's forward, returns each member's row 0 (sampled with its own parameters) [n, W]."""
+    def forward(self, decoder: Decoder, pool: KVPool, tables: Sequence[torch.Tensor]) -> np.ndarray:
+        """The batch's one forward. `tables[i]` holds member i's slots, at least one per prompt row (the
+        rows its prefix-cache hit covers are read, the rest written). Stamps and measures every
+        member's forward; returns each member's row 0 (sampled with its own parameters) [n, W]."""
+        items = []
+        for (req, alloc), table in zip(self.members, tables, strict=True):
+            rows = torch.from_numpy(req.prompt[alloc.cached_tokens :]).to(pool.device)
+            items.append(PrefillItem(rows, table[: req.prompt.shape[0]], alloc.cached_tokens))
         for req, _ in self.members:
             req.timings.mark("forward_start")
         logits = decoder.prefill_many(pool, items)
@@ -110,8 +116,12 @@ class PrefillBatch(Generic[R]):
             [req.sampling for req, _ in self.members],
             [req.prompt.shape[0] for req, _ in self.members],
         ).numpy()
-        for req, _ in self.members:
+        for req, alloc in self.members:
             req.timings.mark("forward_end")
+            self.metrics.observe(
+                "tandem_prefill_ms", (req.timings.get("forward_end") - req.timings.get("forward_start")) / 1e6
+            )
+            self.metrics.inc("tandem_prefix_cache_hit_tokens_total", alloc.cached_tokens)
         self.metrics.observe("tandem_prefill_batch", len(self.members))
         return firsts
 

@@ -28,7 +28,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from tandem.backend.decoder import Decoder, PrefillItem
+from tandem.backend.decoder import Decoder
 from tandem.backend.engine_parts import control_secret, make_intake, make_pool, transfer_path, wire_layout
 from tandem.backend.engine_thread import EngineThread
 from tandem.backend.errors import StreamFailed, TandemError
@@ -191,13 +191,9 @@ class PrefillEngine:
     def _prefill(self, batch: PrefillBatch[PrefillRequest]) -> None:
         """One forward over the batch's prompts, then per prompt: row 0, cache commit, the KV offer and
         the HANDOFF. If the forward fails, every prompt of the batch fails and its pages come back."""
-        items = []
-        for req, alloc in batch.members:
-            slots = self.pool.slots(alloc.pages, req.prompt.shape[0])
-            rows = torch.from_numpy(req.prompt[alloc.cached_tokens :]).to(self.pool.device)
-            items.append(PrefillItem(rows, slots, alloc.cached_tokens))
-        firsts = batch.forward(self.decoder, self.pool, items)
-        batch.hand_on(lambda req, alloc, i: self._hand_off(req, alloc, items[i].slots, firsts[i]))
+        tables = [self.pool.slots(alloc.pages, req.prompt.shape[0]) for req, alloc in batch.members]
+        firsts = batch.forward(self.decoder, self.pool, tables)
+        batch.hand_on(lambda req, alloc, i: self._hand_off(req, alloc, tables[i], firsts[i]))
 
     def _hand_off(
         self, req: PrefillRequest, alloc: PrefixAllocation, slots: torch.Tensor, first: np.ndarray
@@ -218,11 +214,6 @@ class PrefillEngine:
                 )
                 self._open[ticket.transfer_id] = alloc
                 offered = True
-            self.metrics.observe(
-                "tandem_prefill_ms",
-                (req.timings.get("forward_end") or 0) / 1e6 - (req.timings.get("forward_start") or 0) / 1e6,
-            )
-            self.metrics.inc("tandem_prefix_cache_hit_tokens_total", alloc.cached_tokens)
             req.timings.mark("ticket")
             req.sink.send(
                 Handoff(
