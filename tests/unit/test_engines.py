@@ -86,6 +86,20 @@ def _prompt(n: int, seed: int) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 1024, size=(n, 4), dtype=np.int64)
 
 
+@pytest.fixture
+def pd(decoder, tmp_path, monkeypatch):
+    """A started P and D in this process (one unit, the default test settings), closed afterwards."""
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    s = _settings(tmp_path)
+    p = PrefillEngine(decoder, s, RecordingMetrics(), "p0", on_fatal=lambda r: pytest.fail(r))
+    d = DecodeEngine(decoder, s, RecordingMetrics())
+    p.start()
+    d.start()
+    yield p, d
+    d.close()
+    p.close()
+
+
 def _handoff(p: PrefillEngine, stream_id: int, max_new_rows: int) -> Handoff:
     """Prefill a 30-row prompt on `p` and return its handoff (what the ensemble would pass to D)."""
     box = HandoffBox()
@@ -287,104 +301,86 @@ def test_streams_added_while_a_step_runs_join_the_next_one(decoder, tmp_path, de
     assert sink.done.is_set() and sink.error is not None
 
 
-def test_d_admits_and_pulls_while_its_engine_is_inside_a_step(decoder, tmp_path, monkeypatch):
+def test_d_admits_and_pulls_while_its_engine_is_inside_a_step(pd, monkeypatch):
     """Admission has its own thread: a handoff arriving while D's engine thread is stuck in a (here
     artificially slow) step gets its pages and its PULL before that step ends, and its KV is verified
     by the time the engine looks again. Ordering, not speed: the step takes 0.5 s."""
-    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
-    s = _settings(tmp_path)
-    p = PrefillEngine(decoder, s, RecordingMetrics(), "p0", on_fatal=lambda r: pytest.fail(r))
-    d = DecodeEngine(decoder, s, RecordingMetrics())
-    p.start()
-    d.start()
-    try:
-        first, second = _handoff(p, 1, 40), _handoff(p, 2, 5)
-        sink_a, sink_b = ListSink(), ListSink()
-        d.submit(DecodeRequest(1, first, sink_a, Timings(first.timings)))
-        deadline = time.monotonic() + 10
-        while not sink_a.chunks and time.monotonic() < deadline:
-            time.sleep(0.005)
-        assert sink_a.chunks, "stream A never started"
-        slow: dict[str, int] = {}
-        finish = d.batch.finish
+    p, d = pd
+    first, second = _handoff(p, 1, 40), _handoff(p, 2, 5)
+    sink_a, sink_b = ListSink(), ListSink()
+    d.submit(DecodeRequest(1, first, sink_a, Timings(first.timings)))
+    deadline = time.monotonic() + 10
+    while not sink_a.chunks and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert sink_a.chunks, "stream A never started"
+    slow: dict[str, int] = {}
+    finish = d.batch.finish
 
-        def slow_finish(launched):
-            if not slow:
-                slow["start"] = time.time_ns()
-                time.sleep(0.5)
-                slow["end"] = time.time_ns()
-            return finish(launched)
+    def slow_finish(launched):
+        if not slow:
+            slow["start"] = time.time_ns()
+            time.sleep(0.5)
+            slow["end"] = time.time_ns()
+        return finish(launched)
 
-        monkeypatch.setattr(d.batch, "finish", slow_finish)
-        while "start" not in slow and time.monotonic() < deadline:
-            time.sleep(0.001)
-        timings_b = Timings(second.timings)
-        d.submit(DecodeRequest(2, second, sink_b, timings_b))
-        assert sink_a.done.wait(10) and sink_b.done.wait(10)
-        assert sink_a.error is None and sink_b.error is None
-        admitted = timings_b.get("d_admit")
-        assert admitted is not None and slow["start"] < admitted < slow["end"], (slow, admitted)
-        assert d.receiver.stats().verify_ok == 2
-    finally:
-        d.close()
-        p.close()
+    monkeypatch.setattr(d.batch, "finish", slow_finish)
+    while "start" not in slow and time.monotonic() < deadline:
+        time.sleep(0.001)
+    timings_b = Timings(second.timings)
+    d.submit(DecodeRequest(2, second, sink_b, timings_b))
+    assert sink_a.done.wait(10) and sink_b.done.wait(10)
+    assert sink_a.error is None and sink_b.error is None
+    admitted = timings_b.get("d_admit")
+    assert admitted is not None and slow["start"] < admitted < slow["end"], (slow, admitted)
+    assert d.receiver.stats().verify_ok == 2
 
 
-def test_d_fault_while_polling_transfers_fails_both_and_leaks_nothing(decoder, tmp_path, monkeypatch):
+def test_d_fault_while_polling_transfers_fails_both_and_leaks_nothing(pd, monkeypatch):
     """A fault raised while D handles its waiting transfers (after one of them already joined the
     batch): every client is told, the engine thread survives, no page is freed twice or leaked, and
     D serves the next stream."""
     from tandem.transfer import TransferState
 
-    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
-    s = _settings(tmp_path)
-    p = PrefillEngine(decoder, s, RecordingMetrics(), "p0", on_fatal=lambda r: pytest.fail(r))
-    d = DecodeEngine(decoder, s, RecordingMetrics())
-    p.start()
-    d.start()
-    try:
-        free = d.pool.num_free_pages
+    p, d = pd
+    free = d.pool.num_free_pages
 
-        ha, hb = _handoff(p, 1, 200), _handoff(p, 2, 200)
-        real_poll, seen = d.receiver.poll, {}
+    ha, hb = _handoff(p, 1, 200), _handoff(p, 2, 200)
+    real_poll, seen = d.receiver.poll, {}
 
-        def poll(h):
-            state = real_poll(h)
-            if h.transfer_id == ha.ticket.transfer_id:
-                seen["a"] = state
-            b_now = h.transfer_id == hb.ticket.transfer_id and seen.get("a") is TransferState.VERIFIED
-            if b_now and "fault" not in seen:
-                seen["fault"] = True
-                raise RuntimeError("injected: device error while handling B")
-            return state
+    def poll(h):
+        state = real_poll(h)
+        if h.transfer_id == ha.ticket.transfer_id:
+            seen["a"] = state
+        b_now = h.transfer_id == hb.ticket.transfer_id and seen.get("a") is TransferState.VERIFIED
+        if b_now and "fault" not in seen:
+            seen["fault"] = True
+            raise RuntimeError("injected: device error while handling B")
+        return state
 
-        gate = threading.Event()
-        real_take = d._take_admitted
+    gate = threading.Event()
+    real_take = d._take_admitted
 
-        def take(block_s: float = 0.0) -> None:
-            gate.wait()  # both transfers are in flight before the engine looks at either
-            real_take(block_s)
+    def take(block_s: float = 0.0) -> None:
+        gate.wait()  # both transfers are in flight before the engine looks at either
+        real_take(block_s)
 
-        monkeypatch.setattr(d.receiver, "poll", poll)
-        monkeypatch.setattr(d, "_take_admitted", take)
-        sa, sb = ListSink(), ListSink()
-        d.submit(DecodeRequest(1, ha, sa, Timings(ha.timings)))
-        d.submit(DecodeRequest(2, hb, sb, Timings(hb.timings)))
-        time.sleep(0.3)
-        gate.set()
-        assert sa.done.wait(10) and sb.done.wait(10)
-        assert "injected" in str(sa.error) and "injected" in str(sb.error)
-        deadline = time.monotonic() + 5
-        while (d.pool.num_free_pages != free or d._members) and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert d.pool.num_free_pages == free and d._members == 0 and d._admitted_ctx == 0
-        sc = ListSink()
-        hc = _handoff(p, 3, 5)
-        d.submit(DecodeRequest(3, hc, sc, Timings(hc.timings)))
-        assert sc.done.wait(10) and sc.error is None and sc.rows().shape[0] == 5
-    finally:
-        d.close()
-        p.close()
+    monkeypatch.setattr(d.receiver, "poll", poll)
+    monkeypatch.setattr(d, "_take_admitted", take)
+    sa, sb = ListSink(), ListSink()
+    d.submit(DecodeRequest(1, ha, sa, Timings(ha.timings)))
+    d.submit(DecodeRequest(2, hb, sb, Timings(hb.timings)))
+    time.sleep(0.3)
+    gate.set()
+    assert sa.done.wait(10) and sb.done.wait(10)
+    assert "injected" in str(sa.error) and "injected" in str(sb.error)
+    deadline = time.monotonic() + 5
+    while (d.pool.num_free_pages != free or d._members) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert d.pool.num_free_pages == free and d._members == 0 and d._admitted_ctx == 0
+    sc = ListSink()
+    hc = _handoff(p, 3, 5)
+    d.submit(DecodeRequest(3, hc, sc, Timings(hc.timings)))
+    assert sc.done.wait(10) and sc.error is None and sc.rows().shape[0] == 5
 
 
 def test_closing_d_tells_waiting_and_running_clients(decoder, tmp_path, monkeypatch):
@@ -510,36 +506,27 @@ def test_mono_join_failure_answers_and_frees_the_rest_of_the_batch(decoder, tmp_
         mono.close()
 
 
-def test_d_slot_table_copy_failure_fails_only_that_stream(decoder, tmp_path, monkeypatch):
-    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
-    s = _settings(tmp_path)
-    p = PrefillEngine(decoder, s, RecordingMetrics(), "p0", on_fatal=lambda r: pytest.fail(r))
-    d = DecodeEngine(decoder, s, RecordingMetrics())
-    p.start()
-    d.start()
-    try:
-        free = d.pool.num_free_pages
-        real, calls = d.pool.slots_to_device, []
+def test_d_slot_table_copy_failure_fails_only_that_stream(pd, monkeypatch):
+    p, d = pd
+    free = d.pool.num_free_pages
+    real, calls = d.pool.slots_to_device, []
 
-        def once(arr):
-            calls.append(1)
-            if len(calls) == 1:
-                raise RuntimeError("CUDA error: out of memory")
-            return real(arr)
+    def once(arr):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("CUDA error: out of memory")
+        return real(arr)
 
-        monkeypatch.setattr(d.pool, "slots_to_device", once)
-        sinks = []
-        for i in (1, 2):
-            h = _handoff(p, i, 6)
-            sinks.append(ListSink())
-            d.submit(DecodeRequest(i, h, sinks[-1], Timings(h.timings)))
-        assert sinks[0].done.wait(5) and "out of memory" in str(sinks[0].error)
-        assert sinks[1].done.wait(5) and sinks[1].error is None and sinks[1].rows().shape == (6, 4)
-        assert _wait_until(lambda: d.pool.num_free_pages == free and d._members == 0)
-        assert _wait_until(lambda: d.receiver.stats().quarantined_bytes == 0)
-    finally:
-        d.close()
-        p.close()
+    monkeypatch.setattr(d.pool, "slots_to_device", once)
+    sinks = []
+    for i in (1, 2):
+        h = _handoff(p, i, 6)
+        sinks.append(ListSink())
+        d.submit(DecodeRequest(i, h, sinks[-1], Timings(h.timings)))
+    assert sinks[0].done.wait(5) and "out of memory" in str(sinks[0].error)
+    assert sinks[1].done.wait(5) and sinks[1].error is None and sinks[1].rows().shape == (6, 4)
+    assert _wait_until(lambda: d.pool.num_free_pages == free and d._members == 0)
+    assert _wait_until(lambda: d.receiver.stats().quarantined_bytes == 0)
 
 
 def test_p_defers_a_prompt_whose_voice_another_batch_member_computes(decoder, tmp_path, monkeypatch):
