@@ -14,10 +14,17 @@ within about a millisecond, not after the running step: the copy then overlaps t
 allocate/free and the membership counts are shared under `_admit_lock`; everything else (batch,
 waiting transfers, metrics, client errors) stays on the engine thread.
 
-Ownership: D's pages belong to the stream from admission. On the host path P writes only the
-receive region (owned and quarantined by the transfer receiver until proof), never D's pages, so a
-failed stream's pages return at once. D drains (admits nothing) while quarantined memory exceeds
-`drain_held_fraction` of the receive arena, and resumes when proofs release it.
+Two ways the KV arrives (`tandem.transfer.direct_write`, docs/transfer.md):
+    direct (default where the path can): the receiver's arena *is* this pool; P writes the prompt's
+        rows straight into the stream's pages (PULL_ROWS) and D verifies them in place: no scatter.
+    region: P copies into a receive region of the receiver's arena; D scatters it into the pages.
+
+Ownership: D's pages belong to the stream from admission. In region mode P writes only the receive
+region (owned and quarantined by the receiver until proof), never D's pages, so a failed stream's
+pages return at once. In direct mode P writes the stream's prompt pages: a failed stream's other
+pages return at once, its prompt pages (`Stream.held_pages`) only when the receiver calls back with
+proof that no byte can still land. D drains (admits nothing) while quarantined memory exceeds
+`drain_held_fraction` of the arena (direct: of the pool), and resumes when proofs release it.
 """
 
 from __future__ import annotations
@@ -107,21 +114,28 @@ class DecodeEngine:
         self.settings = settings
         self.metrics = metrics
         self._publish_timer = PublishTimer()
-        self.pool = make_pool(decoder, settings)
-        self.batch = make_batch(decoder, self.pool, settings, metrics)
-        self.intake = make_intake(settings, DecodeRequest)
         t = settings.transfer
-        self.path = transfer_path(settings, wire_layout(decoder))
+        layout = wire_layout(decoder)
+        self.path = transfer_path(settings, layout)
+        self.direct = bool(
+            t.direct_write and self.path.direct_write and self.path.arena_device == decoder.device.type
+        )
+        pool_slots = settings.pool.num_pages * settings.pool.page_size
         self.receiver = TransferReceiver(
-            wire_layout(decoder),
+            layout,
             t.unit,
-            t.arena_mb * 2**20,
+            pool_slots * layout.token_bytes if self.direct else t.arena_mb * 2**20,
             self.path,
             abort_retry_s=t.abort_retry_s,
             probe_interval_s=t.probe_interval_s,
             on_event=self._on_transfer_event,
             secret=control_secret(settings),
+            direct=self.direct,
         )
+        storage = self.receiver.pool_view() if self.direct else None
+        self.pool = make_pool(decoder, settings, storage)
+        self.batch = make_batch(decoder, self.pool, settings, metrics)
+        self.intake = make_intake(settings, DecodeRequest)
         self._events: list[TransferEvent] = []
         self._waiting: list[_Waiting] = []
         # Admission runs on its own thread (`_admit_loop`), so a handoff's pages are reserved and its
@@ -152,8 +166,9 @@ class DecodeEngine:
         self._thread.start()
         self._admission.start()
         log.info(
-            "decode: transfer path %s, pool %d pages of %d",
+            "decode: transfer path %s (%s), pool %d pages of %d",
             self.path.name,
+            "P writes the pool directly" if self.direct else "receive region + scatter",
             self.pool.num_pages,
             self.pool.page_size,
         )
@@ -286,7 +301,15 @@ class DecodeEngine:
             )
             if h.ticket is not None:
                 try:
-                    admitted.handle = self.receiver.request(h.ticket, self.settings.transfer.deadline_s)
+                    admitted.handle = self.receiver.request(
+                        h.ticket,
+                        self.settings.transfer.deadline_s,
+                        *(
+                            (slots[: h.prompt_len], lambda s=stream: self._return_held(s))
+                            if self.direct
+                            else ()
+                        ),
+                    )
                 except ArenaExhausted:
                     # No region free: give the pages back quietly (waking ourselves would spin) and
                     # let the request wait for regions, which come back on D's own time.
@@ -307,19 +330,35 @@ class DecodeEngine:
         Any thread (the receiver takes its own lock)."""
         return self.receiver.held_fraction() > self.settings.transfer.drain_held_fraction
 
-    def _leave(self, stream: Stream, joined: bool, wake: bool = True) -> None:
+    def _leave(self, stream: Stream, joined: bool, wake: bool = True, hold: bool = False) -> None:
         """A member is gone (finished, failed or never started): its pages and batch room come back,
         once whoever calls. Any thread; `joined` says whether it had entered the batch; `wake` tells
-        the admission thread that room came back."""
+        the admission thread that room came back. `hold` (direct mode, a transfer into its pages not
+        yet proven over): the prompt's pages stay out (`held_pages`) until `_return_held`."""
         with self._admit_lock:
-            if stream.pages_returned:
+            if stream.left:
                 return
-            stream.pages_returned = True
-            self.pool.free(stream.pages)
+            stream.left = True
+            pages = stream.pages
+            if hold:
+                n = self.pool.pages_for(stream.prompt_len)
+                stream.held_pages, pages = pages[:n], pages[n:]
+            self.pool.free(pages)
             self._members -= 1
             if not joined:
                 self._admitted_ctx -= stream.prompt_len
         if wake:
+            self._capacity.set()
+
+    def _return_held(self, stream: Stream) -> None:
+        """Direct mode: the receiver's proof that no byte of a failed transfer can still land in these
+        pages (its `on_dest_free`, any thread), or the engine after a verified transfer of a stream
+        that had already failed. Once."""
+        with self._admit_lock:
+            pages, stream.held_pages = stream.held_pages, None
+            if pages:
+                self.pool.free(pages)
+        if pages:
             self._capacity.set()
 
     def _join(self, stream: Stream, first_row: object) -> None:
@@ -349,6 +388,7 @@ class DecodeEngine:
                     a.error = f"decode admission failed: {type(exc).__name__}: {exc}"
                     if a.handle is not None:  # its region returns once the transfer is terminal
                         self._waiting.append(_Waiting(s, a.handle, a.first_row, dead=True))
+                        self._leave(s, joined=False, hold=self.direct)
             if a.error is not None:
                 self._leave(s, joined=False)
                 self._fail(s, a.error)
@@ -395,19 +435,25 @@ class DecodeEngine:
         self._complete_scattered()
         for w in list(self._waiting):
             state = self.receiver.poll(w.handle)
-            if w.dead:  # its stream already failed (engine fault) and its pages went back
+            if w.dead:  # its stream already failed (engine fault); its pages went back (direct: held)
                 if state in (TransferState.VERIFIED, TransferState.FAILED):
                     self._waiting.remove(w)
-                    self.receiver.complete(w.handle)
+                    self.receiver.complete(w.handle)  # FAILED, direct: the receiver returns them
+                    if state is TransferState.VERIFIED:
+                        self._return_held(w.stream)
                 continue
             if state is TransferState.VERIFIED:
                 s = w.stream
-                kv = w.handle.tensor()
                 assert s.slots is not None
-                self.pool.scatter(s.slots[: s.prompt_len], kv.to(self.pool.device, non_blocking=False))
+                if not self.direct:
+                    kv = w.handle.tensor()
+                    self.pool.scatter(s.slots[: s.prompt_len], kv.to(self.pool.device, non_blocking=False))
                 self._waiting.remove(w)
                 try:
-                    self._release_after_scatter(w.handle)
+                    if self.direct:  # the rows are in our pages already: nothing of the arena to return
+                        self.receiver.complete(w.handle)
+                    else:
+                        self._release_after_scatter(w.handle)
                     stamps = w.handle.stamps
                     for stage, at in (
                         ("copy_start", stamps.copy_start_ns),  # P's clock, carried in DONE
@@ -429,8 +475,8 @@ class DecodeEngine:
                     raise
             elif state is TransferState.FAILED:
                 self._waiting.remove(w)
+                self._leave(w.stream, joined=False, hold=self.direct)  # before complete: it may call back
                 self.receiver.complete(w.handle)
-                self._leave(w.stream, joined=False)
                 self._fail(w.stream, f"KV transfer {w.handle.transfer_id} failed: {w.handle.error}")
             # else still crossing; a cancelled client is dropped by the batch once the KV is in
         self._account_events()
@@ -509,7 +555,7 @@ class DecodeEngine:
         for w in self._waiting:
             if not w.dead:
                 w.dead = True
-                self._leave(w.stream, joined=False)
+                self._leave(w.stream, joined=False, hold=self.direct)
                 try:
                     self._fail(w.stream, reason)
                 except Exception:  # one client's broken sink must not keep the others uninformed

@@ -11,6 +11,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
+import torch
+
 from tandem.backend.batch import DecodeBatch
 from tandem.backend.decoder import Decoder
 from tandem.backend.kv_pool import KVPool
@@ -27,8 +29,10 @@ from tandem.transfer.tcp_path import TcpPath
 R = TypeVar("R", bound=_HasSink)
 
 
-def make_pool(decoder: Decoder, settings: EngineSettings) -> KVPool:
-    return KVPool(decoder.kv_layout(), settings.pool.num_pages, settings.pool.page_size, decoder.device)
+def make_pool(decoder: Decoder, settings: EngineSettings, storage: torch.Tensor | None = None) -> KVPool:
+    """The engine's pool; `storage` (D in direct mode) is the transfer receiver's arena viewed as one."""
+    p = settings.pool
+    return KVPool(decoder.kv_layout(), p.num_pages, p.page_size, decoder.device, storage)
 
 
 def chunk_policy(settings: EngineSettings) -> ChunkPolicy:

@@ -67,11 +67,21 @@ class KVPool:
     page_size: int
     device: torch.device
 
-    def __init__(self, layout: KVLayout, num_pages: int, page_size: int, device: torch.device | str) -> None:
+    def __init__(
+        self,
+        layout: KVLayout,
+        num_pages: int,
+        page_size: int,
+        device: torch.device | str,
+        storage: torch.Tensor | None = None,
+    ) -> None:
         """Called once by an engine at start-up; the pool owns `kv` for its whole life.
 
-        The storage is zero-filled so that padded (masked) reads of never-written slots can never
-        inject NaN/Inf from uninitialised memory into attention.
+        `storage` (D in direct mode: the transfer receiver's arena, which P writes into) is used as
+        `kv` instead of a fresh tensor; it must have exactly `layout.staging_shape(num_pages *
+        page_size)`, the layout's dtype and `device`. Either way the storage is zero-filled so that
+        padded (masked) reads of never-written slots can never inject NaN/Inf from uninitialised
+        memory into attention.
         """
         if num_pages < 1 or page_size < 1:
             raise ValueError("num_pages and page_size must be positive")
@@ -79,9 +89,23 @@ class KVPool:
         self.num_pages = num_pages
         self.page_size = page_size
         self.device = torch.device(device)
-        self.kv = torch.zeros(
-            layout.staging_shape(num_pages * page_size), dtype=layout.dtype, device=self.device
-        )
+        shape = layout.staging_shape(num_pages * page_size)
+        if storage is None:
+            self.kv = torch.zeros(shape, dtype=layout.dtype, device=self.device)
+        else:
+            d = storage.device
+            if (
+                tuple(storage.shape) != shape
+                or storage.dtype != layout.dtype
+                or d.type != self.device.type
+                or (self.device.index is not None and d.index != self.device.index)
+            ):
+                raise ValueError(
+                    f"pool storage is {tuple(storage.shape)} {storage.dtype} on {storage.device}, "
+                    f"expected {shape} {layout.dtype} on {self.device}"
+                )
+            self.kv = storage
+            self.kv.zero_()
         # Stack: pop() hands out the last element, so store pages in reverse to start with page 0.
         self._free: list[int] = list(range(num_pages - 1, -1, -1))
         self._is_free: list[bool] = [True] * num_pages

@@ -130,11 +130,14 @@ class PrefillEngine:
         self.settings = settings
         self.metrics = metrics
         self._publish_timer = PublishTimer()
-        self.pool = make_pool(decoder, settings)
-        self.cache = PrefixCache(self.pool, enabled=settings.pool.prefix_cache)
-        self.intake = make_intake(settings, PrefillRequest)
         t = settings.transfer
         self.path = transfer_path(settings, wire_layout(decoder))
+        # The proxy path writes D's pool from P's pool itself, so it must have allocated (registered) it.
+        n_slots = settings.pool.num_pages * settings.pool.page_size
+        storage = self.path.source_storage(wire_layout(decoder), n_slots) if t.direct_write else None
+        self.pool = make_pool(decoder, settings, storage)
+        self.cache = PrefixCache(self.pool, enabled=settings.pool.prefix_cache)
+        self.intake = make_intake(settings, PrefillRequest)
         self._open: dict[str, PrefixAllocation] = {}
         self._released: queue.SimpleQueue[str] = queue.SimpleQueue()
         self.sender = TransferSender(
@@ -210,7 +213,10 @@ class PrefillEngine:
             ticket = None
             if not ends_now:
                 ticket = self.sender.offer(
-                    t, lambda out: self.pool.gather(slots, out), self.settings.transfer.ticket_ttl_s
+                    t,
+                    lambda out: self.pool.gather(slots, out),
+                    self.settings.transfer.ticket_ttl_s,
+                    rows=(self.pool.kv, slots),
                 )
                 self._open[ticket.transfer_id] = alloc
                 offered = True

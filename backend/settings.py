@@ -55,7 +55,10 @@ class TransferSettings:
     require_path: str = ""  # non-empty: refuse to start on any other path
     deadline_s: float = 5.0
     ticket_ttl_s: float = 30.0
-    arena_mb: int = 256
+    arena_mb: int = 256  # D's receive arena (region mode only; direct mode's arena is D's pool)
+    # P writes D's pool pages itself where the path can (host_shm for CPU engines, cuda_ipc, cuda_vmm):
+    # no staging, no receive region, no scatter. false: every path copies into a receive region.
+    direct_write: bool = True
     abort_retry_s: float = 0.2
     probe_interval_s: float = 0.5
     max_held_acks: int = 3

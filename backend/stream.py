@@ -74,7 +74,8 @@ class Stream:
     generated: list[np.ndarray] = field(default_factory=list)  # one [W] row per generated position
     emitted_rows: int = 0
     chunk_index: int = 0
-    pages_returned: bool = False  # set once by the engine that gave `pages` back (never twice)
+    left: bool = False  # D: set once when the stream stopped counting as a member and gave pages back
+    held_pages: list[int] | None = None  # D, direct mode: pages a failed transfer may still write
 
     @property
     def position(self) -> int:

@@ -99,6 +99,19 @@ class CopyStream:
                 s = self._streams[device] = torch.cuda.Stream(device=device)
             return s
 
+    def run(self, device: int, launch: Callable[[], None]) -> None:
+        """Run `launch` (kernels queued on the current stream) on this device's dedicated stream, after
+        everything already queued on the caller's current stream, and return once it completed. A
+        failure raises after the same proof (the stream was drained)."""
+        stream = self.get(device)
+        dev = torch.device("cuda", device)
+        stream.wait_stream(torch.cuda.current_stream(dev))
+        try:
+            with torch.cuda.stream(stream):
+                launch()
+        finally:
+            stream.synchronize()
+
     def copy(self, dst_ptr: int, staging: torch.Tensor) -> None:
         """Copy all of `staging` to `dst_ptr` and return once it completed (dst written).
 

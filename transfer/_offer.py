@@ -12,6 +12,7 @@ from .paths import PeerArena
 from .state import OfferState
 
 GatherFn = Callable[[torch.Tensor], None]
+Rows = tuple[torch.Tensor, torch.Tensor]  # (P's pool [L, 2, S, *row], the request's slots [T] int64)
 
 
 @dataclass(eq=False)
@@ -31,10 +32,12 @@ class Offer:
     nbytes: int
     gather: GatherFn
     expires: float
+    rows: Rows | None = None  # P's source rows in place, for a PULL_ROWS (direct write)
     state: OfferState = OfferState.OFFERED
     source_released: bool = False
     pull_peer: Peer | None = None
     pull_offset: int = 0
+    pull_dst: list[int] | None = None  # PULL_ROWS: D's destination slots as [start, count, ...] runs
     pull_deadline: float = 0.0
     abort_waiters: list[Connection] = field(default_factory=list)
     held_since: float = 0.0

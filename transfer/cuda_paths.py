@@ -128,6 +128,8 @@ class _GpuPath(TransferPath):
     """What both direct paths share: P's staging, the crossing copy, the probe."""
 
     _child_kind = ""
+    direct_write = True
+    arena_device = "cuda"
 
     def __init__(self, device: int | None = None, min_gbps: float = DEFAULT_MIN_GBPS) -> None:
         """`device`: this process's GPU (default: torch's current device, resolved on first use).
@@ -157,6 +159,58 @@ class _GpuPath(TransferPath):
             self._copies.copy(peer.ptr + offset, staging)
         except RuntimeError as exc:
             raise TransferError(f"{self.name} copy into {peer.describe} failed: {exc}") from exc
+
+    def write_rows(
+        self,
+        layout: WireLayout,
+        src: torch.Tensor,
+        src_slots: torch.Tensor,
+        peer: PeerArena,
+        dst_slots: torch.Tensor,
+    ) -> None:
+        """One fused kernel on P's GPU reads P's rows and writes D's pages through the mapping (NVLink
+        stores, no staging, no copy engine); on the path's copy stream, synchronised before returning.
+        The mapping is passed as a raw pointer: a torch view of it could be placed on D's device (the
+        pointer's home) and silently copied."""
+        if not isinstance(peer, MappedPeer):
+            raise TransferError(f"{self.name} cannot write a {type(peer).__name__}")
+        dev = self.device
+        want = layout.staging_shape(src.shape[2]) if src.dim() == 5 else None
+        if not src.is_cuda or src.device.index != dev or tuple(src.shape) != want or not src.is_contiguous():
+            raise TransferError(f"source rows must be a contiguous [L, 2, S, kvh, hd] pool on cuda:{dev}")
+        if src.dtype != layout.dtype:
+            raise TransferError(f"source rows are {src.dtype}, the layout says {layout.dtype}")
+        for name, t in (("src_slots", src_slots), ("dst_slots", dst_slots)):
+            if t.dtype != torch.int64 or t.dim() != 1 or not t.is_contiguous() or t.device != src.device:
+                raise TransferError(f"{name} must be contiguous int64 [T] on {src.device}")
+        if src_slots.numel() != dst_slots.numel():
+            raise TransferError(f"{src_slots.numel()} source slots, {dst_slots.numel()} destination slots")
+        dst_rows, rest = divmod(peer.nbytes, layout.token_bytes)
+        if rest:
+            raise TransferError(f"{peer.describe}: not a pool of {layout.token_bytes}-byte slots")
+        num_lt = layout.num_layers * 2
+        k = kernels()
+
+        def launch() -> None:
+            stream = torch.cuda.current_stream(src.device).cuda_stream
+            k.gather_write(
+                src.data_ptr(),
+                src.shape[2],
+                src_slots.data_ptr(),
+                peer.ptr,
+                dst_rows,
+                dst_slots.data_ptr(),
+                num_lt,
+                src_slots.numel(),
+                layout.token_bytes // num_lt,
+                dev,
+                stream,
+            )
+
+        try:
+            self._copies.run(dev, launch)
+        except RuntimeError as exc:
+            raise TransferError(f"{self.name} write into {peer.describe} failed: {exc}") from exc
 
     def probe(self) -> None:
         kernels()

@@ -18,10 +18,12 @@ import time
 from enum import IntEnum
 from typing import Any
 
+import numpy as np
+
 from .errors import ProtocolError
 
-PROTOCOL_VERSION = 1
-MAX_FRAME_BYTES = 64 * 1024
+PROTOCOL_VERSION = 2  # 2: PULL_ROWS (P writes D's pool pages directly)
+MAX_FRAME_BYTES = 1 << 20  # a PULL_ROWS of a long prompt in a fragmented pool lists many slot runs
 MAX_FDS = 4
 _HEADER = struct.Struct(">I")
 
@@ -29,13 +31,14 @@ _HEADER = struct.Struct(">I")
 class MsgType(IntEnum):
     HELLO = 1  # D -> P: {v, layout, layout_fp, path, arena, d_instance} + arena fds
     HELLO_ACK = 2  # P -> D: {v, instance}
-    PULL = 3  # D -> P: {tid, offset, nbytes, remaining_ms}
+    PULL = 3  # D -> P: {tid, offset, nbytes, remaining_ms}: copy into D's receive region at offset
     DONE = 4  # P -> D: {tid, nbytes, checksum, copy_start_ns, copy_end_ns}
     FAILED = 5  # P -> D: {tid (None for HELLO), reason, detail}
     ABORT = 6  # D -> P: {tid}
     ABORT_ACK = 7  # P -> D: {tid}
     PING = 8  # D -> P: {nonce}
     PONG = 9  # P -> D: {nonce, instance}
+    PULL_ROWS = 10  # D -> P: {tid, dst, nbytes, remaining_ms}; dst = D's slots as [start, count, ...] runs
 
 
 class FailReason(IntEnum):
@@ -50,6 +53,7 @@ class FailReason(IntEnum):
     PATH_MISMATCH = 7
     CLOSING = 8  # P is shutting down or fatal
     BAD_VERSION = 9
+    NO_DIRECT = 10  # PULL_ROWS but this P cannot write D's pool directly (no source rows, or the path)
 
 
 _FIELDS: dict[MsgType, dict[str, tuple[type, ...]]] = {
@@ -75,6 +79,7 @@ _FIELDS: dict[MsgType, dict[str, tuple[type, ...]]] = {
     MsgType.ABORT_ACK: {"tid": (str,)},
     MsgType.PING: {"nonce": (int,)},
     MsgType.PONG: {"nonce": (int,), "instance": (str,)},
+    MsgType.PULL_ROWS: {"tid": (str,), "dst": (list,), "nbytes": (int,), "remaining_ms": (int, float)},
 }
 
 
@@ -188,3 +193,26 @@ def _close_all(fds: list[int]) -> None:
     for fd in fds:
         with contextlib.suppress(OSError):
             os.close(fd)
+
+
+def expand_runs(runs: list[int]) -> np.ndarray:
+    """[start, count, start, count, ...] -> the int64 slots they cover, in order."""
+    starts = np.asarray(runs[::2], dtype=np.int64)
+    counts = np.asarray(runs[1::2], dtype=np.int64)
+    if starts.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    offsets = np.repeat(starts - np.cumsum(counts) + counts, counts)
+    return offsets + np.arange(int(counts.sum()), dtype=np.int64)
+
+
+def compress_runs(slots: np.ndarray) -> list[int]:
+    """The inverse of `expand_runs`: maximal runs of consecutive slots as a flat int list."""
+    s = np.asarray(slots, dtype=np.int64).reshape(-1)
+    if s.size == 0:
+        return []
+    breaks = np.flatnonzero(np.diff(s) != 1) + 1
+    starts = np.concatenate(([0], breaks))
+    counts = np.diff(np.concatenate((starts, [s.size])))
+    out = np.empty(2 * starts.size, dtype=np.int64)
+    out[0::2], out[1::2] = s[starts], counts
+    return [int(x) for x in out]

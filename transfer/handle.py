@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from .arena import Region
@@ -45,6 +47,9 @@ class TransferHandle:
     last_abort: float = 0.0
     engine_done: bool = False  # the engine called complete()
     stamps: _Stamps = field(default_factory=_Stamps)
+    dest: np.ndarray | None = None  # direct mode: D's destination slots (the region)
+    dest_runs: list[int] | None = None  # direct mode: `dest` as PULL_ROWS runs
+    on_dest_free: Callable[[], None] | None = None  # direct mode: slots back to the engine (FAILED)
 
     @property
     def transfer_id(self) -> str:
@@ -58,6 +63,8 @@ class TransferHandle:
         """
         if self.state is not TransferState.VERIFIED:
             raise TransferError(f"transfer {self.transfer_id} is {self.state.name}, not VERIFIED")
+        if self.dest is not None:
+            raise TransferError(f"transfer {self.transfer_id} was written into D's pool directly: no region")
         raw = self.arena.region_bytes(self.region)
         return raw.view(self.layout.dtype).view(self.layout.staging_shape(self.ticket.n_tokens))
 

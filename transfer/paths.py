@@ -1,9 +1,16 @@
-"""Data paths: how the bytes of one transfer get from P's staging buffer into D's receive region.
+"""Data paths: how the bytes of one transfer get from P's KV into D's.
 
-A path supplies both halves: D's receive arena (`create_arena`, exported to P over the control socket)
-and P's side (`open_peer_arena`, `alloc_staging`, `copy_to_peer`). The sender and receiver own the
-protocol and never touch memory except through these methods, so the GPU paths (VMM direct write, IPC
-proxy sidecar) plug in here later.
+A path supplies both halves: D's arena (`create_arena`, exported to P over the control socket) and P's
+side (`open_peer_arena`, then per transfer either `alloc_staging` + `copy_to_peer` or `write_rows`).
+The sender and receiver own the protocol and never touch memory except through these methods.
+
+Two ways to use an arena (docs/transfer.md):
+
+* **region** — the arena is a receive buffer: P gathers the request's rows into staging, one copy
+  crosses into a region of it, D verifies and scatters into its own pool (`copy_to_peer`; every path).
+* **direct** — the arena *is* D's KV pool (`LocalArena.pool_view`): P reads its own pool's rows and
+  writes them straight into the pages D reserved (`write_rows`; paths with `direct_write`), and D
+  verifies the rows in place. No staging, no scatter, one pass over the bytes.
 
 `select_path` probes each candidate with a real small transfer and never falls back silently: with
 `require` set, any failure raises `PathUnavailable`; without it, each skipped path is logged as a
@@ -22,6 +29,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
+
+from tandem.csrc import kv_cuda
 
 from .arena import Region
 from .checksum import kv_checksum
@@ -66,6 +75,17 @@ class LocalArena(ABC):
         `forget`) and were dropped, since the arena was created. Any thread; 0 on other paths."""
         return 0
 
+    def pool_view(self, layout: WireLayout) -> torch.Tensor:
+        """Direct mode: the whole arena as D's KV pool, `layout.staging_shape(S)` with S slots (the
+        arena holds exactly S tokens). A view, no copy; D's engine builds its pool on it."""
+        slots, rest = divmod(self.nbytes, layout.token_bytes)
+        if rest or slots <= 0:
+            raise TransferError(
+                f"a {self.nbytes}-byte arena is not a whole number of {layout.token_bytes}-byte slots"
+            )
+        raw = self.region_bytes(Region(offset=0, nbytes=self.nbytes, alloc_bytes=self.nbytes))
+        return raw.view(layout.dtype).view(layout.staging_shape(slots))
+
     @abstractmethod
     def close(self) -> None:
         """Called once by the receiver's `close()` after every region was freed or abandoned."""
@@ -90,6 +110,12 @@ class TransferPath(ABC):
     D frees a failed transfer's region at once (`ReleaseReason.RECEIVER_DROPS`) instead of quarantining
     it. False when P writes D's memory directly (host_shm, the GPU paths, the proxy)."""
 
+    direct_write: bool = False
+    """True when P can write D's KV pool itself (`write_rows`): the receiver may then run in direct mode
+    (the arena is D's pool, PULL_ROWS names D's slots)."""
+    arena_device: str = "cpu"
+    """Where D's arena lives ("cpu" or "cuda"): direct mode needs D's engine on that device type."""
+
     @abstractmethod
     def probe(self) -> None:
         """Do a real small transfer through this path; raise `PathUnavailable` if anything fails."""
@@ -112,6 +138,27 @@ class TransferPath(ABC):
         `offset`, for transfer `tid` (the sender always passes it; probes and benchmarks outside the
         protocol may omit it, and paths that P writes directly ignore it). Must return only when no
         byte of it can still land (synchronise async engines)."""
+
+    def write_rows(
+        self,
+        layout: WireLayout,
+        src: torch.Tensor,
+        src_slots: torch.Tensor,
+        peer: PeerArena,
+        dst_slots: torch.Tensor,
+    ) -> None:
+        """P side, direct mode, once per copy on a copy worker: write rows `src[:, :, src_slots]` (P's
+        pool, or a staging tensor with `src_slots = arange(T)`) into D's pool (the peer arena viewed as
+        `layout.staging_shape(S)`) at `dst_slots`. Both slot tensors are int64 on `src`'s device; the
+        sender checked `dst_slots` against S. Ordered after the caller's current stream; returns only
+        when no byte of it can still land (like `copy_to_peer`)."""
+        raise TransferError(f"the {self.name} path cannot write D's pool directly")
+
+    def source_storage(self, layout: WireLayout, n_slots: int) -> torch.Tensor | None:
+        """P side, once at engine start: memory for P's own KV pool (`layout.staging_shape(n_slots)`)
+        when this path must know it in advance to write from it (the proxy registers it with the
+        sidecar), else None (P allocates its pool itself)."""
+        return None
 
     def share_instance_lock(self, fd: int | None) -> None:
         """P side, by `TransferSender`: with the slot's instance-lock fd right after `start` took the
@@ -164,8 +211,21 @@ class HostPeerArena(PeerArena):
         finally:
             os.close(fd)
         self.bytes = torch.frombuffer(self._mm, dtype=torch.uint8)
+        self._pool: torch.Tensor | None = None
+
+    def pool(self, layout: WireLayout) -> torch.Tensor:
+        """D's pool as P sees it (direct mode): the mapping viewed as `layout.staging_shape(S)`."""
+        if self._pool is None:
+            slots, rest = divmod(self.nbytes, layout.token_bytes)
+            if rest or slots <= 0:
+                raise TransferError(
+                    f"D's {self.nbytes}-byte arena is not a pool of {layout.token_bytes}-byte slots"
+                )
+            self._pool = self.bytes.view(layout.dtype).view(layout.staging_shape(slots))
+        return self._pool
 
     def close(self) -> None:
+        self._pool = None
         self.bytes = torch.empty(0, dtype=torch.uint8)
         with contextlib.suppress(BufferError):
             self._mm.close()
@@ -175,6 +235,7 @@ class HostShmPath(TransferPath):
     """Host shared memory: staging (host) -> memfd region, one `copy_` crosses. CPU engines and tests."""
 
     name = "host_shm"
+    direct_write = True
 
     def probe(self) -> None:
         try:
@@ -217,6 +278,21 @@ class HostShmPath(TransferPath):
         if offset < 0 or offset + src.numel() > peer.nbytes:
             raise TransferError(f"copy of {src.numel()} bytes at {offset} outside {peer.nbytes} bytes")
         peer.bytes[offset : offset + src.numel()].copy_(src)
+
+    def write_rows(
+        self,
+        layout: WireLayout,
+        src: torch.Tensor,
+        src_slots: torch.Tensor,
+        peer: PeerArena,
+        dst_slots: torch.Tensor,
+    ) -> None:
+        assert isinstance(peer, HostPeerArena)
+        dst = peer.pool(layout)
+        if src.device.type != "cpu":  # a GPU P: bring only this request's rows to the host
+            src = src.index_select(2, src_slots).cpu()
+            src_slots = torch.arange(src.shape[2])
+        kv_cuda.gather_write(src, src_slots, dst, dst_slots.cpu(), check_bounds=False)
 
 
 PATHS: dict[str, Callable[[], TransferPath]] = {

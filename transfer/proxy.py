@@ -8,9 +8,12 @@ memory; the proxy opens both, enables peer access, and runs each copy in the des
 a dedicated stream, replying only after the stream synchronised.
 
 Wire: the control plane's framing (4-byte big-endian length + UTF-8 JSON), requests with an `op`:
-`register {role: staging|arena, handle, nbytes, bus_id, layout_fp}` -> `{ok, id}`; `unregister {id}`;
-`copy {src, src_offset, dst, dst_offset, nbytes}` -> `{ok, ns}`; `ping` -> `{ok, pid, devices}`;
-`hold_lock {}` with one fd (SCM_RIGHTS) -> `{ok}`.
+`register {role: staging|pool|arena, handle, nbytes, bus_id, layout_fp}` -> `{ok, id}`; `unregister {id}`;
+`copy {src, src_offset, dst, dst_offset, nbytes}` -> `{ok, ns}`; `write_rows {src, src_runs, src_rows,
+dst, dst_runs, dst_rows, num_lt, row_bytes}` -> `{ok, ns}` (direct mode: the fused row kernel reads P's
+registered pool — or staging — at the `src_runs` slots and writes D's registered pool at `dst_runs`;
+runs are `[start, count, ...]`); `ping` -> `{ok, pid, devices}`; `hold_lock {}` with one fd
+(SCM_RIGHTS) -> `{ok}`.
 Errors come back as `{ok: false, error}` and close nothing else. A registration lives until its
 connection closes or it is unregistered; unregistering waits for copies that use it.
 
@@ -41,9 +44,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from .control import connect_unix, control_dir, listen_unix, lock_held, peer_cred, same_user
 from .errors import ProtocolError, TransferError
-from .frames import MAX_FRAME_BYTES, send_frame
+from .frames import MAX_FRAME_BYTES, expand_runs, send_frame
 
 log = logging.getLogger(__name__)
 _HEADER = struct.Struct(">I")
@@ -128,6 +133,7 @@ class ProxyServer:
         self._lock = threading.Condition()
         self._entries: dict[str, _Entry] = {}
         self._streams: dict[int, int] = {}
+        self._scratch: dict[tuple[int, int], tuple[int, int]] = {}  # (connection, device) -> (ptr, bytes)
         self._layout_fp: str | None = None
         self._stop = threading.Event()
         self._server: socket.socket | None = None
@@ -209,6 +215,7 @@ class ProxyServer:
                 owned = [e.id for e in self._entries.values() if e.owner is sock]
             for eid in owned:
                 self._unregister(eid)
+            self._drop_scratch(sock)
             sock.close()
             # Last: this thread ran every copy of the connection to completion above, so nothing the
             # proxy does for that P can still land once its lock may be seen free.
@@ -245,12 +252,14 @@ class ProxyServer:
             return {"ok": True}
         if op == "copy":
             return {"ok": True, "ns": self._copy(msg)}
+        if op == "write_rows":
+            return {"ok": True, "ns": self._write_rows(sock, msg)}
         raise ValueError(f"unknown op {op!r}")
 
     def _register(self, sock: socket.socket, msg: dict[str, Any]) -> str:
         role, nbytes, layout_fp = str(msg["role"]), int(msg["nbytes"]), msg.get("layout_fp")
-        if role not in ("staging", "arena"):
-            raise ValueError(f"role must be staging or arena, got {role!r}")
+        if role not in ("staging", "pool", "arena"):
+            raise ValueError(f"role must be staging, pool or arena, got {role!r}")
         handle = bytes.fromhex(str(msg["handle"]))
         with self._lock:
             if layout_fp is not None:
@@ -335,6 +344,94 @@ class ProxyServer:
                 src.busy -= 1
                 dst.busy -= 1
                 self._lock.notify_all()
+
+    def _write_rows(self, sock: socket.socket, msg: dict[str, Any]) -> int:
+        """Direct mode: one fused row kernel from P's registered rows into D's registered pool, in the
+        issuing context, synchronised before the reply (the same proof as `copy`)."""
+        num_lt, row_bytes = int(msg["num_lt"]), int(msg["row_bytes"])
+        src_rows, dst_rows = int(msg["src_rows"]), int(msg["dst_rows"])
+        src_slots, dst_slots = (
+            _slots(msg["src_runs"], src_rows, "src"),
+            _slots(msg["dst_runs"], dst_rows, "dst"),
+        )
+        n = src_slots.size
+        if n != dst_slots.size or n == 0:
+            raise TransferError(f"{n} source rows but {dst_slots.size} destination rows")
+        if num_lt <= 0 or row_bytes <= 0:
+            raise TransferError(f"bad row geometry num_lt={num_lt} row_bytes={row_bytes}")
+        with self._lock:
+            src, dst = self._entries.get(str(msg["src"])), self._entries.get(str(msg["dst"]))
+            if src is None or src.closed or src.role not in ("pool", "staging"):
+                raise TransferError(f"unknown pool/staging registration {msg['src']!r}")
+            if dst is None or dst.closed or dst.role != "arena":
+                raise TransferError(f"unknown arena registration {msg['dst']!r} (D gone or restarted?)")
+            if num_lt * src_rows * row_bytes > src.nbytes or num_lt * dst_rows * row_bytes > dst.nbytes:
+                raise TransferError("row geometry outside the registered ranges")
+            ctx = dst.device if self.issue == "dst" else src.device
+            if ctx not in self._streams:
+                self._streams[ctx] = self._k.stream_create(ctx)
+            stream = self._streams[ctx]
+            src_ptr, dst_ptr = self._mapped(src, ctx), self._mapped(dst, ctx)
+            scratch = self._scratch_for(sock, ctx, 16 * n)
+            src.busy += 1
+            dst.busy += 1
+        try:
+            t0 = time.perf_counter_ns()
+            self._k.copy_from_host(ctx, scratch, src_slots.tobytes() + dst_slots.tobytes())
+            try:
+                self._k.gather_write(
+                    src_ptr,
+                    src_rows,
+                    scratch,
+                    dst_ptr,
+                    dst_rows,
+                    scratch + 8 * n,
+                    num_lt,
+                    n,
+                    row_bytes,
+                    ctx,
+                    stream,
+                )
+            finally:
+                self._k.stream_synchronize(stream)
+            self.copies += 1
+            return time.perf_counter_ns() - t0
+        finally:
+            with self._lock:
+                src.busy -= 1
+                dst.busy -= 1
+                self._lock.notify_all()
+
+    def _scratch_for(self, sock: socket.socket, ctx: int, nbytes: int) -> int:
+        """This connection's device buffer for slot tables on `ctx` (grown as needed; its requests run
+        one at a time, so it is never shared). Freed when the connection ends. Caller holds the lock."""
+        key = (id(sock), ctx)
+        have = self._scratch.get(key)
+        if have is not None and have[1] >= nbytes:
+            return have[0]
+        if have is not None:
+            self._k.free(ctx, have[0])
+        size = max(nbytes, 1 << 16)
+        ptr = self._k.malloc(ctx, size)
+        self._scratch[key] = (ptr, size)
+        return int(ptr)
+
+    def _drop_scratch(self, sock: socket.socket) -> None:
+        with self._lock:
+            mine = [k for k in self._scratch if k[0] == id(sock)]
+            bufs = [(k[1], self._scratch.pop(k)[0]) for k in mine]
+        for ctx, ptr in bufs:
+            with contextlib.suppress(RuntimeError):
+                self._k.free(ctx, ptr)
+
+
+def _slots(runs: object, rows: int, what: str) -> np.ndarray:
+    """A write_rows request's `[start, count, ...]` runs as int64 slots, each inside [0, rows)."""
+    if not isinstance(runs, list) or len(runs) % 2 or not all(type(x) is int for x in runs):
+        raise TransferError(f"{what}_runs must be a flat list of [start, count] int pairs")
+    if any(c <= 0 or s < 0 or s + c > rows for s, c in zip(runs[::2], runs[1::2], strict=True)):
+        raise TransferError(f"{what}_runs reach outside the {rows} registered rows")
+    return expand_runs(runs)
 
 
 class ProxyClient:

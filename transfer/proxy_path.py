@@ -5,6 +5,10 @@ carries only its registration id, so no fd or handle reaches P. P's staging come
 of buffers registered once each (an IPC open costs far more than a copy, so never per transfer);
 `copy_to_peer` waits for the gather on P's stream, asks the proxy to copy, and returns only on its
 reply — which the proxy sends after its copy stream synchronised.
+
+Direct mode (D's arena is its KV pool): P's own pool is allocated here too (`source_storage`) and
+registered once, so `write_rows` just names the registrations and the slot runs; the sidecar runs the
+fused row kernel between the two mappings and replies after it finished.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from .arena import Region
 from .checksum import kv_checksum
 from .cuda_paths import DEFAULT_MIN_GBPS, GpuArena
 from .errors import PathUnavailable, TransferError
+from .frames import compress_runs
 from .layout import WireLayout
 from .paths import LocalArena, PeerArena, TransferPath
 from .proxy import ProxyClient, proxy_socket_path
@@ -47,6 +52,8 @@ class _Slab:
 
 class ProxyPath(TransferPath):
     name = "proxy"
+    direct_write = True
+    arena_device = "cuda"
 
     def __init__(
         self,
@@ -71,6 +78,7 @@ class ProxyPath(TransferPath):
         self._lock_fd: int | None = None  # P's instance lock, handed to the proxy on each connection
         self._free: list[_Slab] = []
         self._busy: dict[int, _Slab] = {}
+        self._pools: dict[int, _Slab] = {}  # P's pools (direct mode), by base pointer
 
     @property
     def device(self) -> int:
@@ -214,6 +222,66 @@ class ProxyPath(TransferPath):
         torch.cuda.current_stream(staging.device).synchronize()  # the proxy cannot wait on our stream
         self._client().request(
             op="copy", src=slab.reg_id, src_offset=0, dst=peer.arena_id, dst_offset=offset, nbytes=nbytes
+        )
+
+    def source_storage(self, layout: WireLayout, n_slots: int) -> torch.Tensor:
+        """P's KV pool in memory the proxy can read: allocated and registered once (role "pool"),
+        kept for the process's life (the engine's pool lives as long)."""
+        k = kernels()
+        nbytes = layout.staging_nbytes(n_slots)
+        ptr = k.malloc(self.device, nbytes)
+        with self._lock:
+            if self._owner is None:
+                self._owner = ProxyClient(self.socket_path)
+            owner = self._owner
+        try:
+            slab = _Slab(ptr, nbytes, self._register(owner, "pool", ptr, nbytes))
+        except BaseException:
+            k.free(self.device, ptr)
+            raise
+        with self._lock:
+            self._pools[ptr] = slab
+        buf = DeviceBuffer(ptr, nbytes, self.device, lambda: None)  # registered for good: never freed
+        return buf.tensor().view(layout.dtype).view(layout.staging_shape(n_slots))
+
+    def write_rows(
+        self,
+        layout: WireLayout,
+        src: torch.Tensor,
+        src_slots: torch.Tensor,
+        peer: PeerArena,
+        dst_slots: torch.Tensor,
+    ) -> None:
+        """The sidecar writes D's pool from P's registered pool (or a staging slab) with the fused row
+        kernel; returns on its reply, sent after the kernel finished."""
+        if not isinstance(peer, ProxyPeer):
+            raise TransferError(f"proxy path cannot write a {type(peer).__name__}")
+        with self._lock:
+            slab = self._pools.get(src.data_ptr()) or self._busy.get(src.data_ptr())
+        if slab is None or not src.is_contiguous():
+            raise TransferError(
+                "proxy path: source rows must be in the pool from source_storage or a staging slab"
+            )
+        dst_rows, rest = divmod(peer.nbytes, layout.token_bytes)
+        if rest:
+            raise TransferError(
+                f"D's {peer.nbytes}-byte arena is not a pool of {layout.token_bytes}-byte slots"
+            )
+        num_lt = layout.num_layers * 2
+        row_bytes = layout.token_bytes // num_lt
+        src_runs = compress_runs(src_slots.cpu().numpy())  # .cpu() waits for P's stream: rows are written
+        dst_runs = compress_runs(dst_slots.cpu().numpy())
+        torch.cuda.current_stream(src.device).synchronize()  # the proxy cannot wait on our stream
+        self._client().request(
+            op="write_rows",
+            src=slab.reg_id,
+            src_runs=src_runs,
+            src_rows=src.shape[2],
+            dst=peer.arena_id,
+            dst_runs=dst_runs,
+            dst_rows=dst_rows,
+            num_lt=num_lt,
+            row_bytes=row_bytes,
         )
 
     def probe(self) -> None:

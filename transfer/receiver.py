@@ -10,6 +10,12 @@ alone never does. Meanwhile the maintenance thread re-sends ABORT every `abort_r
 connection, after reconnects, after a stopped P resumes) and probes every known endpoint every
 `probe_interval_s` even with no traffic, so a restarted P is discovered by a draining D.
 
+In direct mode (`direct=True`, paths with `direct_write`) the arena is D's KV pool (`pool_view()`, the
+engine builds its pool on it) and a transfer's "region" is the destination slots the engine reserved
+and passes to `request`: the PULL_ROWS names them, P writes them in place, D verifies them in place,
+and the engine finds the KV already in its pages (no scatter). The same proofs guard them: a failed
+transfer's slots come back to the engine (`on_dest_free`) only when no byte of it can still land.
+
 On a path whose receiver writes every byte itself (`path.receiver_writes`: tcp) D needs none of those
 proofs: `arena.expect(region, tid)` goes before the PULL, `arena.forget(region)` before every free, and
 after `forget` every chunk of the transfer is dropped. So a failed transfer's region is freed at once
@@ -29,13 +35,14 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from ._conn import Connection
 from ._endpoint import Endpoint, failure_for
-from .arena import RegionAllocator
+from .arena import Region, RegionAllocator
 from .auth import AuthFailed, connect_handshake, ticket_signed
-from .checksum import format_checksum, kv_checksum
+from .checksum import format_checksum, kv_checksum, kv_checksum_rows
 from .control import (
     CONTROL_MAGIC,
     CONTROL_ROLES,
@@ -57,7 +64,7 @@ from .errors import (
     TransferError,
     TransferTimeout,
 )
-from .frames import PROTOCOL_VERSION, MsgType
+from .frames import MAX_FRAME_BYTES, PROTOCOL_VERSION, MsgType, compress_runs
 from .handle import TransferHandle
 from .layout import WireLayout
 from .paths import TransferPath
@@ -91,18 +98,32 @@ class TransferReceiver:
         on_event: Callable[[TransferEvent], None] | None = None,
         on_quarantine_change: Callable[[str, bool], None] | None = None,
         secret: bytes | None = None,
+        direct: bool = False,
     ) -> None:
         """Called once per D process. `lock_proof=False` disables the process-death proof (an unreachable
         endpoint whose instance lock is free) and leaves only ACK/DONE/FAILED/instance-change; tests use it
         to show that time alone never releases a region. `secret` (the unit secret) lets D follow
         tickets whose endpoint is a P's TCP control listener (`tcp://host:port`, cross-host); only a
-        path where D writes every byte itself accepts those (no lock to probe across hosts)."""
+        path where D writes every byte itself accepts those (no lock to probe across hosts).
+
+        `direct=True` (only for a path with `direct_write`): the arena of `arena_bytes` (a whole number
+        of `layout.token_bytes` slots) is D's KV pool, see `pool_view`; `request` then takes the
+        destination slots."""
+        if direct and not path.direct_write:
+            raise TransferError(f"the {path.name} path cannot write D's pool directly (direct=True)")
+        if direct and (arena_bytes <= 0 or arena_bytes % layout.token_bytes):
+            raise TransferError(
+                f"direct mode: {arena_bytes} bytes is not a pool of {layout.token_bytes}-byte slots"
+            )
         self.layout = layout
         self.path = path
+        self.direct = direct
         self.instance_id = secrets.token_hex(16)
         self._dir = control_dir(unit)
-        self._alloc = RegionAllocator(arena_bytes)
+        self._alloc = RegionAllocator(arena_bytes) if not direct else None
+        self._capacity = arena_bytes
         self._arena = path.create_arena(arena_bytes, f"{unit}-{self.instance_id[:8]}")
+        self._pool = self._arena.pool_view(layout) if direct else None
         self._abort_retry_s = abort_retry_s
         self._probe_interval_s = probe_interval_s
         self._connect_timeout_s = connect_timeout_s
@@ -135,14 +156,33 @@ class TransferReceiver:
 
     # ---- engine API ------------------------------------------------------------------------------
 
-    def request(self, ticket: Ticket, deadline_s: float) -> TransferHandle:
+    def pool_view(self) -> torch.Tensor:
+        """Direct mode: D's KV pool, `layout.staging_shape(S)` over the whole arena (a view; the engine
+        owns its contents and its paging, the receiver only the slots of transfers in flight)."""
+        if self._pool is None:
+            raise TransferError("pool_view() is for a direct-mode receiver")
+        return self._pool
+
+    def request(
+        self,
+        ticket: Ticket,
+        deadline_s: float,
+        dest: np.ndarray | None = None,
+        on_dest_free: Callable[[], None] | None = None,
+    ) -> TransferHandle:
         """Called by D once per ticket (its admission thread), after it reserved destination pages; any
         thread. Never blocks on P.
 
-        Allocates the receive region (owned by the transfer from now on) and sends or queues the PULL.
+        Region mode: allocates the receive region (owned by the transfer from now on) and sends or
+        queues the PULL. Direct mode: `dest` (int64 [n_tokens], slots of `pool_view()`) belongs to the
+        transfer from now on and the PULL_ROWS names it; if the transfer ends FAILED, `on_dest_free()`
+        is called exactly once (any thread, no lock held) after the engine's `complete` and once no byte
+        of it can still land — only then may the engine reuse those slots. A VERIFIED transfer's slots
+        are the engine's again at `complete` (no callback).
         Raises at once, with nothing allocated, on `LayoutMismatch`, `PathMismatch`, a ticket from
-        another unit, a duplicate id, or `ArenaExhausted` (retry later or shed load). Everything after
-        this is reported through `poll()`; the engine must call `complete(handle)` once it is terminal.
+        another unit, a duplicate id, bad `dest`, or `ArenaExhausted` (retry later or shed load).
+        Everything after this is reported through `poll()`; the engine must call `complete(handle)`
+        once it is terminal.
         """
         if ticket.layout_fp != self.layout.fingerprint() or ticket.nbytes != self.layout.staging_nbytes(
             ticket.n_tokens
@@ -167,16 +207,22 @@ class TransferReceiver:
                 )
         elif Path(ticket.endpoint).parent != self._dir or Path(ticket.lock_path).parent != self._dir:
             raise TransferError(f"ticket endpoint {ticket.endpoint} is not in this unit's {self._dir}")
+        runs = self._dest_runs(ticket, dest)
         actions: Actions = []
         with self._lock:
             if self._stop.is_set():
                 raise TransferError("receiver is closed")
             if ticket.transfer_id in self._handles:
                 raise TransferError(f"transfer {ticket.transfer_id} already requested")
-            region = self._alloc.allocate(ticket.nbytes)
+            if self._alloc is None:  # direct: the slots are the region; this one is for accounting
+                region: Region | None = Region(offset=0, nbytes=ticket.nbytes, alloc_bytes=ticket.nbytes)
+            else:
+                region = self._alloc.allocate(ticket.nbytes)
             if region is None:
                 raise ArenaExhausted(f"no {ticket.nbytes}-byte range free in the receive arena")
             h = TransferHandle(ticket, region, time.monotonic() + deadline_s, self.layout, self._arena)
+            if runs is not None:
+                h.dest, h.dest_runs, h.on_dest_free = dest, runs, on_dest_free
             self._handles[ticket.transfer_id] = h
             ep = self._endpoints.get(ticket.endpoint)
             if ep is None:
@@ -188,6 +234,27 @@ class TransferReceiver:
                 self._kick.set()
         _run(actions)
         return h
+
+    def _dest_runs(self, ticket: Ticket, dest: np.ndarray | None) -> list[int] | None:
+        """Direct mode: `dest` checked and compressed for the PULL_ROWS (None in region mode)."""
+        if self._pool is None:
+            if dest is not None:
+                raise TransferError("destination slots given to a region-mode receiver")
+            return None
+        if dest is None or dest.dtype != np.int64 or dest.ndim != 1 or dest.size != ticket.n_tokens:
+            raise TransferError(
+                f"direct mode needs {ticket.n_tokens} int64 destination slots, got {dest!r:.80}"
+            )
+        slots = self._pool.shape[2]
+        if dest.size and (int(dest.min()) < 0 or int(dest.max()) >= slots):
+            raise TransferError(f"destination slots outside the pool's {slots}")
+        runs = compress_runs(dest)
+        if 24 * len(runs) > MAX_FRAME_BYTES - 1024:  # digits + separator per int, worst case
+            raise TransferError(
+                f"destination of {ticket.transfer_id} is {len(runs) // 2} separate runs: too fragmented "
+                "for one PULL_ROWS (use larger pages)"
+            )
+        return runs
 
     def poll(self, handle: TransferHandle) -> TransferState:
         """Called by the engine loop every iteration for each open handle; non-blocking.
@@ -208,8 +275,10 @@ class TransferReceiver:
 
     def complete(self, handle: TransferHandle) -> None:
         """Called by the engine exactly once per handle, after `poll` returned VERIFIED (and it scattered
-        the tensor) or FAILED. A VERIFIED handle's region is freed now; a FAILED one's when its proof
-        arrives (or already was). The handle and its tensor view are invalid afterwards."""
+        the tensor) or FAILED. A VERIFIED handle's region is freed now (direct: its slots are simply the
+        engine's); a FAILED one's when its proof arrives (or already was; direct: `on_dest_free` then).
+        The handle and its tensor view are invalid afterwards."""
+        actions: Actions = []
         with self._lock:
             if handle.engine_done:
                 raise TransferError(f"complete() called twice for {handle.transfer_id}")
@@ -219,7 +288,8 @@ class TransferReceiver:
             elif handle.state is not TransferState.FAILED:
                 raise TransferError(f"complete() on a {handle.state.name} transfer {handle.transfer_id}")
             handle.engine_done = True
-            self._forget_if_done(handle)
+            self._forget_if_done(handle, actions)
+        _run(actions)
 
     def held_fraction(self) -> float:
         """Quarantined bytes / arena bytes: the drain signal (the engine stops admitting above 0.25)."""
@@ -229,7 +299,7 @@ class TransferReceiver:
                 for h in self._handles.values()
                 if h.region_state is RegionState.QUARANTINED
             )
-        return held / self._alloc.capacity
+        return held / self._capacity
 
     def stats(self) -> ReceiverStats:
         """Snapshot for metrics; any thread, any time."""
@@ -241,9 +311,15 @@ class TransferReceiver:
                 return len(sel), sum(sel)
 
             (nf, bf), (nq, bq) = count(RegionState.IN_FLIGHT), count(RegionState.QUARANTINED)
+            if self._alloc is not None:
+                free = self._alloc.free_bytes
+            else:  # direct: bytes of pool slots no transfer holds
+                free = self._capacity - sum(
+                    h.region.alloc_bytes for h in hs if h.region_state is not RegionState.FREE
+                )
             return ReceiverStats(
-                arena_bytes=self._alloc.capacity,
-                free_bytes=self._alloc.free_bytes,
+                arena_bytes=self._capacity,
+                free_bytes=free,
                 in_flight_count=nf,
                 in_flight_bytes=bf,
                 ready_count=count(RegionState.READY)[0],
@@ -290,13 +366,14 @@ class TransferReceiver:
             h.stamps.request_sent_ns = time.time_ns()
             ep.handles.add(h)
             remaining_ms = max(0.0, (h.deadline - now) * 1000.0)
+            if h.dest_runs is not None:
+                where: dict[str, object] = {"dst": h.dest_runs}
+                kind = MsgType.PULL_ROWS
+            else:
+                where, kind = {"offset": h.region.offset}, MsgType.PULL
             actions.append(
                 conn.later(
-                    MsgType.PULL,
-                    tid=h.transfer_id,
-                    offset=h.region.offset,
-                    nbytes=h.ticket.nbytes,
-                    remaining_ms=remaining_ms,
+                    kind, tid=h.transfer_id, nbytes=h.ticket.nbytes, remaining_ms=remaining_ms, **where
                 )
             )
 
@@ -332,11 +409,12 @@ class TransferReceiver:
         if self._on_quarantine_change is not None:
             cb = self._on_quarantine_change
             actions.append(lambda: cb(h.transfer_id, False))
-        self._forget_if_done(h)
+        self._forget_if_done(h, actions)
 
     def _free(self, h: TransferHandle, reason: ReleaseReason | None) -> None:
         self._arena.forget(h.region)  # receiver-written paths: returns once no chunk for it can land
-        self._alloc.free(h.region)
+        if self._alloc is not None:
+            self._alloc.free(h.region)
         h.region_state, h.released_by = RegionState.FREE, reason
         if reason is not None and reason in _RELEASE_COUNTER:
             self._counts[_RELEASE_COUNTER[reason]] += 1
@@ -344,9 +422,14 @@ class TransferReceiver:
         if ep is not None:
             ep.handles.discard(h)
 
-    def _forget_if_done(self, h: TransferHandle) -> None:
+    def _forget_if_done(self, h: TransferHandle, actions: Actions) -> None:
+        """Drop a handle both the engine and the proofs are done with; direct mode: a failed transfer's
+        slots go back to the engine now (exactly once)."""
         if h.engine_done and h.region_state is RegionState.FREE:
             self._handles.pop(h.transfer_id, None)
+            cb, h.on_dest_free = h.on_dest_free, None
+            if cb is not None and h.state is TransferState.FAILED:
+                actions.append(cb)
 
     def _emit(self, h: TransferHandle, actions: Actions) -> None:
         if self._on_event is not None:
@@ -453,9 +536,14 @@ class TransferReceiver:
         On a GPU the hash runs on a stream of its own: on the thread's default stream it would queue
         behind the engine's decode steps. Nothing of D's touches the region before VERIFIED (and the
         engine returns a region only after its scatter read it), and P's copy finished before DONE."""
-        region = self._arena.region_bytes(h.region)
-        with self._verify_stream(region.device):
-            ours = format_checksum(kv_checksum(region))
+        if self._pool is not None and h.dest is not None:  # direct: hash the rows in D's pool in place
+            with self._verify_stream(self._pool.device):
+                dest = torch.from_numpy(h.dest).to(self._pool.device)
+                ours = format_checksum(kv_checksum_rows(self._pool, dest))
+        else:
+            region = self._arena.region_bytes(h.region)
+            with self._verify_stream(region.device):
+                ours = format_checksum(kv_checksum(region))
         actions: Actions = []
         with self._lock:
             if ours == theirs:

@@ -2,10 +2,14 @@
 
 Journey of an offer: `offer()` -> OFFERED (P's pages held) -> PULL accepted -> QUEUED -> a copy worker
 takes it -> COPYING: gather into staging (then the source is released), checksum, `copy_hook`, one copy
-into D's region -> COPIED, reply DONE. Off the happy path an offer is tombstoned (ABORTED/EXPIRED) before
-any write, or the copy fails after its copy call returned (FAILED). Terminal offers leave the table; a
-later PULL for their id is refused (tids are random and never reused, so "not in the table" is proof
-that no copy for it will start), and a later ABORT is ACKed at once.
+into D's region -> COPIED, reply DONE. A PULL_ROWS (direct mode: D's arena is its KV pool) instead has
+the worker checksum P's rows in place and write them straight into the D slots it names
+(`path.write_rows`), releasing the source after the write; with a `copy_hook` (fault injection) the
+rows go through a staging buffer so the hook can alter what lands after the checksum.
+Off the happy path an offer is tombstoned (ABORTED/EXPIRED) before any write, or the copy fails after
+its copy call returned (FAILED). Terminal offers leave the table; a later PULL for their id is refused
+(tids are random and never reused, so "not in the table" is proof that no copy for it will start),
+and a later ABORT is ACKed at once.
 
 ABORT during COPYING cannot be proven yet: P holds the ACK and sends it (instead of DONE) when the copy
 returns. Holding `max_held_acks` ACKs at once, or one for longer than `max_hold_s`, calls `on_fatal`: the
@@ -32,9 +36,9 @@ from collections.abc import Callable
 import torch
 
 from ._conn import Connection
-from ._offer import GatherFn, Offer, Peer
+from ._offer import GatherFn, Offer, Peer, Rows
 from .auth import AuthFailed, accept_handshake, sign_ticket
-from .checksum import format_checksum, kv_checksum
+from .checksum import format_checksum, kv_checksum, kv_checksum_rows
 from .control import (
     CONTROL_MAGIC,
     CONTROL_ROLES,
@@ -46,7 +50,7 @@ from .control import (
     tcp_endpoint,
 )
 from .errors import ProtocolError, SenderClosed, TransferError
-from .frames import PROTOCOL_VERSION, FailReason, MsgType
+from .frames import PROTOCOL_VERSION, FailReason, MsgType, expand_runs
 from .layout import WireLayout
 from .paths import TransferPath
 from .state import OfferState, SenderStats, Ticket, TransferEvent
@@ -206,23 +210,28 @@ class TransferSender:
 
     # ---- engine API ------------------------------------------------------------------------------
 
-    def offer(self, n_tokens: int, gather: GatherFn, ttl_s: float) -> Ticket:
+    def offer(self, n_tokens: int, gather: GatherFn, ttl_s: float, rows: Rows | None = None) -> Ticket:
         """Called by the engine once per prefilled request, after its KV is in P's pool.
 
         From now on P's source pages belong to the sender: `gather(out)` may be called (at most once, on
         a copy worker) to write the request's rows into `out` (shape `layout.staging_shape(n_tokens)`,
-        written to). `on_source_released(tid)` is called exactly once — after the gather, or when the
-        offer is aborted, expires after `ttl_s` unpulled, or the sender closes — and only then may the
-        engine free the pages. Returns the ticket to send to D.
+        written to). `rows = (pool, slots)` (P's pool `layout.staging_shape(S)` and the request's
+        `n_tokens` int64 slots on the pool's device) lets a D in direct mode have them written into its
+        pool in place (PULL_ROWS); without it such a PULL is refused (NO_DIRECT).
+        `on_source_released(tid)` is called exactly once — after the gather (direct: after the write),
+        or when the offer is aborted, expires after `ttl_s` unpulled, or the sender closes — and only
+        then may the engine free the pages. Returns the ticket to send to D.
         """
         if ttl_s <= 0:
             raise ValueError("ttl_s must be positive")
+        if rows is not None and (rows[1].dim() != 1 or rows[1].numel() != n_tokens):
+            raise ValueError(f"rows: slots must be [{n_tokens}], got {tuple(rows[1].shape)}")
         nbytes = self.layout.staging_nbytes(n_tokens)
         tid = secrets.token_hex(16)
         with self._lock:
             if self._closing or self._fatal or self._server is None:
                 raise SenderClosed("sender is not serving (not started, closing or fatal)")
-            self._offers[tid] = Offer(tid, n_tokens, nbytes, gather, time.monotonic() + ttl_s)
+            self._offers[tid] = Offer(tid, n_tokens, nbytes, gather, time.monotonic() + ttl_s, rows)
             self._counts["offers_total"] += 1
         ticket = Ticket(
             tid,
@@ -309,7 +318,7 @@ class TransferSender:
                 return
             while True:
                 kind, msg, _ = peer.conn.reader.read()
-                if kind is MsgType.PULL:
+                if kind is MsgType.PULL or kind is MsgType.PULL_ROWS:
                     self._pull(peer, msg)
                 elif kind is MsgType.ABORT:
                     self._abort(peer.conn, msg["tid"])
@@ -345,11 +354,20 @@ class TransferSender:
         return False
 
     def _pull(self, peer: Peer, msg: dict[str, object]) -> None:
+        """A PULL (copy into D's region at `offset`) or a PULL_ROWS (write D's pool at the `dst` runs)."""
         tid = str(msg["tid"])
-        offset, nbytes = int(msg["offset"]), int(msg["nbytes"])  # type: ignore[call-overload]
+        direct = "dst" in msg
+        offset = 0 if direct else int(msg["offset"])  # type: ignore[call-overload]
+        nbytes = int(msg["nbytes"])  # type: ignore[call-overload]
         remaining_s = float(msg["remaining_ms"]) / 1000.0  # type: ignore[arg-type]
         actions: list[Callable[[], None]] = []
         reason: FailReason | None = None
+        dst: list[int] | None = None
+        if direct:
+            dst = msg["dst"]  # type: ignore[assignment]
+            bad = self._bad_dst(peer, dst, nbytes)
+            if bad is not None:
+                log.warning("refused PULL_ROWS %s: %s", tid, bad)
         with self._lock:
             offer = self._offers.get(tid)
             if self._closing or self._fatal:
@@ -360,8 +378,13 @@ class TransferSender:
                 reason = refusals.get(past, FailReason.UNKNOWN) if past is not None else FailReason.UNKNOWN
             elif offer.state is not OfferState.OFFERED:
                 reason = FailReason.UNKNOWN  # already pulled: only one PULL per offer
+            elif direct and (offer.rows is None or not self.path.direct_write):
+                reason = FailReason.NO_DIRECT
             elif (
-                peer.arena is None or nbytes != offer.nbytes or not 0 <= offset <= peer.arena.nbytes - nbytes
+                peer.arena is None
+                or nbytes != offer.nbytes
+                or not 0 <= offset <= peer.arena.nbytes - nbytes
+                or (direct and bad is not None)
             ):
                 reason = FailReason.BAD_REGION
             elif remaining_s <= 0:
@@ -369,7 +392,7 @@ class TransferSender:
                 reason = FailReason.EXPIRED
             else:
                 offer.state = OfferState.QUEUED
-                offer.pull_peer, offer.pull_offset = peer, offset
+                offer.pull_peer, offer.pull_offset, offer.pull_dst = peer, offset, dst
                 offer.pull_deadline = time.monotonic() + remaining_s
                 self._jobs.put(offer)
             if reason is not None:
@@ -377,6 +400,25 @@ class TransferSender:
         _run(actions)
         if reason is not None:
             peer.conn.send(MsgType.FAILED, tid=tid, reason=int(reason), detail=reason.name)
+
+    def _bad_dst(self, peer: Peer, dst: object, nbytes: int) -> str | None:
+        """Why a PULL_ROWS's destination runs cannot be written (None: they can): not [start, count]
+        int pairs, a run outside D's pool, or a total that is not `nbytes` of tokens."""
+        if peer.arena is None:
+            return "no arena"
+        slots, rest = divmod(peer.arena.nbytes, self.layout.token_bytes)
+        if rest:
+            return f"D's {peer.arena.nbytes}-byte arena is not a pool of {self.layout.token_bytes}-byte slots"
+        if not isinstance(dst, list) or len(dst) % 2 or not all(type(x) is int for x in dst):
+            return "dst is not a flat list of [start, count] int pairs"
+        total = 0
+        for start, count in zip(dst[::2], dst[1::2], strict=True):
+            if count <= 0 or start < 0 or start + count > slots:
+                return f"run [{start}, {count}] outside D's {slots} slots"
+            total += count
+        if total * self.layout.token_bytes != nbytes:
+            return f"{total} destination slots for {nbytes} bytes"
+        return None
 
     def _abort(self, conn: Connection, tid: str) -> None:
         actions: list[Callable[[], None]] = []
@@ -430,16 +472,19 @@ class TransferSender:
         error: str | None = None
         checksum = 0
         try:
-            staging = self.path.alloc_staging(self.layout, offer.n_tokens)
-            try:
-                offer.gather(staging)
-            finally:
-                self._release_source(offer)
-            checksum = kv_checksum(staging)
-            if self._copy_hook is not None:
-                self._copy_hook(offer.tid, staging)
-            assert peer.arena is not None
-            self.path.copy_to_peer(staging, peer.arena, offer.pull_offset, offer.tid)
+            if offer.pull_dst is not None:
+                checksum = self._write_rows(offer, offer.pull_dst)
+            else:
+                staging = self.path.alloc_staging(self.layout, offer.n_tokens)
+                try:
+                    offer.gather(staging)
+                finally:
+                    self._release_source(offer)
+                checksum = kv_checksum(staging)
+                if self._copy_hook is not None:
+                    self._copy_hook(offer.tid, staging)
+                assert peer.arena is not None
+                self.path.copy_to_peer(staging, peer.arena, offer.pull_offset, offer.tid)
         except Exception as exc:  # the engine's gather or the path failed; the copy call has returned
             error = f"{type(exc).__name__}: {exc}"
         with self._lock:
@@ -467,6 +512,28 @@ class TransferSender:
             peer.conn.send(MsgType.FAILED, tid=offer.tid, reason=int(FailReason.COPY_ERROR), detail=error)
         if self._on_event is not None:
             self._on_event(event)
+
+    def _write_rows(self, offer: Offer, runs: list[int]) -> int:
+        """Copy worker, direct mode: checksum P's rows, write them into D's pool at `runs`, release the
+        source once the write returned (whatever happened). Returns the checksum of what P wrote."""
+        try:
+            assert (
+                offer.rows is not None and offer.pull_peer is not None and offer.pull_peer.arena is not None
+            )
+            src, src_slots = offer.rows
+            dst = torch.from_numpy(expand_runs(runs)).to(src.device)
+            if self._copy_hook is None:
+                checksum = kv_checksum_rows(src, src_slots)
+            else:  # fault injection: the hook may alter what lands after the checksum, never P's pool
+                staging = self.path.alloc_staging(self.layout, offer.n_tokens)
+                offer.gather(staging)
+                checksum = kv_checksum(staging)
+                self._copy_hook(offer.tid, staging)
+                src, src_slots = staging, torch.arange(offer.n_tokens, device=staging.device)
+            self.path.write_rows(self.layout, src, src_slots, offer.pull_peer.arena, dst)
+            return checksum
+        finally:
+            self._release_source(offer)
 
     # ---- helpers (called with self._lock held unless noted) ---------------------------------------
 

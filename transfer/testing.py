@@ -41,6 +41,16 @@ def fake_kv(layout: WireLayout, n_tokens: int, seed: int) -> torch.Tensor:
     return torch.randn(layout.staging_shape(n_tokens), generator=g).to(layout.dtype)
 
 
+def fake_pool(layout: WireLayout, n_tokens: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A P pool of 2 x `n_tokens` slots holding `fake_kv(layout, n_tokens, seed)` at shuffled slots
+    (every row its own chunk), and those slots: what an offer's `rows` look like on a real P."""
+    g = torch.Generator().manual_seed(seed ^ 0x5EED)
+    slots = torch.randperm(2 * n_tokens, generator=g)[:n_tokens]
+    pool = torch.zeros(layout.staging_shape(2 * n_tokens), dtype=layout.dtype)
+    pool.index_copy_(2, slots, fake_kv(layout, n_tokens, seed))
+    return pool, slots
+
+
 class HookControl:
     """What the sender's `copy_hook` does: "none", "block" (every copy, until `release`), "block_one"
     (only the first copy to enter after the mode was set, until `release`; later copies pass), or
@@ -111,12 +121,12 @@ def sender_child(
         cmd = pipe.recv()
         if cmd[0] == "offer":
             _, n_tokens, seed, ttl_s = cmd
-            data = fake_kv(wl, n_tokens, seed)
+            pool, slots = fake_pool(wl, n_tokens, seed)
 
-            def gather(out: torch.Tensor, d: torch.Tensor = data) -> None:
-                out.copy_(d)
+            def gather(out: torch.Tensor, p: torch.Tensor = pool, s: torch.Tensor = slots) -> None:
+                out.copy_(p.index_select(2, s))
 
-            pipe.send(sender.offer(n_tokens, gather, ttl_s).to_json())
+            pipe.send(sender.offer(n_tokens, gather, ttl_s, rows=(pool, slots)).to_json())
         elif cmd[0] == "hook":
             hook.set_mode(cmd[1])
             pipe.send("ok")
@@ -201,4 +211,4 @@ class FailingPath(TransferPath):
         raise PathUnavailable("failing path")
 
 
-__all__ = ["FailingPath", "HookControl", "SenderProcess", "fake_kv", "sender_child"]
+__all__ = ["FailingPath", "HookControl", "SenderProcess", "fake_kv", "fake_pool", "sender_child"]

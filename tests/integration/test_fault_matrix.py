@@ -10,7 +10,8 @@ Every row injects one fault into a running 1P1D unit and checks the same four th
 One unit serves every row (a server start costs ~15 s of the suite's budget); faults are switched on
 the running P through its control file, P is paused/killed with signals, and restarted with an
 explicit-mode model load — Triton 2.51 does not restart a dead decoupled stub (the kill row shows it).
-D runs with a 1 MiB receive arena so that a few quarantined transfers exceed the 25 % drain limit.
+D runs with a 1 MiB receive arena (region mode) and a 128-page pool (direct mode: the pool is the arena)
+so that a few quarantined transfers exceed the 25 % drain limit.
 
 The last test prints the matrix (`-s`) and, with TANDEM_FAULT_MATRIX_OUT set, writes it as JSON.
 `TANDEM_FAULT_VOLUME` sets the size of the volume row (default 10000 short streams).
@@ -87,6 +88,9 @@ OVERRIDES = {
         "tandem.batch.rate_admission": "false",
         "tandem.transfer.deadline_s": str(DEADLINE_S),
         "tandem.transfer.arena_mb": "1",
+        # Direct mode (host_shm, cuda_ipc, cuda_vmm): the arena is D's pool, so the pool is what a few
+        # held transfers must fill past 25 %: 128 pages of 16 (the largest row needs 96 at once).
+        "tandem.pool.num_pages": "128",
         "tandem.transfer.abort_retry_s": "0.2",
         "tandem.transfer.probe_interval_s": "0.5",
     },

@@ -30,7 +30,7 @@ from tandem.transfer import (
 from tandem.transfer.cuda_paths import CudaIpcPath, CudaVmmPath, register
 from tandem.transfer.proxy import ProxyClient
 from tandem.transfer.proxy_path import ProxyPath
-from tandem.transfer.testing import fake_kv
+from tandem.transfer.testing import fake_kv, fake_pool
 
 LAYOUT = WireLayout(4, 2, 64, "bfloat16")
 CTX = mp.get_context("spawn")
@@ -90,12 +90,15 @@ def sender_child(
     sender.start()
     tickets = []
     for seed in seeds:
-        data = fake_kv(LAYOUT, n_tokens, seed).to(f"cuda:{device}")
+        pool, slots = (t.to(f"cuda:{device}") for t in fake_pool(LAYOUT, n_tokens, seed))
+        storage = path.source_storage(LAYOUT, pool.shape[2])  # the proxy must know P's pool up front
+        if storage is not None:
+            pool = storage.copy_(pool)
 
-        def gather(out: torch.Tensor, d: torch.Tensor = data) -> None:
-            out.copy_(d)
+        def gather(out: torch.Tensor, p: torch.Tensor = pool, s: torch.Tensor = slots) -> None:
+            out.copy_(p.index_select(2, s))
 
-        tickets.append(sender.offer(n_tokens, gather, ttl_s=60.0).to_json())
+        tickets.append(sender.offer(n_tokens, gather, ttl_s=60.0, rows=(pool, slots)).to_json())
     conn.send(tickets)
     conn.recv()  # parent says stop
     sender.close()
@@ -190,6 +193,60 @@ def test_cross_process_round_trip_verified(name: str, xdg: str, request: pytest.
             stats = rx.stats()
             assert stats.verify_ok == len(seeds) and stats.verify_mismatch == 0
             assert stats.free_bytes == stats.arena_bytes  # no leaked region
+        finally:
+            rx.close()
+        parent.send("stop")
+        assert parent.poll(60) and parent.recv() == "closed"
+    finally:
+        proc.join(30)
+        if proc.is_alive():
+            proc.kill()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", GPU_PATHS)
+def test_cross_process_direct_write_into_fragmented_pool(
+    name: str, xdg: str, request: pytest.FixtureRequest
+) -> None:
+    """Direct mode on a GPU: the fused kernel (P's, or the sidecar's on the proxy path) writes P's
+    (shuffled) pool rows straight into D's pool at D's (shuffled) slots; D verifies in place; nothing
+    else is written."""
+    _need_cuda()
+    unit = request.getfixturevalue("proxy") if name == "proxy" else f"d{os.getpid()}"
+    p_dev, d_dev = _devices()
+    torch.cuda.set_device(d_dev)
+    seeds, n_tokens, pool_slots = [11, 12, 13], 300, 2048
+    parent, child = CTX.Pipe()
+    proc = CTX.Process(
+        target=sender_child, args=(name, p_dev, unit, xdg, seeds, n_tokens, child), daemon=True
+    )
+    proc.start()
+    try:
+        assert parent.poll(120), "P child did not start"
+        tickets = [Ticket.from_json(t) for t in parent.recv()]
+        rx = TransferReceiver(
+            LAYOUT, unit, pool_slots * LAYOUT.token_bytes, make(name, d_dev, unit), direct=True
+        )
+        try:
+            pool = rx.pool_view()
+            assert pool.device == torch.device("cuda", d_dev)
+            pool.zero_()
+            order = torch.randperm(pool_slots, generator=torch.Generator().manual_seed(3))
+            for i, (seed, ticket) in enumerate(zip(seeds, tickets, strict=True)):
+                dest = order[i * n_tokens : (i + 1) * n_tokens].numpy().astype("int64")
+                h = rx.request(ticket, 60.0, dest, lambda: None)
+                end = time.monotonic() + 60
+                while rx.poll(h) in (TransferState.REQUESTED, TransferState.DONE) and time.monotonic() < end:
+                    time.sleep(0.002)
+                assert rx.poll(h) is TransferState.VERIFIED, h.error
+                got = pool.index_select(2, torch.from_numpy(dest).to(pool.device))
+                want = fake_kv(LAYOUT, n_tokens, seed).to(pool.device)
+                assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+                rx.complete(h)
+            untouched = order[len(seeds) * n_tokens :].to(pool.device)
+            assert not pool.index_select(2, untouched).view(torch.uint8).any()  # no stray write
+            stats = rx.stats()
+            assert stats.verify_ok == len(seeds) and stats.verify_mismatch == 0
         finally:
             rx.close()
         parent.send("stop")

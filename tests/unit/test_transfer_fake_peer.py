@@ -27,7 +27,7 @@ from tandem.transfer import (
 from tandem.transfer._conn import Connection
 from tandem.transfer.checksum import format_checksum
 from tandem.transfer.control import InstanceLock, endpoint_paths, listen_unix
-from tandem.transfer.frames import MsgType
+from tandem.transfer.frames import PROTOCOL_VERSION, MsgType
 from tandem.transfer.paths import HostPeerArena
 from tandem.transfer.testing import fake_kv
 
@@ -60,7 +60,7 @@ class ScriptedP:
         arena = HostShmPath().open_peer_arena({"kind": "memfd"}, fds)
         assert isinstance(arena, HostPeerArena)
         self.arena = arena
-        self.conn.send(MsgType.HELLO_ACK, v=1, instance=self.instance)
+        self.conn.send(MsgType.HELLO_ACK, v=PROTOCOL_VERSION, instance=self.instance)
         try:
             while True:
                 kind, msg, _ = self.conn.reader.read()

@@ -30,7 +30,7 @@ from tandem.transfer import (
     testing,
 )
 from tandem.transfer.control import connect_unix
-from tandem.transfer.frames import FrameReader, MsgType, encode, send_frame
+from tandem.transfer.frames import PROTOCOL_VERSION, FrameReader, MsgType, encode, send_frame
 from tandem.transfer.testing import HookControl, fake_kv
 
 LAYOUT = WireLayout(num_layers=2, num_kv_heads=2, head_dim=16, dtype_name="bfloat16")
@@ -251,7 +251,7 @@ def _raw_d(endpoint: str) -> tuple[socket.socket, FrameReader, object]:
         sock,
         encode(
             MsgType.HELLO,
-            v=1,
+            v=PROTOCOL_VERSION,
             layout=LAYOUT.to_dict(),
             layout_fp=LAYOUT.fingerprint(),
             path="host_shm",
