@@ -46,6 +46,7 @@ TABLE_HEADERS = [
     "<floor",
     "ttfa p50 ms",
     "ttfa p95 ms",
+    "later p95 ms",
     "min tok/s",
     "D admit p99 ms",
     "D busy",
@@ -130,13 +131,21 @@ def run_level(
     floor: float,
     timeout_s: float,
     metrics_url: str | None = None,
+    ramp_s: float = 0.0,
 ) -> dict[str, Any]:
+    """`concurrency` closed-loop clients share `requests` requests. `ramp_s` = 0 starts every client at
+    once (a burst of cold prompts: the worst case for whoever prefills); > 0 starts client k at
+    k * ramp_s / concurrency, so arrivals spread like live traffic. Each record says whether it was its
+    client's first request; `ttfa_ms_later` is TTFA over the others (arrivals onto a running load)."""
     counter = itertools.count()
     records: list[dict[str, Any]] = []
     lock = threading.Lock()
     t0 = time.monotonic()
 
-    def worker() -> None:
+    def worker(k: int) -> None:
+        if ramp_s > 0:
+            time.sleep(k * ramp_s / concurrency)
+        first = True
         with TTSClient(url, model) as client:
             while (i := next(counter)) < requests:
                 req = trace[i % len(trace)]
@@ -149,11 +158,12 @@ def run_level(
                     VOICE_ID=req.voice,
                 )
                 with lock:
-                    records.append(stream_record(r, rows_per_second, floor))
+                    records.append({**stream_record(r, rows_per_second, floor), "first_of_client": first})
+                first = False
 
     busy_name = "tandem_device_busy_seconds_total"
     busy_before = scrape(metrics_url, busy_name, "decode") if metrics_url and model == "tts" else None
-    threads = [threading.Thread(target=worker, daemon=True) for _ in range(concurrency)]
+    threads = [threading.Thread(target=worker, args=(k,), daemon=True) for k in range(concurrency)]
     for th in threads:
         th.start()
     for th in threads:
@@ -166,6 +176,7 @@ def run_level(
     ok = [r for r in records if r["error"] is None]
     admit = [r["waterfall_ms"]["d_entry->d_admit"] for r in ok if "d_entry->d_admit" in r["waterfall_ms"]]
     ttfa = [r["ttfa_ms"] for r in ok]
+    later = [r["ttfa_ms"] for r in ok if not r["first_of_client"]]
     rates = [r["rate_tok_s"] for r in ok if np.isfinite(r["rate_tok_s"])]
     level = {
         "concurrency": concurrency,
@@ -177,6 +188,12 @@ def run_level(
         "ttfa_ms": {q: float(np.percentile(ttfa, p)) for q, p in (("p50", 50), ("p95", 95), ("p99", 99))}
         if ttfa
         else {},
+        "ttfa_ms_later": {
+            q: float(np.percentile(later, p)) for q, p in (("p50", 50), ("p95", 95), ("p99", 99))
+        }
+        if later
+        else {},
+        "ramp_s": ramp_s,
         "rate_tok_s": {
             "min": min(rates),
             "p1": float(np.percentile(rates, 1)),
@@ -228,6 +245,25 @@ def plot(result: dict[str, Any], out: Path) -> None:
     plt.close(fig)
 
 
+def parse_levels(text: str, models: list[str]) -> dict[str, list[int]]:
+    """`--levels`: "1,2,4" for every model, or per model "tts=32,64/tts_mono=16,24" (a model not named
+    gets no levels). Raises SystemExit on anything else."""
+    try:
+        if "=" not in text:
+            common = [int(x) for x in text.split(",") if x.strip()]
+            return dict.fromkeys(models, common)
+        per = {
+            k.strip(): [int(x) for x in v.split(",") if x.strip()]
+            for k, v in (p.split("=") for p in text.split("/"))
+        }
+    except ValueError:
+        raise SystemExit(f"--levels: expected '1,2,4' or 'model=1,2/model=4', got {text!r}") from None
+    unknown = set(per) - set(models)
+    if unknown:
+        raise SystemExit(f"--levels names models not in --models: {sorted(unknown)}")
+    return {m: per.get(m, []) for m in models}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="tandem-bench", description=__doc__.split("\n")[0])
     ap.add_argument("--url", default="localhost:8001")
@@ -236,7 +272,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--models", default="tts,tts_mono")
     ap.add_argument("--gpus", default="", help="GPUs per model for per-GPU capacity, e.g. tts=2,tts_mono=2")
-    ap.add_argument("--levels", default="1,2,4,8")
+    ap.add_argument(
+        "--levels", default="1,2,4,8", help="concurrency levels: '1,2,4' for all, or 'tts=8,16/tts_mono=4,8'"
+    )
     ap.add_argument("--requests", type=int, default=32, help="requests per level")
     ap.add_argument(
         "--rounds",
@@ -247,6 +285,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--trace", type=Path, help="JSON-lines trace; default: a generated seed-like trace")
     ap.add_argument("--trace-requests", type=int, default=256)
     ap.add_argument("--floor", type=float, default=42.0)
+    ap.add_argument(
+        "--ramp-s",
+        type=float,
+        default=0.0,
+        help="start the clients of a level spread over this many seconds (0: all at once, a burst)",
+    )
     ap.add_argument("--timeout", type=float, default=600.0)
     ap.add_argument("--smoke", action="store_true", help="tiny prompts and outputs, two levels (CI)")
     ap.add_argument("--out", type=Path, required=True, help="directory for bench.json and bench.png")
@@ -262,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
     models = [m for m in args.models.split(",") if m]
     metrics_url = args.metrics_url or f"http://{args.url.rsplit(':', 1)[0]}:8002/metrics"
     gpus = {k: int(v) for k, v in (kv.split("=") for kv in args.gpus.split(",") if kv)}
-    levels = [int(x) for x in args.levels.split(",")]
+    levels = parse_levels(args.levels, models)
 
     with TTSClient(args.url, models[0]) as c:
         published = c.model_parameters()
@@ -279,10 +323,21 @@ def main(argv: list[str] | None = None) -> int:
     table = []
     for model in models:
         runs = []
-        for c in levels:
+        for c in levels[model]:
             n_req = args.rounds * c if args.rounds else args.requests
             lv = run_level(
-                args.url, model, trace, c, n_req, width, vocab, rps, args.floor, args.timeout, metrics_url
+                args.url,
+                model,
+                trace,
+                c,
+                n_req,
+                width,
+                vocab,
+                rps,
+                args.floor,
+                args.timeout,
+                metrics_url,
+                ramp_s=args.ramp_s,
             )
             runs.append(lv)
             t = lv["ttfa_ms"]
@@ -296,6 +351,7 @@ def main(argv: list[str] | None = None) -> int:
                     lv["streams_below_floor"],
                     t.get("p50", float("nan")),
                     t.get("p95", float("nan")),
+                    lv["ttfa_ms_later"].get("p95", float("nan")),
                     lv["rate_tok_s"].get("min", float("nan")),
                     lv["d_admit_ms"].get("p99", float("nan")),
                     "-" if lv["decode_device_busy"] is None else f"{lv['decode_device_busy']:.0%}",

@@ -12,7 +12,7 @@ contiguous run per layer and K/V) and fragmented (page size 1, shuffled slots: ~
 * `cross` — `copy_to_peer` alone on an already gathered staging buffer (synchronised wall clock).
 * `gather`/`scatter` — the kernels alone (CUDA events); `fused` — P's gather kernel writing straight
             into D's arena through the mapping (cuda_ipc / cuda_vmm only; no staging to checksum).
-* `direct` — direct mode (paths with `direct_write`: cuda_ipc, cuda_vmm), the whole hand-off: D's pool
+* `direct` — direct mode (paths with `direct_write`: cuda_ipc, cuda_vmm, proxy), the whole hand-off: D's pool
             *is* a second arena (`LocalArena.pool_view`, `--pool-slots` tokens), and P's
             `TransferPath.write_rows` reads its pool's rows and writes D's pages at D's slots in one
             kernel (synchronised wall clock of the call; no gather, crossing copy or scatter). In the
@@ -245,6 +245,9 @@ def p_child(
         peer = path.open_peer_arena(meta, fds)
         pool_peer = None if pool_meta is None else path.open_peer_arena(pool_meta, pool_fds)
         pool = torch.randn(layout.staging_shape(pool_slots), device=dev).to(layout.dtype)
+        storage = path.source_storage(layout, pool_slots)  # the proxy writes only from a registered pool
+        if storage is not None:
+            pool = storage.copy_(pool)
         slots = slot_sets(pool_slots, n_tokens, P_SEED, dev)
         d_slots = slot_sets(pool_slots, n_tokens, D_SEED, dev)  # D's destination slots, on P's device
         staging = path.alloc_staging(layout, n_tokens)

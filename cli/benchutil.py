@@ -36,8 +36,9 @@ def _git(*args: str) -> str | None:
 
 
 def git_commit() -> str:
-    """HEAD of the checkout this file lives in; else $TANDEM_BENCH_COMMIT; else "unknown"."""
-    return _git("rev-parse", "HEAD") or os.environ.get(COMMIT_ENV) or "unknown"
+    """$TANDEM_BENCH_COMMIT when set (a copied tree whose .git is stale or absent: the device runs
+    pass the commit they were sent), else HEAD of the checkout this file lives in, else "unknown"."""
+    return os.environ.get(COMMIT_ENV) or _git("rev-parse", "HEAD") or "unknown"
 
 
 def git_dirty() -> bool | None:

@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 import math
 
-from tandem.cli.bench import main, stalls
+import pytest
+
+from tandem.cli.bench import main, parse_levels, stalls
 from tandem.cli.tts_client import StreamResult
 
 
@@ -37,6 +39,29 @@ def test_bench_smoke_produces_consistent_figures(server, tmp_path):
                 assert lv["d_admit_ms"] == {} and lv["decode_device_busy"] is None
         passing = [lv["concurrency"] for lv in levels if lv["passed"]]
         assert model["capacity"] == (max(passing) if passing else 0)
+        for lv in levels:  # each client's first request, and TTFA over the rest (onto a running load)
+            assert sum(r["first_of_client"] for r in lv["records"]) == lv["concurrency"]
+            assert lv["ramp_s"] == 0.0 and lv["ttfa_ms_later"]["p50"] > 0
+
+
+def test_bench_per_model_levels_and_ramp(server, tmp_path):
+    """Per-model levels run only those levels; a ramp starts the clients spread out (figures the same)."""
+    args = ["--url", server.url, "--metrics-url", server.metrics_url, "--smoke", "--out", str(tmp_path)]
+    args += ["--models", "tts_mono", "--ramp-s", "0.3"]
+    assert main(args) == 0
+    result = json.loads((tmp_path / "bench.json").read_text())
+    assert set(result["models"]) == {"tts_mono"}
+    assert all(lv["ramp_s"] == 0.3 and lv["errors"] == 0 for lv in result["models"]["tts_mono"]["levels"])
+
+
+def test_parse_levels_forms_and_bad_input():
+    assert parse_levels("1,2,4", ["a", "b"]) == {"a": [1, 2, 4], "b": [1, 2, 4]}
+    assert parse_levels("a=8,16/b=4", ["a", "b"]) == {"a": [8, 16], "b": [4]}
+    assert parse_levels("a=8", ["a", "b"]) == {"a": [8], "b": []}  # b gets no levels
+    with pytest.raises(SystemExit, match="not in --models"):
+        parse_levels("c=1", ["a", "b"])  # a model that is not benchmarked
+    with pytest.raises(SystemExit, match="expected"):
+        parse_levels("a=x", ["a"])  # not an int
 
 
 def test_stall_accounting():
