@@ -1,32 +1,46 @@
 """`tandem-bench-checksum`: D's KV verification latency, alone and beside a busy engine thread.
 
     tandem-bench-checksum --mib 288 --out docs/benchmarks            # on the device: --device cuda:0
+    tandem-bench-checksum --device cuda:0 --paths torch,kernel,rows  # the fused kernel against torch
 
 D verifies every DONE on the control connection's reader thread (`transfer/receiver.py: _verify`),
 while the engine thread runs decode steps in the same process. Both hold the GIL between torch calls,
 and every torch call releases and re-takes it, so a hash issued as many small calls waits for the
-engine at every call. This bench measures `kv_checksum` over `--mib` MiB on `--device`:
+engine at every call. This bench measures the checksum of `--mib` MiB on `--device`:
 
     alone   nothing else runs in the process
     busy    a thread loops like an engine: small torch ops with Python work between them
 
-for each `--groups` value (`_GROUP`: 8 MiB chunks hashed per torch call; shipped: 1 on a CPU, 8 on
-CUDA, see `transfer/checksum.py`). Every setting gives the same checksum (asserted). Median, p90 and
-max over `--reps`. Writes `<out>/<name>.json`.
+for each `--paths` entry:
+
+    torch   `reference_kv_checksum` (the torch code; also the CPU path), once per `--groups` value
+            (`_GROUP`: 8 MiB chunks hashed per torch call; shipped: 1 on a CPU, 8 on CUDA, see
+            `transfer/checksum.py`)
+    kernel  `kv_checksum` through the fused kernel (csrc/kv_checksum.cu), the bytes as one flat array
+    rows    `kv_checksum_rows`: the same bytes viewed as a pool [--layers, 2, S, --row-bytes] read in
+            place at every slot in shuffled order (page size 1, fully fragmented; the kernel's P/D use)
+
+torch and kernel must give the same checksum (asserted), rows the value of its torch reference
+(asserted, untimed). kernel and rows need CUDA and the built module; elsewhere they are skipped with a
+note. Median, p90 and max over `--reps`. Writes `<out>/<name>.json`; each result row carries `path`
+and, for torch, `group` (null for the kernel paths).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from tandem.cli import benchutil
+from tandem.csrc import kv_cuda
 from tandem.transfer import checksum as ck
 
 
@@ -43,30 +57,55 @@ def _engine_like(stop: threading.Event, device: torch.device, steps: list[int]) 
         steps[0] += 1
 
 
-def measure(data: torch.Tensor, group: int, busy: bool, reps: int) -> tuple[list[float], int, int]:
-    """Seconds per `kv_checksum(data)` with `ck._GROUP = group`; the checksum; engine steps seen."""
-    saved = ck._GROUP
-    ck._GROUP = group
+def measure(
+    fn: Callable[[], int], device: torch.device, busy: bool, reps: int
+) -> tuple[list[float], int, int]:
+    """Seconds per `fn()` (one checksum, blocking until its value is on the host); the checksum;
+    engine steps seen."""
     stop = threading.Event()
     steps = [0]
     thread = None
     if busy:
-        thread = threading.Thread(target=_engine_like, args=(stop, data.device, steps), daemon=True)
+        thread = threading.Thread(target=_engine_like, args=(stop, device, steps), daemon=True)
         thread.start()
         time.sleep(0.2)
     try:
-        value = ck.kv_checksum(data)  # warm-up (weights table, allocator)
+        value = fn()  # warm-up (weights table, allocator, module load)
         times = []
         for _ in range(reps):
             t0 = time.perf_counter()
-            assert ck.kv_checksum(data) == value
+            assert fn() == value
             times.append(time.perf_counter() - t0)
         return times, value, steps[0]
     finally:
-        ck._GROUP = saved
         stop.set()
         if thread is not None:
             thread.join()
+
+
+def _torch_with_group(data: torch.Tensor, group: int) -> Callable[[], int]:
+    def run() -> int:
+        saved = ck._GROUP
+        ck._GROUP = group
+        try:
+            return ck.reference_kv_checksum(data)
+        finally:
+            ck._GROUP = saved
+
+    return run
+
+
+def _rows_case(data: torch.Tensor, layers: int, row_bytes: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`data` as a pool [layers, 2, S, row_bytes] (uint8) and every slot once, shuffled."""
+    per_slot = layers * 2 * row_bytes
+    if row_bytes % 8 or data.numel() % per_slot:
+        raise SystemExit(
+            f"--mib bytes are not whole slots of {layers} x 2 x {row_bytes} B (row bytes % 8 == 0)"
+        )
+    pool = data.view(layers, 2, data.numel() // per_slot, row_bytes)
+    g = torch.Generator().manual_seed(0)
+    slots = torch.randperm(pool.shape[2], generator=g).to(data.device)
+    return pool, slots
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -74,32 +113,76 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mib", type=int, default=288, help="bytes hashed per call, in MiB")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--reps", type=int, default=10)
-    ap.add_argument("--groups", default="1,8", help="comma-separated _GROUP values to compare")
+    ap.add_argument("--groups", default="1,8", help="comma-separated _GROUP values to compare (torch path)")
+    ap.add_argument("--paths", default="torch", help="comma-separated: torch, kernel, rows (see above)")
+    ap.add_argument("--layers", type=int, default=36, help="rows path: pool layers (qwen3-4b: 36)")
+    ap.add_argument("--row-bytes", type=int, default=2048, help="rows path: bytes per row (qwen3-4b: 2048)")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--name", default="checksum")
     args = ap.parse_args(argv)
+    paths = [p.strip() for p in args.paths.split(",") if p.strip()]
+    unknown = sorted(set(paths) - {"torch", "kernel", "rows"})
+    if unknown:
+        raise SystemExit(f"unknown --paths entries {unknown}: use torch, kernel, rows")
     device = torch.device(args.device)
     data = torch.randint(0, 256, (args.mib << 20,), dtype=torch.uint8, device=device)
+    why_not = "needs --device cuda" if device.type != "cuda" else kv_cuda.build_info()
+    cases: list[tuple[str, int | None, Callable[[], int]]] = []
+    skipped: list[str] = []
+    for path in paths:
+        if path == "torch":
+            cases += [("torch", int(g), _torch_with_group(data, int(g))) for g in args.groups.split(",")]
+        elif path == "kernel":
+            if kv_cuda.checksum_tensor_supported(data):
+                cases.append(("kernel", None, functools.partial(ck.kv_checksum, data)))
+            else:
+                skipped.append(f"kernel: no kernel for this tensor ({why_not})")
+        else:
+            pool, slots = _rows_case(data, args.layers, args.row_bytes)
+            if kv_cuda.checksum_rows_supported(pool):
+                want = ck.reference_kv_checksum_rows(pool, slots)
+                assert ck.kv_checksum_rows(pool, slots) == want, (
+                    "rows kernel differs from its torch reference"
+                )
+                cases.append(("rows", None, functools.partial(ck.kv_checksum_rows, pool, slots)))
+            else:
+                skipped.append(f"rows: no kernel for this pool ({why_not})")
+    for note in skipped:
+        print(f"skipped {note}", flush=True)
     results: list[dict[str, Any]] = []
     values = set()
-    for group in (int(g) for g in args.groups.split(",")):
+    for path, group, fn in cases:
         for busy in (False, True):
-            times, value, steps = measure(data, group, busy, args.reps)
-            values.add(value)
-            results.append({"group": group, "busy": busy, "engine_steps": steps, **benchutil.summary(times)})
+            times, value, steps = measure(fn, device, busy, args.reps)
+            if path != "rows":
+                values.add(value)
+            results.append(
+                {
+                    "path": path,
+                    "group": group,
+                    "busy": busy,
+                    "engine_steps": steps,
+                    **benchutil.summary(times),
+                }
+            )
             r = results[-1]
+            label = f"group {group:2d}" if group is not None else f"{path:8s}"
             print(
-                f"group {group:2d} {'busy ' if busy else 'alone'}: median {r['median_ms']:.1f} ms, "
-                f"p90 {r['p90_ms']:.1f} ms, max {r['max_ms']:.1f} ms",
+                f"{label} {'busy ' if busy else 'alone'}: median {r['median_ms']:.3f} ms, "
+                f"p90 {r['p90_ms']:.3f} ms, max {r['max_ms']:.3f} ms",
                 flush=True,
             )
-    assert len(values) == 1, "grouping changed the checksum"
+    assert len(values) <= 1, "grouping or the kernel changed the checksum"
     if args.out is not None:
         meta = {
             **benchutil.provenance(device, "tandem-bench-checksum", argv),
             "benchmark": "checksum",
             "mib": args.mib,
             "reps": args.reps,
+            "paths": paths,
+            "skipped": skipped,
+            "layers": args.layers,
+            "row_bytes": args.row_bytes,
         }
         benchutil.write_json(args.out / f"{args.name}.json", {"meta": meta, "results": results})
         print(f"wrote {args.out / args.name}.json")

@@ -1,4 +1,4 @@
-"""Builds `tandem.csrc._cuda_kernels` (KV row kernels, paged decode attention, CUDA IPC/VMM helpers).
+"""Builds `tandem.csrc._cuda_kernels` (KV row kernels and checksum, paged decode attention, CUDA IPC/VMM).
 
     python csrc/build_cuda.py [--arch 90] [--nvcc PATH]
 
@@ -56,7 +56,7 @@ def build(arch: str, nvcc: str) -> Path:
     out = HERE / f"_cuda_kernels{suffix}"
     with tempfile.TemporaryDirectory() as tmp:
         objs = []
-        for name in ("kv_kernels.cu", "decode_attention.cu"):
+        for name in ("kv_kernels.cu", "kv_checksum.cu", "decode_attention.cu"):
             objs.append(os.path.join(tmp, name.replace(".cu", ".o")))
             run([nvcc, *common, *gencode, "-c", str(HERE / name), "-o", objs[-1]])
         mod = os.path.join(tmp, "cuda_module.o")

@@ -1,5 +1,6 @@
-// pybind11 module `tandem.csrc._cuda_kernels`: the KV row kernels plus the few CUDA runtime / driver
-// calls the GPU transfer paths need (legacy IPC handles, VMM export/import/map, async copies).
+// pybind11 module `tandem.csrc._cuda_kernels`: the KV row kernels (copies and the in-place checksum) and
+// paged decode attention, plus the few CUDA runtime / driver calls the GPU transfer paths need (legacy
+// IPC handles, VMM export/import/map, async copies).
 //
 // Everything takes and returns plain ints (device pointers, stream handles, allocation handles) so the
 // module imports without libtorch and a probe child can use it without importing torch. Driver-API
@@ -163,6 +164,18 @@ PYBIND11_MODULE(_cuda_kernels, m) {
       py::arg("src_pool"), py::arg("src_rows"), py::arg("src_slots"), py::arg("dst_pool"), py::arg("dst_rows"),
       py::arg("dst_slots"), py::arg("num_lt"), py::arg("n_tokens"), py::arg("row_bytes"), py::arg("device"),
       py::arg("stream"), "dst_pool[lt, dst_slots[t]] = src_pool[lt, src_slots[t]] (dst_pool written)");
+  m.def(
+      "checksum_rows",
+      [](uintptr_t src, int64_t src_rows, uintptr_t slots, int64_t num_lt, int64_t n_tokens, int64_t row_bytes,
+         uintptr_t out, int device, uintptr_t stream) {
+        tandem::checksum_rows(reinterpret_cast<const void*>(src), reinterpret_cast<const int64_t*>(slots),
+                              src_rows, num_lt, n_tokens, row_bytes, reinterpret_cast<uint64_t*>(out), device,
+                              as_stream(stream));
+      },
+      py::arg("src"), py::arg("src_rows"), py::arg("slots"), py::arg("num_lt"), py::arg("n_tokens"),
+      py::arg("row_bytes"), py::arg("out"), py::arg("device"), py::arg("stream"),
+      "out[0], out[1] = kv_checksum's lanes (a, b) over src's rows at slots in wire order (slots 0: rows "
+      "0..n_tokens-1); out[2] = rows skipped for a slot outside [0, src_rows) (out, 3 words, written)");
   m.def("decode_attention_supported", &tandem::decode_attention_supported, py::arg("dtype"), py::arg("head_dim"),
         py::arg("group"), "whether decode_attention has a kernel (dtype 0 f32, 1 f16, 2 bf16)");
   m.def(

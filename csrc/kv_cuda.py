@@ -11,6 +11,10 @@ Shapes (every tensor contiguous; `R` = any trailing row shape, e.g. `(num_kv_hea
     staging  [L, 2, T, *R]   contiguous, the wire layout (`WireLayout.staging_shape(T)`)
     slots    [T] int64       slot of each token, on the pool's device (for `gather_write`: the source's)
 
+`checksum_rows` hashes a request's rows where they lie, by slot, with transfer/checksum.py's definition
+(the value `kv_checksum` gives the staging buffer a gather would fill); transfer/checksum.py holds the
+torch reference and the CPU path, and `checksum_tensor` is the same kernel over any contiguous tensor.
+
 `decode_attention` is the decode step's attention read in place from one layer of such a pool (one
 query row per sequence over its own slots; see csrc/decode_attention.cu), with
 `reference_decode_attention` (gather + masked SDPA) as its reference and CPU path.
@@ -34,6 +38,10 @@ import torch
 
 __all__ = [
     "build_info",
+    "checksum_rows",
+    "checksum_rows_supported",
+    "checksum_tensor",
+    "checksum_tensor_supported",
     "decode_attention",
     "decode_attention_supported",
     "gather",
@@ -252,6 +260,78 @@ def gather_write(
         dev,
         _stream(src_pool.device),
     )
+
+
+# ---- in-place checksum ------------------------------------------------------------------------------
+
+
+def checksum_rows_supported(pool: torch.Tensor) -> bool:
+    """True when `checksum_rows` can hash `pool`'s rows with the kernel: CUDA, module built, rows a
+    multiple of 8 bytes and an 8-byte aligned base. Otherwise transfer/checksum.py uses torch."""
+    if not uses_kernels(pool) or pool.dim() < 4:
+        return False
+    return pool.data_ptr() % 8 == 0 and _geometry(pool)[2] % 8 == 0
+
+
+def checksum_tensor_supported(t: torch.Tensor) -> bool:
+    """True when `checksum_tensor` can hash `t` with the kernel: CUDA, module built, contiguous, a
+    multiple of 8 bytes from an 8-byte aligned base."""
+    return uses_kernels(t) and t.is_contiguous() and t.data_ptr() % 8 == 0 and t.nbytes % 8 == 0
+
+
+def _lanes(
+    src: int, src_rows: int, slots: int, num_lt: int, n_tokens: int, row_bytes: int, device: torch.device
+) -> torch.Tensor:
+    assert _MODULE is not None
+    out = torch.empty(3, dtype=torch.int64, device=device)
+    _MODULE.checksum_rows(
+        src, src_rows, slots, num_lt, n_tokens, row_bytes, out.data_ptr(), device.index, _stream(device)
+    )
+    return out
+
+
+def checksum_rows(pool: torch.Tensor, slots: torch.Tensor | None = None) -> torch.Tensor:
+    """Launch the checksum kernel over `pool`'s rows at `slots`, in wire order; returns its output.
+
+    `pool` is `[L, 2, S, *R]` (contiguous); wire row `(lt, t)` is `pool[lt // 2, lt % 2, slots[t]]`, or
+    the t-th row when `slots` is None (the whole tensor is then the staging buffer, `T = S`); `slots`
+    may be empty. Returns an int64 [3] tensor on the pool's device, written asynchronously on its
+    current stream: the lanes (a, b) of transfer/checksum.py's definition as wrapping int64, and the
+    number of rows skipped because their slot was outside `[0, S)` (the kernel never reads outside
+    the pool; the caller raises when it is not 0). transfer/checksum.py's `kv_checksum_rows` turns it
+    into the checksum. Raises ValueError/TypeError on a bad pool or slots, RuntimeError when
+    `checksum_rows_supported(pool)` is False.
+    """
+    _check_pool("pool", pool)
+    if slots is not None:
+        if slots.dtype != torch.int64:
+            raise TypeError(f"slots must be int64, got {slots.dtype}")
+        if slots.dim() != 1:
+            raise ValueError(f"slots must be a 1-D tensor, got shape {tuple(slots.shape)}")
+        if slots.device != pool.device:
+            raise ValueError(f"slots is on {slots.device}, expected {pool.device}")
+        if not slots.is_contiguous():
+            raise ValueError("slots must be contiguous")
+    if not checksum_rows_supported(pool):
+        raise RuntimeError(f"no checksum kernel for this pool ({pool.device}, {pool.dtype}); {build_info()}")
+    num_lt, rows, row_bytes = _geometry(pool)
+    if slots is None:
+        return _lanes(pool.data_ptr(), rows, 0, num_lt, rows, row_bytes, pool.device)
+    return _lanes(pool.data_ptr(), rows, slots.data_ptr(), num_lt, slots.numel(), row_bytes, pool.device)
+
+
+def checksum_tensor(t: torch.Tensor) -> torch.Tensor:
+    """`checksum_rows` for any contiguous tensor: all of its bytes as one row (hashed as a flat array).
+
+    Returns the same int64 [3] tensor (its third word is always 0), asynchronously on `t`'s device's
+    current stream. Raises RuntimeError when `checksum_tensor_supported(t)` is False.
+    """
+    if not checksum_tensor_supported(t):
+        raise RuntimeError(
+            f"no checksum kernel for this tensor ({t.device}, {t.nbytes} bytes, contiguous "
+            f"{t.is_contiguous()}, base {t.data_ptr():#x}); {build_info()}"
+        )
+    return _lanes(t.data_ptr(), 1, 0, 1, 1, t.nbytes, t.device)
 
 
 # ---- paged decode attention ----------------------------------------------------------------------------

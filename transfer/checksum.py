@@ -1,6 +1,6 @@
-"""KV integrity checksum, computed with torch on the tensor's own device.
+"""KV integrity checksum, computed on the tensor's own device.
 
-P hashes its staging buffer before the copy, D hashes its receive region after DONE; the two must agree
+P hashes what it sends before the copy, D hashes what landed after DONE; the two must agree
 (design.md §1: every transfer is checksummed at P and verified at D). Because it runs on the tensor's
 device, a GPU path can verify in place without a host round trip.
 
@@ -19,6 +19,20 @@ are mirror images of each other ([x, y | y, x] -> [y, x | x, y] leaves Σ(i+1)·
 rows are common in structured test data. Hashing the position keeps the cost (one multiply-add per
 word) and catches them. Both lanes are sums in the ring Z/2^64, so the reduction order (CPU threads,
 GPU blocks) does not change the result: the checksum is the same on every device for equal bytes.
+
+Entry points:
+
+    kv_checksum(t)                 any contiguous tensor (a staging buffer, a receive region)
+    kv_checksum_rows(pool, slots)  a request's rows read in place from a paged pool [L, 2, S, *R],
+                                   equal to kv_checksum of the staging buffer [L, 2, T, *R] that
+                                   gathering `slots` would fill (what P and D hash when P writes D's
+                                   pool pages directly, with no staging buffer in between)
+
+Both run the fused kernel of csrc/kv_checksum.cu (via `tandem.csrc.kv_cuda`) for CUDA tensors when the
+module is built and the bytes are 8-byte words from an 8-byte aligned base: one pass at memory speed,
+asynchronous on the device's current stream up to the final 24-byte readback. Otherwise, and always
+on the CPU, they run the torch code below (`reference_kv_checksum`, `reference_kv_checksum_rows`),
+which is also what the tests hold the kernel to.
 """
 
 from __future__ import annotations
@@ -27,6 +41,7 @@ import torch
 
 _MASK = (1 << 64) - 1
 _CHUNK_WORDS = 1 << 20  # words per position-weight period (8 MiB of bytes)
+_KERNEL_CHUNK_WORDS = 1 << 20  # the kernel's (fixed); tests that shrink _CHUNK_WORDS get the torch path
 # Chunks hashed per torch call, by device type (`tandem-bench-checksum`, docs/benchmarks/checksum-*.json).
 # CPU: 1 (8 MiB temporaries stay in cache; 8 per call was 2.5x slower). CUDA: 8 (each call is a launch
 # and a GIL round trip beside the engine thread; 288 MiB on an H200 took 0.5 ms instead of 1.7 ms
@@ -92,9 +107,27 @@ def kv_checksum(t: torch.Tensor) -> int:
     """64-bit checksum of `t`'s raw bytes (see module docstring); `t` must be contiguous.
 
     Called by the sender once per copy (over its staging buffer) and by the receiver once per DONE
-    (over the receive region). Reads `t` only; allocates about 3 x `_GROUP` x 8 MiB of temporaries on
-    `t`'s device, freed on return. Blocks until the device finishes (one `.item()` per lane at the end).
-    Chunks are hashed `_GROUP` at a time as rows of a 2-D view (see `_GROUP`).
+    (over the receive region). Reads `t` only. On CUDA with the kernel
+    (`kv_cuda.checksum_tensor_supported`): one pass on the current stream, no temporaries, then a
+    blocking 24-byte readback. Otherwise `reference_kv_checksum`.
+    """
+    if not t.is_contiguous():
+        raise ValueError("kv_checksum needs a contiguous tensor (hash the staging buffer, not a view)")
+    if t.is_cuda and _CHUNK_WORDS == _KERNEL_CHUNK_WORDS:
+        from tandem.csrc import kv_cuda
+
+        if kv_cuda.checksum_tensor_supported(t):
+            a, b, _ = kv_cuda.checksum_tensor(t).tolist()
+            return _finish(a, b, t.nbytes)
+    return reference_kv_checksum(t)
+
+
+def reference_kv_checksum(t: torch.Tensor) -> int:
+    """`kv_checksum` with torch ops on `t`'s device: the reference, and the CPU path.
+
+    Allocates about 3 x `_GROUP` x 8 MiB of temporaries on `t`'s device, freed on return. Blocks until
+    the device finishes (one `.item()` per lane at the end). Chunks are hashed `_GROUP` at a time as
+    rows of a 2-D view (see `_GROUP`).
     """
     if not t.is_contiguous():
         raise ValueError("kv_checksum needs a contiguous tensor (hash the staging buffer, not a view)")
@@ -116,9 +149,82 @@ def kv_checksum(t: torch.Tensor) -> int:
         tail = words[n_full * _CHUNK_WORDS :]
         factor = _to_signed(_chunk_factor(n_full))
         b = b + (tail * weights[: tail.numel()]).sum() * factor
-    lane_a = int(a.item()) & _MASK
-    lane_b = int(b.item()) & _MASK
-    return _fmix64(lane_a ^ _fmix64(lane_b ^ nbytes))
+    return _finish(int(a.item()), int(b.item()), nbytes)
+
+
+def _finish(a: int, b: int, nbytes: int) -> int:
+    """The checksum from its two lanes (any int representatives mod 2^64) and the byte length."""
+    return _fmix64((a & _MASK) ^ _fmix64((b & _MASK) ^ nbytes))
+
+
+def _check_rows(pool: torch.Tensor, slots: torch.Tensor | None) -> int:
+    """Raises ValueError/TypeError for a pool or slots `kv_checksum_rows` cannot hash; returns T."""
+    if pool.dim() < 4 or pool.shape[1] != 2:
+        raise ValueError(f"pool must be [L, 2, S, *row] (layer-major K/V), got shape {tuple(pool.shape)}")
+    if not pool.is_contiguous():
+        raise ValueError("pool must be contiguous (a KVPool's kv is)")
+    if slots is None:
+        return pool.shape[2]
+    if slots.dtype != torch.int64:
+        raise TypeError(f"slots must be int64, got {slots.dtype}")
+    if slots.dim() != 1:
+        raise ValueError(f"slots must be a 1-D tensor, got shape {tuple(slots.shape)}")
+    if slots.device != pool.device:
+        raise ValueError(f"slots is on {slots.device}, expected the pool's device {pool.device}")
+    if not slots.is_contiguous():
+        raise ValueError("slots must be contiguous")
+    return slots.numel()
+
+
+def _out_of_range(n_bad: int, n_rows: int) -> ValueError:
+    return ValueError(f"slots holds {n_bad} slot(s) outside the pool's [0, {n_rows})")
+
+
+def kv_checksum_rows(pool: torch.Tensor, slots: torch.Tensor | None = None) -> int:
+    """The checksum of a request's KV rows read in place: `kv_checksum(staging)` for the staging buffer
+    `[L, 2, T, *R]` that gathering `pool[:, :, slots]` would fill, without building it.
+
+    `pool` is `[L, 2, S, *R]`, contiguous; `slots` an int64 [T] contiguous tensor on the pool's device
+    (T may be 0), or None for the whole pool as the staging buffer. On CUDA with the kernel
+    (`kv_cuda.checksum_rows_supported`): one pass on the current stream, no temporaries, then a
+    blocking 24-byte readback; slots outside `[0, S)` are never read and raise ValueError after it.
+    Otherwise `reference_kv_checksum_rows`. Raises ValueError/TypeError on a bad pool or slots.
+    """
+    n_tokens = _check_rows(pool, slots)
+    if pool.is_cuda and _CHUNK_WORDS == _KERNEL_CHUNK_WORDS:
+        from tandem.csrc import kv_cuda
+
+        if kv_cuda.checksum_rows_supported(pool):
+            a, b, skipped = kv_cuda.checksum_rows(pool, slots).tolist()
+            if skipped:
+                raise _out_of_range(skipped // (2 * pool.shape[0]), pool.shape[2])
+            return _finish(a, b, _rows_nbytes(pool, n_tokens))
+    return reference_kv_checksum_rows(pool, slots)
+
+
+def _rows_nbytes(pool: torch.Tensor, n_tokens: int) -> int:
+    """Bytes of the staging buffer [L, 2, n_tokens, *R] for this pool."""
+    per_token = pool.shape[0] * 2 * pool.element_size()
+    for d in pool.shape[3:]:
+        per_token *= d
+    return per_token * n_tokens
+
+
+def reference_kv_checksum_rows(pool: torch.Tensor, slots: torch.Tensor | None = None) -> int:
+    """`kv_checksum_rows` with torch ops: gather with `index_select`, then `reference_kv_checksum`.
+
+    The reference, and the CPU path. Checks slot bounds first (a device sync on CUDA), so an
+    out-of-range slot raises ValueError rather than an index error or a device assert.
+    """
+    _check_rows(pool, slots)
+    if slots is None:
+        return reference_kv_checksum(pool)
+    if slots.numel():
+        lo, hi = int(slots.min().item()), int(slots.max().item())
+        if lo < 0 or hi >= pool.shape[2]:
+            n_bad = int(((slots < 0) | (slots >= pool.shape[2])).sum().item())
+            raise _out_of_range(n_bad, pool.shape[2])
+    return reference_kv_checksum(torch.index_select(pool, 2, slots))
 
 
 def _chunk_factor(chunk_index: int) -> int:
