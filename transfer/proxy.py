@@ -9,11 +9,11 @@ a dedicated stream, replying only after the stream synchronised.
 
 Wire: the control plane's framing (4-byte big-endian length + UTF-8 JSON), requests with an `op`:
 `register {role: staging|pool|arena, handle, nbytes, bus_id, layout_fp}` -> `{ok, id}`; `unregister {id}`;
-`copy {src, src_offset, dst, dst_offset, nbytes}` -> `{ok, ns}`; `write_rows {src, src_runs, src_rows,
-dst, dst_runs, dst_rows, num_lt, row_bytes}` -> `{ok, ns}` (direct mode: the fused row kernel reads P's
-registered pool — or staging — at the `src_runs` slots and writes D's registered pool at `dst_runs`;
-runs are `[start, count, ...]`); `ping` -> `{ok, pid, devices}`; `hold_lock {}` with one fd
-(SCM_RIGHTS) -> `{ok}`.
+`copy {src, src_offset, dst, dst_offset, nbytes}` -> `{ok, ns}`; `write_rows {src, src_slots, src_rows,
+dst, dst_slots, dst_rows, num_lt, row_bytes}` -> `{ok, ns}` (direct mode: the fused row kernel reads P's
+registered pool — or staging — at `src_slots` and writes D's registered pool at `dst_slots`; slots are
+base64 of little-endian int32, so a fragmented request costs no JSON list of thousands of ints);
+`ping` -> `{ok, pid, devices}`; `hold_lock {}` with one fd (SCM_RIGHTS) -> `{ok}`.
 Errors come back as `{ok: false, error}` and close nothing else. A registration lives until its
 connection closes or it is unregistered; unregistering waits for copies that use it.
 
@@ -31,6 +31,8 @@ therefore free only when P is dead *and* no copy the proxy runs for it can still
 from __future__ import annotations
 
 import argparse
+import base64
+import binascii
 import contextlib
 import json
 import logging
@@ -48,7 +50,7 @@ import numpy as np
 
 from .control import connect_unix, control_dir, listen_unix, lock_held, peer_cred, same_user
 from .errors import ProtocolError, TransferError
-from .frames import MAX_FRAME_BYTES, expand_runs, send_frame
+from .frames import MAX_FRAME_BYTES, send_frame
 
 log = logging.getLogger(__name__)
 _HEADER = struct.Struct(">I")
@@ -351,8 +353,8 @@ class ProxyServer:
         num_lt, row_bytes = int(msg["num_lt"]), int(msg["row_bytes"])
         src_rows, dst_rows = int(msg["src_rows"]), int(msg["dst_rows"])
         src_slots, dst_slots = (
-            _slots(msg["src_runs"], src_rows, "src"),
-            _slots(msg["dst_runs"], dst_rows, "dst"),
+            _slots(msg["src_slots"], src_rows, "src"),
+            _slots(msg["dst_slots"], dst_rows, "dst"),
         )
         n = src_slots.size
         if n != dst_slots.size or n == 0:
@@ -425,13 +427,23 @@ class ProxyServer:
                 self._k.free(ctx, ptr)
 
 
-def _slots(runs: object, rows: int, what: str) -> np.ndarray:
-    """A write_rows request's `[start, count, ...]` runs as int64 slots, each inside [0, rows)."""
-    if not isinstance(runs, list) or len(runs) % 2 or not all(type(x) is int for x in runs):
-        raise TransferError(f"{what}_runs must be a flat list of [start, count] int pairs")
-    if any(c <= 0 or s < 0 or s + c > rows for s, c in zip(runs[::2], runs[1::2], strict=True)):
-        raise TransferError(f"{what}_runs reach outside the {rows} registered rows")
-    return expand_runs(runs)
+def encode_slots(slots: np.ndarray) -> str:
+    """A write_rows request's slot list: base64 of little-endian int32 (see `_slots`)."""
+    return base64.b64encode(np.ascontiguousarray(slots, dtype="<i4").tobytes()).decode()
+
+
+def _slots(text: object, rows: int, what: str) -> np.ndarray:
+    """A write_rows request's `encode_slots` text as int64 slots, each inside [0, rows)."""
+    try:
+        raw = base64.b64decode(text, validate=True) if isinstance(text, str) else b"?"
+    except (binascii.Error, ValueError):
+        raw = b"?"
+    if len(raw) % 4:
+        raise TransferError(f"{what}_slots must be base64 of little-endian int32")
+    slots = np.frombuffer(raw, dtype="<i4").astype(np.int64)
+    if slots.size and (int(slots.min()) < 0 or int(slots.max()) >= rows):
+        raise TransferError(f"{what}_slots reach outside the {rows} registered rows")
+    return slots
 
 
 class ProxyClient:

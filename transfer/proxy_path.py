@@ -26,10 +26,9 @@ from .arena import Region
 from .checksum import kv_checksum
 from .cuda_paths import DEFAULT_MIN_GBPS, GpuArena
 from .errors import PathUnavailable, TransferError
-from .frames import compress_runs
 from .layout import WireLayout
 from .paths import LocalArena, PeerArena, TransferPath
-from .proxy import ProxyClient, proxy_socket_path
+from .proxy import ProxyClient, encode_slots, proxy_socket_path
 
 _SLAB_ALIGN = 2 << 20
 
@@ -269,16 +268,16 @@ class ProxyPath(TransferPath):
             )
         num_lt = layout.num_layers * 2
         row_bytes = layout.token_bytes // num_lt
-        src_runs = compress_runs(src_slots.cpu().numpy())  # .cpu() waits for P's stream: rows are written
-        dst_runs = compress_runs(dst_slots.cpu().numpy())
+        host = torch.cat([src_slots, dst_slots]).to(torch.int32).cpu().numpy()  # waits for P's stream too
+        n = src_slots.numel()
         torch.cuda.current_stream(src.device).synchronize()  # the proxy cannot wait on our stream
         self._client().request(
             op="write_rows",
             src=slab.reg_id,
-            src_runs=src_runs,
+            src_slots=encode_slots(host[:n]),
             src_rows=src.shape[2],
             dst=peer.arena_id,
-            dst_runs=dst_runs,
+            dst_slots=encode_slots(host[n:]),
             dst_rows=dst_rows,
             num_lt=num_lt,
             row_bytes=row_bytes,

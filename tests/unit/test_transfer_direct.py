@@ -315,18 +315,20 @@ def test_pool_over_external_storage_is_checked_and_zeroed() -> None:
             KVPool(layout, 4, 16, "cpu", bad)
 
 
-def test_proxy_refuses_write_rows_runs_outside_its_registrations() -> None:
-    """The sidecar checks a write_rows request's runs before touching a GPU (answer: TransferError,
+def test_proxy_refuses_write_rows_slots_outside_its_registrations() -> None:
+    """The sidecar checks a write_rows request's slots before touching a GPU (answer: TransferError,
     sent back as `{ok: false}`; nothing is written)."""
-    from tandem.transfer.proxy import _slots
+    from tandem.transfer.proxy import _slots, encode_slots
 
-    assert list(_slots([4, 3, 20, 2], 64, "dst")) == [4, 5, 6, 20, 21]
-    for runs, why in [
-        ([4, 3, 20], "pairs"),  # odd length
-        ([4, 3.0], "pairs"),  # not ints
-        ([60, 8], "outside"),  # past the registered rows
-        ([5, 0], "outside"),  # empty run
-        ("4,3", "pairs"),  # not a list
+    slots = np.asarray([4, 5, 6, 20, 21, 63], dtype=np.int64)
+    assert list(_slots(encode_slots(slots), 64, "dst")) == list(slots)
+    assert _slots(encode_slots(np.zeros(0, dtype=np.int64)), 64, "dst").size == 0
+    for text, why in [
+        (encode_slots(np.asarray([3, 64])), "outside"),  # past the registered rows
+        (encode_slots(np.asarray([-1, 2])), "outside"),  # negative
+        ("not base64!", "base64"),  # not base64
+        ("AAA=", "base64"),  # 2 bytes: not whole int32s
+        ([4, 3], "base64"),  # not a string
     ]:
         with pytest.raises(TransferError, match=why):
-            _slots(runs, 64, "dst")
+            _slots(text, 64, "dst")
