@@ -286,6 +286,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--trace-requests", type=int, default=256)
     ap.add_argument("--floor", type=float, default=42.0)
     ap.add_argument(
+        "--warmup",
+        type=int,
+        default=0,
+        help="requests per model before the first level, not recorded (first calls are not load)",
+    )
+    ap.add_argument(
         "--ramp-s",
         type=float,
         default=0.0,
@@ -317,11 +323,17 @@ def main(argv: list[str] | None = None) -> int:
         **benchutil.provenance(torch.device("cpu"), "tandem-bench", argv),
         "floor_tok_s": args.floor,
         "rows_per_second": rps,
+        "warmup_requests": args.warmup,
         "trace_requests": len(trace),
         "models": {},
     }
     table = []
     for model in models:
+        if args.warmup:  # first calls (graph buckets, new prompt lengths, D's step model) are not load
+            run_level(
+                args.url, model, trace, min(args.warmup, 8), args.warmup, width, vocab, rps, args.floor,
+                args.timeout,
+            )  # fmt: skip
         runs = []
         for c in levels[model]:
             n_req = args.rounds * c if args.rounds else args.requests
