@@ -134,7 +134,8 @@ class PrefillEngine:
         self.path = transfer_path(settings, wire_layout(decoder))
         # The proxy path writes D's pool from P's pool itself, so it must have allocated (registered) it.
         n_slots = settings.pool.num_pages * settings.pool.page_size
-        storage = self.path.source_storage(wire_layout(decoder), n_slots) if t.direct_write else None
+        direct = t.direct_write and self.path.direct_write
+        storage = self.path.source_storage(wire_layout(decoder), n_slots) if direct else None
         self.pool = make_pool(decoder, settings, storage)
         self.cache = PrefixCache(self.pool, enabled=settings.pool.prefix_cache)
         self.intake = make_intake(settings, PrefillRequest)

@@ -54,7 +54,7 @@ def make(name: str, device: int, unit: str) -> TransferPath:
         return CudaIpcPath(device)
     if name == "cuda_vmm":
         return CudaVmmPath(device)
-    return ProxyPath(unit=unit, device=device, layout=LAYOUT)
+    return ProxyPath(unit=unit, device=device, layout=LAYOUT, direct=True)  # region and direct both tested
 
 
 @pytest.fixture
