@@ -415,6 +415,43 @@ def test_closing_d_tells_waiting_and_running_clients(decoder, tmp_path, monkeypa
         p.close()
 
 
+@pytest.mark.parametrize("direct", [True, False])
+def test_failed_transfer_returns_pages_only_with_proof(decoder, tmp_path, monkeypatch, direct):
+    """P's copy is still running when D's deadline fails the stream. Direct mode (P writes D's pages):
+    the client hears at the deadline, the stream's other pages return at once, its prompt pages only
+    when P's ABORT_ACK proves the write over. Region mode: every page returns at once (P writes the
+    receive region, which the receiver holds instead)."""
+    from tandem.backend.settings import FaultSettings
+
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    s = _settings(tmp_path)
+    s = replace(s, transfer=replace(s.transfer, deadline_s=0.4, abort_retry_s=0.05, direct_write=direct))
+    slow_p = replace(s, faults=FaultSettings(delay_every=1, delay_s=1.5))  # every copy waits 1.5 s
+    p = PrefillEngine(decoder, slow_p, RecordingMetrics(), "p0", on_fatal=lambda r: None)
+    d = DecodeEngine(decoder, s, RecordingMetrics())
+    assert d.direct is direct
+    p.start()
+    d.start()
+    try:
+        free = d.pool.num_free_pages
+        h = _handoff(p, 1, 100)  # 30 prompt rows (2 pages) + 100 new rows: 9 pages in all
+        sink = ListSink()
+        d.submit(DecodeRequest(1, h, sink, Timings(h.timings)))
+        assert sink.done.wait(5) and sink.error is not None and "deadline" in str(sink.error), sink.error
+        assert _wait_until(lambda: not d._waiting)  # the engine completed the failed handle
+        held = d.pool.pages_for(30) if direct else 0
+        assert d.pool.num_free_pages == free - held  # time alone frees nothing P may still write
+        stats = d.receiver.stats()
+        assert stats.quarantined_count == 1 and stats.released_by_ack == 0
+        # P's ACK, once its copy returned, frees what it may have written (pages, or the region)
+        assert _wait_until(lambda: d.receiver.stats().quarantined_count == 0, 5.0)
+        assert _wait_until(lambda: d.pool.num_free_pages == free)
+        assert d.receiver.stats().released_by_ack == 1
+    finally:
+        d.close()
+        p.close()
+
+
 def _queued_prefills(p: PrefillEngine, n: int) -> list[HandoffBox]:
     """Submit `n` prompts before P's loop runs, so they are all queued when it first looks."""
     boxes = []
