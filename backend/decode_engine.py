@@ -549,7 +549,16 @@ class DecodeEngine:
     def _fault(self, reason: str) -> None:
         """Engine thread, after an iteration raised: every stream it owns fails now, their pages come
         back; their transfers stay with the receiver (regions released only with proof) and their
-        handles are completed when terminal. The queue is left to the admission thread."""
+        handles are completed when terminal. The queue is left to the admission thread.
+
+        On a GPU a launched step may still be writing its streams' pages: wait for it before they
+        return, or the admission thread could hand them to a transfer that P writes (direct mode,
+        ordered on nothing of ours) before the step's last write lands."""
+        if self.pool.device.type == "cuda":
+            try:
+                torch.cuda.current_stream(self.pool.device).synchronize()
+            except Exception:  # a broken device: nothing of ours can still write either
+                log.exception("decode: waiting for the device after a fault failed")
         self.batch.fail_all(reason)
         self._take_admitted()
         for w in self._waiting:

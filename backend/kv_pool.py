@@ -106,6 +106,8 @@ class KVPool:
                 )
             self.kv = storage
             self.kv.zero_()
+            if self.kv.is_cuda:  # another process writes this memory, ordered on nothing of ours
+                torch.cuda.synchronize(self.kv.device)
         # Stack: pop() hands out the last element, so store pages in reverse to start with page 0.
         self._free: list[int] = list(range(num_pages - 1, -1, -1))
         self._is_free: list[bool] = [True] * num_pages

@@ -379,8 +379,12 @@ class ProxyServer:
             dst.busy += 1
         try:
             t0 = time.perf_counter_ns()
-            self._k.copy_from_host(ctx, scratch, src_slots.tobytes() + dst_slots.tobytes())
+            table = np.concatenate([src_slots, dst_slots])
             try:
+                # On the kernel's stream: a plain cudaMemcpy's DMA runs on the legacy stream, which a
+                # non-blocking stream is not ordered after (the kernel could read the last request's
+                # slots). From pageable memory the call returns once `table` was staged.
+                self._k.memcpy_async(ctx, scratch, table.ctypes.data, table.nbytes, stream)
                 self._k.gather_write(
                     src_ptr,
                     src_rows,

@@ -221,8 +221,8 @@ class TransferReceiver:
             if region is None:
                 raise ArenaExhausted(f"no {ticket.nbytes}-byte range free in the receive arena")
             h = TransferHandle(ticket, region, time.monotonic() + deadline_s, self.layout, self._arena)
-            if runs is not None:
-                h.dest, h.dest_runs, h.on_dest_free = dest, runs, on_dest_free
+            if runs is not None:  # our own copy: D verifies exactly the slots P was told to write
+                h.dest, h.dest_runs, h.on_dest_free = np.array(dest, copy=True), runs, on_dest_free
             self._handles[ticket.transfer_id] = h
             ep = self._endpoints.get(ticket.endpoint)
             if ep is None:

@@ -380,6 +380,7 @@ class TransferSender:
                 reason = FailReason.UNKNOWN  # already pulled: only one PULL per offer
             elif direct and (offer.rows is None or not self.path.direct_write):
                 reason = FailReason.NO_DIRECT
+                self._tombstone(offer, OfferState.ABORTED, actions)  # D never pulls a tid twice
             elif (
                 peer.arena is None
                 or nbytes != offer.nbytes
@@ -387,6 +388,7 @@ class TransferSender:
                 or (direct and bad is not None)
             ):
                 reason = FailReason.BAD_REGION
+                self._tombstone(offer, OfferState.ABORTED, actions)  # its pages need not wait for the TTL
             elif remaining_s <= 0:
                 self._tombstone(offer, OfferState.EXPIRED, actions)  # refused before start: proof
                 reason = FailReason.EXPIRED
