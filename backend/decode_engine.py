@@ -149,6 +149,7 @@ class DecodeEngine:
         self._admitted_ctx = 0
         self._running_ctx = 0
         self._admitted: queue.SimpleQueue[_Admitted] = queue.SimpleQueue()
+        self._rate_holding = False  # the rate floor is holding newcomers (logged once per hold)
         self._capacity = threading.Event()  # set when pages or batch room come back
         self._stop_admission = threading.Event()
         self._closed = False
@@ -271,7 +272,9 @@ class DecodeEngine:
             if b.rate_admission and not self.step_model.admits(
                 n, context, h.prompt_len, b.rate_floor_tok_s, b.rate_margin
             ):
+                self._note_rate_hold(n, context + h.prompt_len)
                 return False
+            self._rate_holding = False
             try:
                 pages = self.pool.allocate(self.pool.pages_for(capacity))
             except PoolExhausted:
@@ -324,6 +327,28 @@ class DecodeEngine:
             return True
         self._admitted.put(admitted)
         return True
+
+    def _note_rate_hold(self, n: int, context: int) -> None:
+        """Admission thread, under `_admit_lock`: the rate floor holds a newcomer. Logged once per
+        hold (not per 5 ms retry) with the model's numbers, so a server log shows why streams wait."""
+        if self._rate_holding:
+            return
+        self._rate_holding = True
+        b = self.settings.batch
+        coef = self.step_model.coef
+        log.info(
+            "decode: rate floor holds admission at %d streams, context %d: predicted step %.1f ms > "
+            "budget %.1f ms (model a=%.2f ms, b=%.3f ms/stream, c=%.3g ms/token)",
+            n + 1,
+            context,
+            self.step_model.predict(n + 1, context) * 1e3,
+            (1.0 - b.rate_margin) / b.rate_floor_tok_s * 1e3,
+            *(
+                (float(coef[0]) * 1e3, float(coef[1]) * 1e3, float(coef[2]) * 1e3)
+                if coef is not None
+                else (0, 0, 0)
+            ),
+        )
 
     def _is_draining(self) -> bool:
         """Quarantined receive memory over `drain_held_fraction`: admit nothing until proofs free it.

@@ -452,6 +452,33 @@ def test_failed_transfer_returns_pages_only_with_proof(decoder, tmp_path, monkey
         p.close()
 
 
+def test_rate_floor_hold_is_logged_once_with_the_models_numbers(decoder, tmp_path, monkeypatch, caplog):
+    """An unreachable floor: the first stream is admitted (an idle D always admits), the second waits
+    and then gets UNAVAILABLE; the server log says once why (prediction vs budget), not per retry."""
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    s = _settings(tmp_path, rate_floor_tok_s=1e6, admission_timeout_s=0.6)
+    p = PrefillEngine(decoder, s, RecordingMetrics(), "p0", on_fatal=lambda r: None)
+    d = DecodeEngine(decoder, s, RecordingMetrics())
+    p.start()
+    d.start()
+    try:
+        first, second = ListSink(), ListSink()
+        h1 = _handoff(p, 1, 3000)  # still decoding while the second waits
+        d.submit(DecodeRequest(1, h1, first, Timings(h1.timings)))
+        assert _wait_until(lambda: d.step_model.ready, 10.0)  # it has seen enough steps to refit
+        h2 = _handoff(p, 2, 10)
+        with caplog.at_level("INFO", logger="tandem"):
+            d.submit(DecodeRequest(2, h2, second, Timings(h2.timings)))
+            assert second.done.wait(5)
+        assert isinstance(second.error, Overloaded), second.error
+        holds = [r.getMessage() for r in caplog.records if "rate floor holds admission" in r.getMessage()]
+        assert len(holds) == 1, holds
+        assert "at 2 streams" in holds[0] and "budget 0.0 ms" in holds[0]
+    finally:
+        d.close()
+        p.close()
+
+
 def _queued_prefills(p: PrefillEngine, n: int) -> list[HandoffBox]:
     """Submit `n` prompts before P's loop runs, so they are all queued when it first looks."""
     boxes = []
