@@ -30,6 +30,7 @@ proof that no byte can still land. D drains (admits nothing) while quarantined m
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import queue
 import threading
@@ -304,15 +305,14 @@ class DecodeEngine:
             )
             if h.ticket is not None:
                 try:
-                    admitted.handle = self.receiver.request(
-                        h.ticket,
-                        self.settings.transfer.deadline_s,
-                        *(
-                            (slots[: h.prompt_len], lambda s=stream: self._return_held(s))
-                            if self.direct
-                            else ()
-                        ),
-                    )
+                    deadline = self.settings.transfer.deadline_s
+                    if self.direct:  # P writes the prompt's slots; they come back with proof
+                        back = functools.partial(self._return_held, stream)
+                        admitted.handle = self.receiver.request(
+                            h.ticket, deadline, slots[: h.prompt_len], back
+                        )
+                    else:
+                        admitted.handle = self.receiver.request(h.ticket, deadline)
                 except ArenaExhausted:
                     # No region free: give the pages back quietly (waking ourselves would spin) and
                     # let the request wait for regions, which come back on D's own time.
