@@ -363,6 +363,7 @@ class TransferSender:
         actions: list[Callable[[], None]] = []
         reason: FailReason | None = None
         dst: list[int] | None = None
+        bad: str | None = None
         if direct:
             dst = msg["dst"]  # type: ignore[assignment]
             bad = self._bad_dst(peer, dst, nbytes)
@@ -401,7 +402,8 @@ class TransferSender:
                 self._counts["pulls_refused"] += 1
         _run(actions)
         if reason is not None:
-            peer.conn.send(MsgType.FAILED, tid=tid, reason=int(reason), detail=reason.name)
+            detail = f"{reason.name}: {bad}" if reason is FailReason.BAD_REGION and bad else reason.name
+            peer.conn.send(MsgType.FAILED, tid=tid, reason=int(reason), detail=detail)
 
     def _bad_dst(self, peer: Peer, dst: object, nbytes: int) -> str | None:
         """Why a PULL_ROWS's destination runs cannot be written (None: they can): not [start, count]

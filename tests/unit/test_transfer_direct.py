@@ -285,12 +285,13 @@ def test_p_answers_bad_pull_rows_and_releases_the_offer(direct: Direct) -> None:
     assert reader.read()[0] is MsgType.HELLO_ACK
     nbytes = LAYOUT.staging_nbytes(8)
     for t, runs, reason in [
-        (ticket.transfer_id, [POOL_SLOTS - 4, 8], FailReason.BAD_REGION),
+        (ticket.transfer_id, [POOL_SLOTS - 4, 8], FailReason.BAD_REGION),  # "run [4092, 8] outside ..."
         (no_rows.transfer_id, [0, 8], FailReason.NO_DIRECT),
     ]:
         sock.sendall(encode(MsgType.PULL_ROWS, tid=t, dst=runs, nbytes=nbytes, remaining_ms=5000))
         kind, msg, _ = reader.read()
         assert (kind, msg["tid"], msg["reason"]) == (MsgType.FAILED, t, int(reason))
+        assert msg["detail"].startswith(reason.name)  # BAD_REGION also says which run was wrong
         assert wait_for(lambda t=t: t in direct.released)  # type: ignore[misc]
     assert not arena.pool_view(LAYOUT).view(torch.int16).any()  # nothing was written
     sock.close()
