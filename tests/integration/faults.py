@@ -171,6 +171,7 @@ class FaultUnit:
         self.proxy: subprocess.Popen[str] | None = None
         self._want_proxy = proxy
         self.path = model_parameter(self.proc.repo, "decode", "tandem.transfer.paths") or "?"
+        self.label = self.path  # how the matrix names this unit (e.g. "host_shm/region")
         shutil.rmtree(self.proc.repo / "tts_mono")  # not part of the matrix; saves a stub start
         self.rows: list[Row] = []
         self.idle: Snapshot | None = None  # the settled unit before its first row (the rows' baseline)

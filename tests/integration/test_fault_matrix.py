@@ -16,8 +16,10 @@ so that a few quarantined transfers exceed the 25 % drain limit.
 The last test prints the matrix (`-s`) and, with TANDEM_FAULT_MATRIX_OUT set, writes it as JSON.
 `TANDEM_FAULT_VOLUME` sets the size of the volume row (default 10000 short streams).
 
-The matrix runs once per KV path in `TANDEM_FAULT_PATHS` (default `host_shm,tcp`, one unit each; the
-`tcp` unit's volume row is `TANDEM_FAULT_VOLUME_TCP`, default 1000). The GPU paths `cuda_ipc`,
+The matrix runs once per KV path in `TANDEM_FAULT_PATHS` (default `host_shm,host_shm/region,tcp`, one
+unit each: host_shm in direct mode, where P writes D's pool pages, and in region mode, where P copies
+into D's receive arena as tcp and the proxy do; their volume rows are `TANDEM_FAULT_VOLUME_REGION` and
+`TANDEM_FAULT_VOLUME_TCP`, default 1000 each). The GPU paths `cuda_ipc`,
 `cuda_vmm` and `proxy` need `TANDEM_FAULT_GPUS=P,D` (e.g. `0,1`) and run on the device through
 `cli/run_fault_matrix.sh`; `proxy` also starts the unit's `tandem-proxy` sidecar. Rows about
 quarantine, draining and held ACKs are skipped on a path where D itself writes every byte (`tcp`):
@@ -61,6 +63,7 @@ DEADLINE_S = 2.0
 ERROR_BOUND_S = DEADLINE_S + 1.0
 VOLUMES = {
     "tcp": int(os.environ.get("TANDEM_FAULT_VOLUME_TCP", "1000")),
+    "host_shm/region": int(os.environ.get("TANDEM_FAULT_VOLUME_REGION", "1000")),
     "*": int(os.environ.get("TANDEM_FAULT_VOLUME", "10000")),
 }
 # Set TANDEM_FAULT_MATRIX_OUT=docs/benchmarks to record a run (fault-matrix-<path>-<cpu|gpu>.json);
@@ -68,7 +71,14 @@ VOLUMES = {
 OUT = Path(os.environ["TANDEM_FAULT_MATRIX_OUT"]) if os.environ.get("TANDEM_FAULT_MATRIX_OUT") else None
 REPO = Path(__file__).resolve().parents[2]
 
-PATHS = [p.strip() for p in os.environ.get("TANDEM_FAULT_PATHS", "host_shm,tcp").split(",") if p.strip()]
+# A path name, or "<path>/region": that path with tandem.transfer.direct_write=false (P copies into a
+# receive region, D scatters), the mode tcp and the proxy use; plain host_shm, cuda_ipc and cuda_vmm
+# run in direct mode (P writes D's pool pages).
+PATHS = [
+    p.strip()
+    for p in os.environ.get("TANDEM_FAULT_PATHS", "host_shm,host_shm/region,tcp").split(",")
+    if p.strip()
+]
 GPUS = [int(g) for g in os.environ.get("TANDEM_FAULT_GPUS", "").split(",") if g.strip()]
 GROUPS = {"prefill": gpu_group(GPUS[:1]), "decode": gpu_group(GPUS[1:2])} if GPUS else None
 RECEIVER_WRITES = {"tcp"}  # paths where D writes every byte itself (TransferPath.receiver_writes)
@@ -99,7 +109,10 @@ OVERRIDES = {
 
 @pytest.fixture(scope="module", params=PATHS)
 def unit(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[FaultUnit]:
-    path = str(request.param)
+    label = str(request.param)
+    path, _, mode = label.partition("/")
+    if mode not in ("", "region"):
+        raise ValueError(f"TANDEM_FAULT_PATHS entries are PATH or PATH/region, got {label!r}")
     if len(GPUS) not in (0, 2):
         raise ValueError(f"TANDEM_FAULT_GPUS must name two GPUs (P,D), got {GPUS}")
     overrides = {m: dict(v) for m, v in OVERRIDES.items()}
@@ -107,7 +120,11 @@ def unit(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
         overrides[model].update({"tandem.transfer.paths": path, "tandem.transfer.require_path": path})
         if path == "tcp":  # the cross-host form: P's control plane on TCP too, unit-secret handshakes
             overrides[model]["tandem.transfer.control"] = "tcp"
-    u = FaultUnit(tmp_path_factory.mktemp(f"faultunit-{path}"), overrides, GROUPS, proxy=path == "proxy")
+        if mode == "region":
+            overrides[model]["tandem.transfer.direct_write"] = "false"
+    workdir = tmp_path_factory.mktemp(f"faultunit-{path}-{mode or 'default'}")
+    u = FaultUnit(workdir, overrides, GROUPS, proxy=path == "proxy")
+    u.label = label
     u.start()
     yield u
     u.stop()
@@ -569,7 +586,7 @@ def test_duplicate_handoff_concurrently(row):
 
 
 def _volume(unit: FaultUnit) -> int:
-    return VOLUMES.get(unit.path, VOLUMES["*"])
+    return VOLUMES.get(unit.label, VOLUMES["*"])
 
 
 def test_volume(row):
@@ -587,22 +604,27 @@ def test_volume(row):
 def test_matrix_totals_and_report(unit, request):
     """Runs last for each path: prints the matrix and, with TANDEM_FAULT_MATRIX_OUT set, records it."""
     assert unit.rows, "no row ran"
-    print(f"\n{unit.path}:\n" + format_matrix(unit.rows))
+    print(f"\n{unit.label}:\n" + format_matrix(unit.rows))
     total = sum(r.transfers_verified for r in unit.rows)
     names = {r.row.split(" (")[0] for r in unit.rows}
     where = f"gpu{''.join(map(str, GPUS))}" if GPUS else "cpu"
     whole = not request.config.getoption("keyword") and not request.config.getoption("lf", default=False)
     if OUT is not None and whole:  # the whole matrix ran (not a selection): record it
-        out = OUT / f"fault-matrix-{unit.path}-{where}.json"
+        out = OUT / f"fault-matrix-{unit.label.replace('/', '-')}-{where}.json"
+        commit = os.environ.get("TANDEM_BENCH_COMMIT", "")  # a copied tree's .git may be stale
         try:
-            commit = subprocess.run(
-                ["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=REPO, check=False
-            ).stdout.strip()
+            commit = (
+                commit
+                or subprocess.run(
+                    ["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=REPO, check=False
+                ).stdout.strip()
+            )
         except OSError:
             commit = ""
         doc = {
             "unit": f"1P1D, tiny preset, {f'P on GPU {GPUS[0]}, D on GPU {GPUS[1]}' if GPUS else 'CPU'}",
             "path": unit.path,
+            "mode": "region" if unit.label.endswith("/region") or unit.path in ("tcp", "proxy") else "direct",
             **unit.matrix(),
             "commit": commit,
             "volume": _volume(unit),
