@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from tandem.cli.bench import main, parse_levels, stalls
+from tandem.cli.bench import capacities, main, parse_levels, stalls
 from tandem.cli.tts_client import StreamResult
 
 
@@ -39,6 +39,8 @@ def test_bench_smoke_produces_consistent_figures(server, tmp_path):
                 assert lv["d_admit_ms"] == {} and lv["decode_device_busy"] is None
         passing = [lv["concurrency"] for lv in levels if lv["passed"]]
         assert model["capacity"] == (max(passing) if passing else 0)
+        bounded = [lv["concurrency"] for lv in levels if lv["passed"] and lv["ttfa_ms"]["p95"] <= 1000.0]
+        assert model["capacity_start_bounded"] == (max(bounded) if bounded else 0) <= model["capacity"]
         for lv in levels:  # each client's first request, and TTFA over the rest (onto a running load)
             assert sum(r["first_of_client"] for r in lv["records"]) == lv["concurrency"]
             assert lv["ramp_s"] == 0.0 and lv["ttfa_ms_later"]["p50"] > 0
@@ -52,6 +54,16 @@ def test_bench_per_model_levels_and_ramp(server, tmp_path):
     result = json.loads((tmp_path / "bench.json").read_text())
     assert set(result["models"]) == {"tts_mono"}
     assert all(lv["ramp_s"] == 0.3 and lv["errors"] == 0 for lv in result["models"]["tts_mono"]["levels"])
+
+
+def test_capacity_with_a_start_bound():
+    def lv(c: int, passed: bool, p95: float) -> dict:
+        return {"concurrency": c, "passed": passed, "ttfa_ms": {"p95": p95}}
+
+    levels = [lv(8, True, 200), lv(16, True, 900), lv(32, True, 2500), lv(48, False, 300)]
+    assert capacities(levels, 1000.0) == (32, 16)  # 32 passes the stall rule but starts too late
+    assert capacities(levels, 100.0) == (32, 0)
+    assert capacities([lv(8, False, 10)], 1000.0) == (0, 0)
 
 
 def test_parse_levels_forms_and_bad_input():
