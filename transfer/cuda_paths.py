@@ -41,7 +41,7 @@ from ._gpu import (
 from .arena import Region
 from .errors import PathUnavailable, TransferError
 from .layout import WireLayout
-from .paths import ArenaExport, LocalArena, PeerArena, TransferPath
+from .paths import ArenaExport, LocalArena, PeerArena, TransferPath, pool_slots
 
 DEFAULT_MIN_GBPS = 100.0  # NVLink4 copies run ~390 GB/s; PCIe 5 tops out near 50, torch sharing ran 38
 
@@ -185,9 +185,7 @@ class _GpuPath(TransferPath):
                 raise TransferError(f"{name} must be contiguous int64 [T] on {src.device}")
         if src_slots.numel() != dst_slots.numel():
             raise TransferError(f"{src_slots.numel()} source slots, {dst_slots.numel()} destination slots")
-        dst_rows, rest = divmod(peer.nbytes, layout.token_bytes)
-        if rest:
-            raise TransferError(f"{peer.describe}: not a pool of {layout.token_bytes}-byte slots")
+        dst_rows = pool_slots(layout, peer.nbytes, f"{peer.describe}:")
         num_lt = layout.num_layers * 2
         k = kernels()
 

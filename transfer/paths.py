@@ -40,6 +40,16 @@ from .layout import WireLayout
 log = logging.getLogger(__name__)
 
 
+def pool_slots(layout: WireLayout, nbytes: int, whose: str = "the") -> int:
+    """Direct mode: how many slots (tokens) an arena of `nbytes` holds as D's KV pool. Raises
+    `TransferError` unless it is a positive whole number of `layout.token_bytes`: every side that views
+    or writes D's pool (D's receiver, P's peer mapping, the sidecar's request) asks here."""
+    slots, rest = divmod(nbytes, layout.token_bytes)
+    if rest or slots <= 0:
+        raise TransferError(f"{whose} {nbytes}-byte arena is not a pool of {layout.token_bytes}-byte slots")
+    return slots
+
+
 @dataclass(frozen=True)
 class ArenaExport:
     """What D sends P in HELLO so P can write D's arena: JSON metadata plus fds (still owned by D)."""
@@ -78,11 +88,7 @@ class LocalArena(ABC):
     def pool_view(self, layout: WireLayout) -> torch.Tensor:
         """Direct mode: the whole arena as D's KV pool, `layout.staging_shape(S)` with S slots (the
         arena holds exactly S tokens). A view, no copy; D's engine builds its pool on it."""
-        slots, rest = divmod(self.nbytes, layout.token_bytes)
-        if rest or slots <= 0:
-            raise TransferError(
-                f"a {self.nbytes}-byte arena is not a whole number of {layout.token_bytes}-byte slots"
-            )
+        slots = pool_slots(layout, self.nbytes)
         raw = self.region_bytes(Region(offset=0, nbytes=self.nbytes, alloc_bytes=self.nbytes))
         return raw.view(layout.dtype).view(layout.staging_shape(slots))
 
@@ -216,11 +222,7 @@ class HostPeerArena(PeerArena):
     def pool(self, layout: WireLayout) -> torch.Tensor:
         """D's pool as P sees it (direct mode): the mapping viewed as `layout.staging_shape(S)`."""
         if self._pool is None:
-            slots, rest = divmod(self.nbytes, layout.token_bytes)
-            if rest or slots <= 0:
-                raise TransferError(
-                    f"D's {self.nbytes}-byte arena is not a pool of {layout.token_bytes}-byte slots"
-                )
+            slots = pool_slots(layout, self.nbytes, "D's")
             self._pool = self.bytes.view(layout.dtype).view(layout.staging_shape(slots))
         return self._pool
 

@@ -27,7 +27,7 @@ from .checksum import kv_checksum
 from .cuda_paths import DEFAULT_MIN_GBPS, GpuArena
 from .errors import PathUnavailable, TransferError
 from .layout import WireLayout
-from .paths import LocalArena, PeerArena, TransferPath
+from .paths import LocalArena, PeerArena, TransferPath, pool_slots
 from .proxy import ProxyClient, encode_slots, proxy_socket_path
 
 _SLAB_ALIGN = 2 << 20
@@ -267,11 +267,7 @@ class ProxyPath(TransferPath):
             raise TransferError(
                 "proxy path: source rows must be in the pool from source_storage or a staging slab"
             )
-        dst_rows, rest = divmod(peer.nbytes, layout.token_bytes)
-        if rest:
-            raise TransferError(
-                f"D's {peer.nbytes}-byte arena is not a pool of {layout.token_bytes}-byte slots"
-            )
+        dst_rows = pool_slots(layout, peer.nbytes, "D's")
         num_lt = layout.num_layers * 2
         row_bytes = layout.token_bytes // num_lt
         host = torch.cat([src_slots, dst_slots]).to(torch.int32).cpu().numpy()  # waits for P's stream too

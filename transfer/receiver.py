@@ -67,7 +67,7 @@ from .errors import (
 from .frames import MAX_FRAME_BYTES, PROTOCOL_VERSION, MsgType, compress_runs
 from .handle import TransferHandle
 from .layout import WireLayout
-from .paths import TransferPath
+from .paths import TransferPath, pool_slots
 from .state import ReceiverStats, RegionState, ReleaseReason, Ticket, TransferEvent, TransferState
 
 Actions = list[Callable[[], None]]
@@ -111,10 +111,8 @@ class TransferReceiver:
         destination slots."""
         if direct and not path.direct_write:
             raise TransferError(f"the {path.name} path cannot write D's pool directly (direct=True)")
-        if direct and (arena_bytes <= 0 or arena_bytes % layout.token_bytes):
-            raise TransferError(
-                f"direct mode: {arena_bytes} bytes is not a pool of {layout.token_bytes}-byte slots"
-            )
+        if direct:
+            pool_slots(layout, arena_bytes, "direct mode: a")  # before anything is allocated
         self.layout = layout
         self.path = path
         self.direct = direct

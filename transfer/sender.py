@@ -52,7 +52,7 @@ from .control import (
 from .errors import ProtocolError, SenderClosed, TransferError
 from .frames import PROTOCOL_VERSION, FailReason, MsgType, expand_runs
 from .layout import WireLayout
-from .paths import TransferPath
+from .paths import TransferPath, pool_slots
 from .state import OfferState, SenderStats, Ticket, TransferEvent
 
 log = logging.getLogger(__name__)
@@ -410,9 +410,10 @@ class TransferSender:
         int pairs, a run outside D's pool, or a total that is not `nbytes` of tokens."""
         if peer.arena is None:
             return "no arena"
-        slots, rest = divmod(peer.arena.nbytes, self.layout.token_bytes)
-        if rest:
-            return f"D's {peer.arena.nbytes}-byte arena is not a pool of {self.layout.token_bytes}-byte slots"
+        try:
+            slots = pool_slots(self.layout, peer.arena.nbytes, "D's")
+        except TransferError as exc:
+            return str(exc)
         if not isinstance(dst, list) or len(dst) % 2 or not all(type(x) is int for x in dst):
             return "dst is not a flat list of [start, count] int pairs"
         total = 0
