@@ -405,6 +405,7 @@ class DecodeEngine:
             block_s = 0.0
             self.metrics.observe("tandem_admission_ms", a.admission_ms)
             s = a.stream
+            hold = False  # direct mode: a transfer still in flight may write the prompt's pages
             if a.error is None:
                 try:  # ordered on the engine's stream before anything that reads it
                     s.slots = self.pool.slots_to_device(a.slots)
@@ -413,9 +414,9 @@ class DecodeEngine:
                     a.error = f"decode admission failed: {type(exc).__name__}: {exc}"
                     if a.handle is not None:  # its region returns once the transfer is terminal
                         self._waiting.append(_Waiting(s, a.handle, a.first_row, dead=True))
-                        self._leave(s, joined=False, hold=self.direct)
+                        hold = self.direct
             if a.error is not None:
-                self._leave(s, joined=False)
+                self._leave(s, joined=False, hold=hold)
                 self._fail(s, a.error)
             elif a.handle is None:
                 self._join(s, a.first_row)
