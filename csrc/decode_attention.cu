@@ -16,6 +16,7 @@
 // writes one partial per (head, split); a second kernel merges the splits. Scores use exp2 with the
 // scale folded into q (scale * log2 e). Accumulation is float32 throughout; the output is q's dtype.
 #include "decode_attention.h"
+#include "cuda_check.h"
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -29,13 +30,6 @@ namespace {
 
 constexpr int kWarps = 4;
 constexpr int kUnroll = 4;  // tokens per warp per iteration, their K and V loads issued together
-
-void check(cudaError_t err, const char* what) {
-  if (err != cudaSuccess) {
-    throw std::runtime_error(std::string(what) + ": " + cudaGetErrorName(err) + " (" + cudaGetErrorString(err) +
-                             ")");
-  }
-}
 
 template <typename T>
 __device__ __forceinline__ float to_float(T x);

@@ -26,6 +26,7 @@
 #include <string>
 
 #include "kv_kernels.h"
+#include "cuda_check.h"
 
 namespace tandem {
 namespace {
@@ -37,13 +38,6 @@ constexpr int kUnroll = 4;     // vectors per lane in flight, as in copy_rows
 constexpr int kMinBlocks = 4;  // rows kernel: at most 64 registers, 32 warps per SM (it wants ~90 unbounded)
 constexpr int kChunkBits = 20;
 constexpr uint32_t kChunkMask = (1u << kChunkBits) - 1;
-
-void check(cudaError_t err, const char* what) {
-  if (err != cudaSuccess) {
-    throw std::runtime_error(std::string(what) + ": " + cudaGetErrorName(err) + " (" + cudaGetErrorString(err) +
-                             ")");
-  }
-}
 
 __device__ __forceinline__ u64 fmix64(u64 k) {
   k ^= k >> 33;
@@ -219,15 +213,6 @@ __global__ void __launch_bounds__(kThreads)
     for (int k = 0; k < tail_words; ++k) acc.add(first + k, words[first + k]);
   }
   reduce_into(acc.a, acc.finish(), out);
-}
-
-int sm_count(int device) {
-  static int cached[64] = {0};
-  if (device >= 0 && device < 64 && cached[device] > 0) return cached[device];
-  int n = 0;
-  check(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device), "cudaDeviceGetAttribute");
-  if (device >= 0 && device < 64) cached[device] = n;
-  return n;
 }
 
 // Resident blocks per SM for `kernel` (registers decide it); one grid wave is sm_count x this.

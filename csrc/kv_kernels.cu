@@ -8,6 +8,7 @@
 // stores, all of a row's loads in flight before its stores, and the grid strides over rows, so the
 // cost is bandwidth-bound whatever the fragmentation.
 #include "kv_kernels.h"
+#include "cuda_check.h"
 
 #include <algorithm>
 #include <stdexcept>
@@ -18,13 +19,6 @@ namespace {
 
 constexpr int kThreads = 256;  // 8 warps per block
 constexpr int kUnroll = 4;     // vectors per lane in flight: a 2 KiB row is one step of 32 x 4 x 16 B
-
-void check(cudaError_t err, const char* what) {
-  if (err != cudaSuccess) {
-    throw std::runtime_error(std::string(what) + ": " + cudaGetErrorName(err) + " (" + cudaGetErrorString(err) +
-                             ")");
-  }
-}
 
 template <typename V>
 __global__ void __launch_bounds__(kThreads)
@@ -56,15 +50,6 @@ __global__ void __launch_bounds__(kThreads)
       }
     }
   }
-}
-
-int sm_count(int device) {
-  static int cached[64] = {0};
-  if (device >= 0 && device < 64 && cached[device] > 0) return cached[device];
-  int n = 0;
-  check(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device), "cudaDeviceGetAttribute");
-  if (device >= 0 && device < 64) cached[device] = n;
-  return n;
 }
 
 template <typename V>
