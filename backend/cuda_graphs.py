@@ -21,6 +21,7 @@ import torch
 
 from tandem.backend.decoder import Decoder
 from tandem.backend.kv_pool import KVPool
+from tandem.backend.uploads import upload
 
 log = logging.getLogger("tandem")
 
@@ -114,13 +115,13 @@ class GraphedDecode:
                 return self.decoder.decode(rows, self.pool, slot_tables, positions)
         dev = self.pool.device
         g.rows.zero_()
-        g.rows[:b].copy_(rows.to(dev, non_blocking=True))
+        g.rows[:b].copy_(rows if rows.device == dev else upload(rows, dev))
         g.padded.fill_(self._scratch_slot)
         for i, t in enumerate(slot_tables):
             g.padded[i, : t.numel()].copy_(t, non_blocking=True)
         g.lengths.fill_(1)
-        g.lengths[:b].copy_(torch.tensor([int(t.numel()) for t in slot_tables]), non_blocking=True)
+        g.lengths[:b].copy_(upload(torch.tensor([int(t.numel()) for t in slot_tables]), dev))
         g.positions.zero_()
-        g.positions[:b].copy_(positions.to(dev, non_blocking=True))
+        g.positions[:b].copy_(positions if positions.device == dev else upload(positions, dev))
         g.graph.replay()
         return g.logits[:b].clone()

@@ -216,25 +216,19 @@ class DecodeEngine:
     # ---- loop --------------------------------------------------------------------------------------
 
     def _iterate(self) -> None:
-        """One step, with D's host work overlapped: streams admitted meanwhile (admission thread) and
-        verified ones join first, then the step is queued on the device, and while it runs D takes
-        newly admitted streams, polls transfers and queues scatters; `finish` is the one wait for the
-        device."""
-        self._take_admitted()
+        """One step, with D's host work overlapped: `advance` queues the next step (from the device's
+        own rows, `backend/batch.py`) and only then waits for the one before it; D then takes the
+        streams admitted meanwhile (admission thread) and polls transfers — verified streams join
+        the step queued next — while the device runs the queued step."""
+        finished = self.batch.advance()
+        if finished is not None:
+            self.step_model.observe(finished.batch, finished.context, finished.seconds)
+        # The queued step's streams are the whole batch now; those joining below add their context.
+        self._running_ctx = self.batch.queued_context
+        idle = not self.batch.in_flight and not self._waiting
+        self._take_admitted(block_s=0.02 if idle else 0.0)  # idle: sleep until a stream is handed over
         self._poll_transfers()
-        launched = self.batch.launch()
-        # The launched streams are the whole batch now; their positions move only in finish().
-        context = 0 if launched is None else sum(s.position + 1 for s in launched.streams)
-        self._running_ctx = context
-        if launched is None and not self._waiting:
-            self._take_admitted(block_s=0.02)  # idle: sleep until the admission thread hands one over
-        else:
-            self._take_admitted()
-        self._poll_transfers()
-        if launched is not None:
-            elapsed = self.batch.finish(launched)
-            self.step_model.observe(len(launched.streams), context, elapsed)
-        elif self._waiting:
+        if not self.batch.in_flight and self._waiting:
             time.sleep(0.001)  # only transfers in flight: poll them, do not spin
         if self._publish_timer.due():
             self._publish()

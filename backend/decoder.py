@@ -29,6 +29,7 @@ from tandem.csrc import kv_cuda
 from .config import ModelConfig
 from .kv_pool import KVLayout, KVPool
 from .layers import Body, DecoderLayer, rope_cos_sin, rope_inv_freq
+from .uploads import upload
 
 # Prefill's SDPA backends: flash (causal, no cached prefix) and memory-efficient (masked) kernels have
 # no per-shape setup, while backends that build a plan per new sequence length (cuDNN attention) would
@@ -274,7 +275,7 @@ class Decoder(nn.Module):
             raise ValueError(f"batch of {b} rows needs {b} slot tables and positions")
         lengths_host = [int(t.numel()) for t in slot_tables]
         dev = pool.device
-        lengths = torch.tensor(lengths_host, dtype=torch.long).to(dev, non_blocking=True)
+        lengths = upload(torch.tensor(lengths_host, dtype=torch.long), dev)
         padded = torch.nn.utils.rnn.pad_sequence([t.to(dev) for t in slot_tables], batch_first=True)
         return self.decode_padded(rows.to(dev), pool, padded, lengths, positions.to(dev, torch.long))
 

@@ -27,6 +27,7 @@ from tandem.csrc import kv_cuda
 
 from .config import ModelConfig
 from .errors import PoolExhausted
+from .uploads import upload
 
 
 @dataclass(frozen=True)
@@ -179,10 +180,7 @@ class KVPool:
         """A host slot array on the pool's device, ordered on the current stream (after the work
         already queued there, before what follows). On a GPU the copy goes through pinned memory, so
         the host does not wait for it (from pageable memory it would wait for the running step)."""
-        t = torch.from_numpy(np.ascontiguousarray(arr, dtype=np.int64))
-        if self.device.type != "cuda":
-            return t.to(self.device)
-        return t.pin_memory().to(self.device, non_blocking=True)
+        return upload(np.asarray(arr, dtype=np.int64), self.device)
 
     def gather(self, slots: torch.Tensor, out: torch.Tensor) -> None:
         """Copy the KV of `slots` (LongTensor[T], contiguous, on the pool's device) into

@@ -59,7 +59,7 @@ class MonoEngine:
             ),
             lambda: self._prefill(batch),
         )
-        self.batch.step()
+        self.batch.advance()  # queue the next step, then finish the one before it (backend/batch.py)
         if self._publish_timer.due():
             self._publish()
 

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from tandem.backend.uploads import upload
+
 _MASK64 = (1 << 64) - 1
 
 
@@ -93,14 +95,13 @@ def sample_on_device(
         return greedy_tok.view(b, w)
 
     def per_row(values: list[float], dtype: torch.dtype) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype).repeat_interleave(w).to(dev, non_blocking=True)[:, None]
+        return upload(torch.tensor(values, dtype=dtype).repeat_interleave(w), dev)[:, None]
 
     temp = per_row([p.temperature if not p.greedy else 1.0 for p in params], torch.float32)
     top_p = per_row([p.top_p for p in params], torch.float32)
     top_k = per_row([float(p.top_k if p.top_k > 0 else v) for p in params], torch.float32)
     is_greedy = per_row([float(p.greedy) for p in params], torch.float32)[:, 0] > 0
-    u = torch.from_numpy(uniforms([p.seed for p in params], positions, w).reshape(b * w, 1))
-    u = u.to(dev, torch.float32, non_blocking=True)
+    u = upload(uniforms([p.seed for p in params], positions, w).reshape(b * w, 1), dev, torch.float32)
 
     sorted_logits, order = torch.sort(flat, dim=-1, descending=True, stable=True)
     rank = torch.arange(v, device=dev, dtype=torch.float32)[None, :]

@@ -230,77 +230,6 @@ def test_step_model_never_locks_out_an_idle_engine():
     assert not m.admits(1, 500, 500, 42.0, 0.2)  # busy: the floor still protects running streams
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def test_streams_added_while_a_step_runs_join_the_next_one(decoder, tmp_path, device):
-    """`launch` then host work then `finish` (D's overlapped loop) gives the same rows as `step`, a
-    stream added between launch and finish joins the next launch, and streams failed meanwhile
-    (`fail_all`) get their error and no further rows. On CUDA the step is a graph replay and the
-    host work really overlaps it."""
-    import torch
-
-    from tandem.backend.engine_parts import make_batch, make_pool
-    from tandem.backend.sampling import sample
-    from tandem.backend.stream import Stream
-
-    if device == "cuda":
-        if not torch.cuda.is_available():
-            pytest.skip("CUDA not available")
-        decoder = Decoder.random(preset("tiny"), "cuda", seed=0)
-
-    def run(overlapped: bool) -> tuple[list[np.ndarray], int]:
-        s = _settings(tmp_path)
-        pool = make_pool(decoder, s)
-        batch = make_batch(decoder, pool, s, RecordingMetrics())
-        sinks = [ListSink() for _ in range(3)]
-
-        def stream(i: int) -> tuple[Stream, np.ndarray]:
-            x, n = _prompt(9 + 5 * i, 40 + i), 6
-            pages = pool.allocate(pool.pages_for(len(x) + n))
-            slots = pool.slots(pages, len(x) + n)
-            logits = decoder.prefill(torch.from_numpy(x).to(pool.device), pool, slots[: len(x)], 0)
-            sp = SamplingParams(temperature=0.8, seed=i)
-            st = Stream(i, len(x), sp, n, sinks[i], Timings(), pages=pages, slots=slots)
-            return st, sample(logits[None], [sp], [len(x)])[0].numpy()
-
-        s0, r0 = stream(0)
-        batch.add(s0, r0, lambda: None)
-        launched = batch.launch()
-        assert launched is not None and launched.streams == [s0]
-        s1, r1 = stream(1)  # arrives while step 1 runs
-        if overlapped:
-            batch.add(s1, r1, lambda: None)
-            batch.finish(launched)
-            assert s1.position == s1.prompt_len  # not part of the step that was running
-        else:
-            batch.finish(launched)
-            batch.add(s1, r1, lambda: None)
-        while len(batch):
-            batch.step()
-        return [sk.rows() for sk in sinks[:2]], s1.position
-
-    plain, overlapped = run(False), run(True)
-    for a, b in zip(plain[0], overlapped[0], strict=True):
-        np.testing.assert_array_equal(a, b)
-
-    s = _settings(tmp_path)
-    pool = make_pool(decoder, s)
-    batch = make_batch(decoder, pool, s, RecordingMetrics())
-    x = _prompt(12, 7)
-    pages = pool.allocate(pool.pages_for(len(x) + 4))
-    slots = pool.slots(pages, len(x) + 4)
-    logits = decoder.prefill(torch.from_numpy(x).to(pool.device), pool, slots[: len(x)], 0)
-    sink = ListSink()
-    st = Stream(9, len(x), SamplingParams(), 4, sink, Timings(), pages=pages, slots=slots)
-    freed = []
-    batch.add(st, sample(logits[None], [SamplingParams()], [len(x)])[0].numpy(), lambda: freed.append(1))
-    launched = batch.launch()
-    assert launched is not None
-    batch.fail_all("engine fault")
-    batch.finish(launched)
-    assert len(st.generated) == 1 and freed == [1] and len(batch) == 0
-    assert sink.done.is_set() and sink.error is not None
-
-
 def test_d_admits_and_pulls_while_its_engine_is_inside_a_step(pd, monkeypatch):
     """Admission has its own thread: a handoff arriving while D's engine thread is stuck in a (here
     artificially slow) step gets its pages and its PULL before that step ends, and its KV is verified
@@ -314,16 +243,16 @@ def test_d_admits_and_pulls_while_its_engine_is_inside_a_step(pd, monkeypatch):
         time.sleep(0.005)
     assert sink_a.chunks, "stream A never started"
     slow: dict[str, int] = {}
-    finish = d.batch.finish
+    advance = d.batch.advance
 
-    def slow_finish(launched):
+    def slow_advance():
         if not slow:
             slow["start"] = time.time_ns()
             time.sleep(0.5)
             slow["end"] = time.time_ns()
-        return finish(launched)
+        return advance()
 
-    monkeypatch.setattr(d.batch, "finish", slow_finish)
+    monkeypatch.setattr(d.batch, "advance", slow_advance)
     while "start" not in slow and time.monotonic() < deadline:
         time.sleep(0.001)
     timings_b = Timings(second.timings)
