@@ -4,9 +4,10 @@ An eager step of the 36-layer model issues ~2,800 small kernels from Python; on 
 ~80 ms per step whatever the batch size (docs/benchmarks, decoder-qwen3-4b-shape-h200), far above
 the 24 ms a 42 tok/s floor allows. A captured graph replays the same kernels with one launch.
 
-Graphs are captured lazily per bucket (batch rounded up to a power of two, context rounded up to
-`context_step`), over static input buffers. Unused batch rows point at a scratch slot the graph
-owns (one pool page reserved at construction), so they write and read only that slot.
+Graphs are captured lazily per bucket (batch rounded up to a power of two, or to `max_batch` above
+the largest power of two under it; context rounded up to `context_step`), over static input
+buffers. Unused batch rows point at a scratch slot the graph owns (one pool page reserved at
+construction), so they write and read only that slot.
 
 Owner: the engine thread that calls `decode` (D or the monolithic engine); not thread-safe.
 """
@@ -24,6 +25,21 @@ from tandem.backend.kv_pool import KVPool
 from tandem.backend.uploads import upload
 
 log = logging.getLogger("tandem")
+
+
+def batch_buckets(max_batch: int) -> list[int]:
+    """The batch sizes graphs are captured for: powers of two below `max_batch`, then `max_batch`
+    itself (so a batch between the largest power of two and max_batch replays a graph too)."""
+    out, bb = [], 1
+    while bb < max_batch:
+        out.append(bb)
+        bb *= 2
+    return [*out, max_batch]
+
+
+def batch_bucket(b: int, max_batch: int) -> int:
+    """The bucket a batch of `b` (<= max_batch) replays: the smallest of `batch_buckets` >= b."""
+    return next(bb for bb in batch_buckets(max_batch) if bb >= b) if b <= max_batch else b
 
 
 @dataclass
@@ -56,20 +72,15 @@ class GraphedDecode:
 
         Called once by the engine at start when configured; returns the number of graphs held.
         """
-        bb = 1
-        while bb <= self.max_batch:
+        for bb in batch_buckets(self.max_batch):
             for s in range(self.context_step, max_context + self.context_step, self.context_step):
                 if (bb, s) not in self._graphs:
                     self._graphs[(bb, s)] = self._capture(bb, s)
-            bb *= 2
         return len(self._graphs)
 
     def _bucket(self, b: int, longest: int) -> tuple[int, int]:
-        bb = 1
-        while bb < b:
-            bb *= 2
         s = -(-longest // self.context_step) * self.context_step
-        return bb, s
+        return batch_bucket(b, self.max_batch), s
 
     def _capture(self, bb: int, s: int) -> _Graph:
         dev = self.pool.device
@@ -100,7 +111,7 @@ class GraphedDecode:
         b = rows.shape[0]
         longest = max(int(t.numel()) for t in slot_tables)
         bb, s = self._bucket(b, longest)
-        if bb > self.max_batch or self.failed is not None:
+        if b > self.max_batch or self.failed is not None:
             return self.decoder.decode(rows, self.pool, slot_tables, positions)
         g = self._graphs.get((bb, s))
         if g is None:

@@ -198,3 +198,12 @@ def test_cancel_and_fail_all_with_a_step_queued_release_each_stream_once():
         assert isinstance(j.sink.error, StreamFailed) and j.released == 1
     assert pool.num_free_pages == free
     assert batch.advance() is None and batch.drain() is None  # an empty batch does nothing
+
+
+def test_graph_batch_buckets_end_at_max_batch():
+    from tandem.backend.cuda_graphs import batch_bucket, batch_buckets
+
+    assert batch_buckets(64) == [1, 2, 4, 8, 16, 32, 64]
+    assert batch_buckets(96) == [1, 2, 4, 8, 16, 32, 64, 96]
+    assert batch_buckets(1) == [1]
+    assert [batch_bucket(b, 96) for b in (1, 3, 64, 65, 96)] == [1, 4, 64, 96, 96]
