@@ -40,6 +40,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from tandem.backend import calibration
 from tandem.backend.decoder import Decoder
 from tandem.backend.engine_parts import (
     control_secret,
@@ -165,6 +166,7 @@ class DecodeEngine:
         metrics.set("tandem_transfer_path", 1, path=self.path.name)
 
     def start(self) -> None:
+        self._calibrate()
         self._thread.start()
         self._admission.start()
         log.info(
@@ -173,6 +175,35 @@ class DecodeEngine:
             "P writes the pool directly" if self.direct else "receive region + scatter",
             self.pool.num_pages,
             self.pool.page_size,
+        )
+
+    def _calibrate(self) -> None:
+        """Before the first admission: seed the rate-floor model with timed steps of this loop
+        (`backend/calibration.py`), so the first burst is admitted by measured step times."""
+        b = self.settings.batch
+        if not (b.rate_admission and b.calibrate_steps > 0):
+            return
+        page = self.pool.page_size
+        plan = calibration.points(
+            b.max_batch, b.calibrate_context, self.pool.num_free_pages * page, b.calibrate_steps, page
+        )
+        if not plan:
+            log.warning("decode: the pool holds too few pages to time a step; the step model learns live")
+            return
+        t0 = time.perf_counter()
+        steps = calibration.time_steps(self.batch, plan, b.calibrate_steps)
+        self.step_model.seed([(f.batch, f.context, f.seconds) for f in steps])
+        top = plan[-1]
+        log.info(
+            "decode: step-time model seeded from %d timed steps (%s) in %.1f s: predicted step %.1f ms "
+            "at %d streams of %d tokens (budget %.1f ms)",
+            len(steps),
+            ", ".join(f"{p.batch}x{p.context}" for p in plan),
+            time.perf_counter() - t0,
+            self.step_model.predict(top.batch, top.batch * top.context) * 1e3,
+            top.batch,
+            top.context,
+            (1.0 - b.rate_margin) / b.rate_floor_tok_s * 1e3,
         )
 
     def close(self) -> None:

@@ -44,6 +44,10 @@ class BatchSettings:
     cuda_graphs: bool = True  # replay captured decode steps on CUDA devices (backend/cuda_graphs.py)
     paged_attention: bool = True  # decode attention reads KV in place (csrc/decode_attention.cu) where built
     graph_warmup_context: int = 0  # >0: capture every bucket up to this context at start (no lazy stalls)
+    # D, before its first admission: time this many steps of its own loop at a few batch sizes and
+    # contexts up to `calibrate_context`, and seed the rate-floor step model with them (0: off).
+    calibrate_steps: int = 4
+    calibrate_context: int = 2048
     prefill_batch_max: int = 16  # prompts that queued while a prefill ran go through one forward, up to this
     prefill_batch_rows: int = 8192  # ...and up to this many rows to compute (a longer prompt runs alone)
 

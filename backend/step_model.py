@@ -6,6 +6,10 @@ grows with the batch size B (weights read once, per-row work) and with the total
 the most recent steps; admission asks whether the batch *with* the newcomer still steps fast enough
 for every stream to stay at or above the floor, with a margin for chunking and vocoder overhead.
 Until enough distinct steps were seen, it admits (bounded by max_batch) and learns.
+
+D seeds it at start-up with timed steps of its own loop (`backend/calibration.py`, `seed`): those
+samples stay in every fit beside the recent live ones, so a batch size the live window has not seen
+is predicted from measured steps, not extrapolated from small ones.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ MIN_SAMPLES = 16
 class StepTimeModel:
     def __init__(self, window: int = 512, refit_every: int = 16) -> None:
         self._samples: deque[tuple[float, float, float]] = deque(maxlen=window)
+        self._prior: list[tuple[float, float, float]] = []  # `seed`: kept in every fit
         self._refit_every = refit_every
         self._since_fit = 0
         self.coef: np.ndarray | None = None  # (a, b, c) in seconds
@@ -30,19 +35,30 @@ class StepTimeModel:
             return
         self._samples.append((float(batch), float(context), seconds))
         self._since_fit += 1
-        if self._since_fit >= self._refit_every and len(self._samples) >= MIN_SAMPLES:
+        if self._since_fit >= self._refit_every and len(self._samples) + len(self._prior) >= MIN_SAMPLES:
+            self._fit()
+
+    def seed(self, samples: list[tuple[int, int, float]]) -> None:
+        """Called once by D at start-up, before it admits anything, with (batch, context, seconds) of
+        timed steps of its own loop; fits at once (so `ready`) when there are enough of them."""
+        self._prior = [(float(b), float(c), s) for b, c, s in samples if b > 0 and s > 0]
+        if len(self._prior) + len(self._samples) >= MIN_SAMPLES:
             self._fit()
 
     def _fit(self) -> None:
         self._since_fit = 0
-        data = np.array(self._samples)
+        data = np.array(self._prior + list(self._samples))
         x = np.column_stack([np.ones(len(data)), data[:, 0], data[:, 1]])
         coef, *_ = np.linalg.lstsq(x, data[:, 2], rcond=None)
         # Step time cannot shrink with more work: clamp slopes at zero, refit the intercept.
         coef[1:] = np.maximum(coef[1:], 0.0)
         coef[0] = max(0.0, float(np.mean(data[:, 2] - x[:, 1:] @ coef[1:])))
-        # A model that under-predicts the slowest recent steps would over-admit: lift it to cover p90.
-        resid = data[:, 2] - x @ coef
+        # A model that under-predicts the slowest recent steps would over-admit: lift it to cover p90
+        # of the live steps' residuals (those of the seed while too few live steps were seen).
+        live = len(self._samples) >= MIN_SAMPLES
+        recent = data[len(self._prior) :] if live else data
+        xr = x[len(self._prior) :] if live else x
+        resid = recent[:, 2] - xr @ coef
         coef[0] += max(0.0, float(np.quantile(resid, 0.9)))
         self.coef = coef
 

@@ -23,7 +23,6 @@ from tandem.backend.mono_engine import MonoEngine
 from tandem.backend.prefill_engine import PrefillEngine, PrefillRequest
 from tandem.backend.sampling import SamplingParams, sample
 from tandem.backend.settings import BatchSettings, EngineSettings, PoolSettings, TransferSettings
-from tandem.backend.step_model import StepTimeModel
 from tandem.backend.stream import Chunk, EngineRequest
 from tandem.backend.timing import Timings, waterfall
 
@@ -205,29 +204,13 @@ def test_cancelled_stream_returns_its_pages(decoder, tmp_path):
         mono.close()
 
 
-def test_step_model_admits_under_the_floor_only():
-    m = StepTimeModel(refit_every=8)
-    assert m.admits(100, 10**6, 1000, 42.0, 0.2)  # no data yet: admit and learn
-    rng = np.random.default_rng(0)
-    for _ in range(64):
-        b = int(rng.integers(1, 64))
-        ctx = b * int(rng.integers(100, 2000))
-        m.observe(b, ctx, 0.004 + 1e-4 * b + 1e-7 * ctx)
-    assert m.ready
-    assert m.predict(10, 10_000) == pytest.approx(0.004 + 1e-3 + 1e-3, rel=0.05)
-    budget = 0.8 / 42.0
-    k = m.admittable(10, 10_000, 1000, 42.0, 0.2, limit=500)
-    assert m.predict(10 + k, 10_000 + k * 1000) <= budget < m.predict(11 + k, 11_000 + k * 1000)
-
-
-def test_step_model_never_locks_out_an_idle_engine():
-    m = StepTimeModel(refit_every=8)
-    for _ in range(32):  # a slow stretch (e.g. the process was paused): one stream took 100 ms a step
-        m.observe(1, 500, 0.1)
-    assert m.ready and m.predict(1, 500) > 0.8 / 42.0
-    assert m.admits(0, 0, 500, 42.0, 0.2)  # idle: admit, so steps run and refresh the fit
-    assert m.admittable(0, 0, 500, 42.0, 0.2, limit=64) == 1
-    assert not m.admits(1, 500, 500, 42.0, 0.2)  # busy: the floor still protects running streams
+def test_d_seeds_its_step_model_before_its_first_admission(pd):
+    """D times its own loop at start (backend/calibration.py): the rate floor has a fitted model
+    before any stream arrives, and every page of the pool is free again."""
+    _, d = pd
+    assert d.step_model.ready
+    assert d.pool.num_free_pages == d.pool.num_pages
+    assert d.metrics.get("tandem_streams_total", outcome="finished") == 0  # its streams are not the service's
 
 
 def test_d_admits_and_pulls_while_its_engine_is_inside_a_step(pd, monkeypatch):
