@@ -1,0 +1,45 @@
+"""`tandem-bench-decode-loop` on the CPU (tiny preset, a few steps): it runs both loops and the
+start-up calibration, and its figures are consistent with each other (not their size)."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import pytest
+
+from tandem.cli import bench_decode_loop
+
+SMALL = ["--preset", "tiny", "--device", "cpu", "--batches", "1,4", "--context", "24", "--steps", "4"]
+SMALL += ["--warmup", "1", "--host-ms", "0,1", "--calibrate", "--calibrate-steps", "3"]
+
+
+def test_cpu_run_writes_consistent_figures(tmp_path, capsys) -> None:
+    assert bench_decode_loop.main([*SMALL, "--out", str(tmp_path), "--name", "r"]) == 0
+    result = json.loads((tmp_path / "r.json").read_text())
+    runs = result["runs"]
+    assert {(r["mode"], r["batch"], r["host_ms"]) for r in runs} == {
+        (m, b, h) for m in ("serial", "pipelined") for b in (1, 4) for h in (0.0, 1.0)
+    }
+    for r in runs:
+        assert r["steps"] == 4 == len(r["period_samples_ms"]) == len(r["device_samples_ms"])
+        assert r["busy"] == pytest.approx(sum(r["device_samples_ms"]) / sum(r["period_samples_ms"]))
+        assert 0 < r["busy"] <= 1.5  # CPU timers: device time is the forward's own wall time
+        assert r["tok_s_per_stream"] == pytest.approx(1e3 / r["period_median_ms"])
+        if r["host_ms"] == 1.0:  # the host's spin is in every period it follows
+            assert min(r["period_samples_ms"]) >= 1.0
+        # contexts grow by one row per stream per step
+        ctxs = r["step_contexts"]
+        assert all(b - a == r["batch"] for a, b in itertools.pairwise(ctxs))
+        assert r["predicted_ms"] > 0
+    cal = result["calibration"]
+    assert len(cal["samples"]) == 3 * len(cal["plan"]) and len(cal["coef_ms"]) == 3
+    assert (tmp_path / "r.png").exists() or "matplotlib" not in result["meta"]
+    assert "start-up calibration" in capsys.readouterr().out
+
+
+def test_bad_arguments_are_refused(tmp_path) -> None:
+    with pytest.raises(SystemExit):
+        bench_decode_loop.main(["--modes", "fast", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit):
+        bench_decode_loop.main(["--steps", "1", "--out", str(tmp_path)])
