@@ -165,6 +165,21 @@ PYBIND11_MODULE(_cuda_kernels, m) {
       py::arg("dst_slots"), py::arg("num_lt"), py::arg("n_tokens"), py::arg("row_bytes"), py::arg("device"),
       py::arg("stream"), "dst_pool[lt, dst_slots[t]] = src_pool[lt, src_slots[t]] (dst_pool written)");
   m.def(
+      "gather_write_checksum",
+      [](uintptr_t src_pool, int64_t src_rows, uintptr_t src_slots, uintptr_t dst_pool, int64_t dst_rows,
+         uintptr_t dst_slots, int64_t num_lt, int64_t n_tokens, int64_t row_bytes, uintptr_t out, int device,
+         uintptr_t stream) {
+        tandem::copy_rows_checksum(reinterpret_cast<const void*>(src_pool), reinterpret_cast<const int64_t*>(src_slots),
+                                   src_rows, reinterpret_cast<void*>(dst_pool),
+                                   reinterpret_cast<const int64_t*>(dst_slots), dst_rows, num_lt, n_tokens, row_bytes,
+                                   reinterpret_cast<uint64_t*>(out), device, as_stream(stream));
+      },
+      py::arg("src_pool"), py::arg("src_rows"), py::arg("src_slots"), py::arg("dst_pool"), py::arg("dst_rows"),
+      py::arg("dst_slots"), py::arg("num_lt"), py::arg("n_tokens"), py::arg("row_bytes"), py::arg("out"),
+      py::arg("device"), py::arg("stream"),
+      "gather_write, and out[0], out[1] = kv_checksum's lanes over the rows it moved in wire order, out[2] = 0 "
+      "(dst_pool and out, 3 words, written)");
+  m.def(
       "checksum_rows",
       [](uintptr_t src, int64_t src_rows, uintptr_t slots, int64_t num_lt, int64_t n_tokens, int64_t row_bytes,
          uintptr_t out, int device, uintptr_t stream) {

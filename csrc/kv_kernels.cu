@@ -9,6 +9,7 @@
 // cost is bandwidth-bound whatever the fragmentation.
 #include "kv_kernels.h"
 #include "cuda_check.h"
+#include "kv_checksum.cuh"
 
 #include <algorithm>
 #include <stdexcept>
@@ -20,15 +21,19 @@ namespace {
 constexpr int kThreads = 256;  // 8 warps per block
 constexpr int kUnroll = 4;     // vectors per lane in flight: a 2 KiB row is one step of 32 x 4 x 16 B
 
-template <typename V>
+// kSum: also hash what is moved (the rows as read, which is what lands) into out[0..1], exactly as
+// kv_checksum of the wire-order staging buffer would: row r = lt * n_tokens + t, vector v holds words
+// r * row_words + v * kWords<V>. V is then ulonglong2 or unsigned long long (whole 8-byte words).
+template <typename V, bool kSum>
 __global__ void __launch_bounds__(kThreads)
     copy_rows_kernel(const char* __restrict__ src, const int64_t* __restrict__ src_slots, int64_t src_rows,
                      char* __restrict__ dst, const int64_t* __restrict__ dst_slots, int64_t dst_rows,
-                     int64_t num_lt, int64_t n_tokens, int64_t row_vecs) {
+                     int64_t num_lt, int64_t n_tokens, int64_t row_vecs, csum::u64* __restrict__ out) {
   const int lane = threadIdx.x & 31;
   const int64_t warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
   const int64_t n_warps = (static_cast<int64_t>(gridDim.x) * blockDim.x) >> 5;
   const int64_t total = num_lt * n_tokens;
+  csum::Lanes acc;
   for (int64_t r = warp; r < total; r += n_warps) {
     const int64_t lt = r / n_tokens;
     const int64_t t = r - lt * n_tokens;
@@ -48,23 +53,46 @@ __global__ void __launch_bounds__(kThreads)
         const int64_t v = v0 + 32 * u;
         if (v < row_vecs) d[v] = buf[u];
       }
+      if constexpr (kSum) {  // after the stores are issued: the hash overlaps their flight
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+          const int64_t v = v0 + 32 * u;
+          if (v < row_vecs) acc.add(static_cast<csum::u64>(r * row_vecs + v) * csum::kWords<V>, buf[u]);
+        }
+      }
     }
   }
+  if constexpr (kSum) csum::reduce_into<kThreads>(acc.a, acc.finish(), out);
 }
 
-template <typename V>
+template <typename V, bool kSum = false>
 void launch(const void* src, const int64_t* src_slots, int64_t src_rows, void* dst, const int64_t* dst_slots,
             int64_t dst_rows, int64_t num_lt, int64_t n_tokens, int64_t row_bytes, int device,
-            cudaStream_t stream) {
+            cudaStream_t stream, csum::u64* out = nullptr) {
   const int64_t total = num_lt * n_tokens;
   const int64_t warps_per_block = kThreads / 32;
   const int64_t wanted = (total + warps_per_block - 1) / warps_per_block;
   const int64_t cap = static_cast<int64_t>(sm_count(device)) * 8;  // grid-stride beyond ~8 blocks per SM
   const int blocks = static_cast<int>(std::max<int64_t>(1, std::min(wanted, cap)));
-  copy_rows_kernel<V><<<blocks, kThreads, 0, stream>>>(static_cast<const char*>(src), src_slots, src_rows,
-                                                        static_cast<char*>(dst), dst_slots, dst_rows, num_lt,
-                                                        n_tokens, row_bytes / static_cast<int64_t>(sizeof(V)));
+  copy_rows_kernel<V, kSum><<<blocks, kThreads, 0, stream>>>(
+      static_cast<const char*>(src), src_slots, src_rows, static_cast<char*>(dst), dst_slots, dst_rows, num_lt,
+      n_tokens, row_bytes / static_cast<int64_t>(sizeof(V)), out);
   check(cudaGetLastError(), "copy_rows launch");
+}
+
+// Runs `body` with `device` current, restoring the caller's device (also when it throws).
+template <typename F>
+void on_device(int device, F&& body) {
+  int previous = 0;
+  check(cudaGetDevice(&previous), "cudaGetDevice");
+  if (previous != device) check(cudaSetDevice(device), "cudaSetDevice");
+  try {
+    body();
+  } catch (...) {
+    if (previous != device) cudaSetDevice(previous);
+    throw;
+  }
+  if (previous != device) check(cudaSetDevice(previous), "cudaSetDevice (restore)");
 }
 
 }  // namespace
@@ -82,10 +110,7 @@ void copy_rows(const void* src, const int64_t* src_slots, int64_t src_rows, void
                int64_t dst_rows, int64_t num_lt, int64_t n_tokens, int64_t row_bytes, int device,
                cudaStream_t stream) {
   if (num_lt <= 0 || n_tokens <= 0 || row_bytes <= 0) return;  // nothing to move
-  int previous = 0;
-  check(cudaGetDevice(&previous), "cudaGetDevice");
-  if (previous != device) check(cudaSetDevice(device), "cudaSetDevice");
-  try {
+  on_device(device, [&] {
     switch (vector_bytes(src, dst, row_bytes)) {
       case 16:
         launch<uint4>(src, src_slots, src_rows, dst, dst_slots, dst_rows, num_lt, n_tokens, row_bytes, device, stream);
@@ -105,11 +130,29 @@ void copy_rows(const void* src, const int64_t* src_slots, int64_t src_rows, void
         launch<uint8_t>(src, src_slots, src_rows, dst, dst_slots, dst_rows, num_lt, n_tokens, row_bytes, device,
                         stream);
     }
-  } catch (...) {
-    if (previous != device) cudaSetDevice(previous);
-    throw;
+  });
+}
+
+void copy_rows_checksum(const void* src, const int64_t* src_slots, int64_t src_rows, void* dst,
+                        const int64_t* dst_slots, int64_t dst_rows, int64_t num_lt, int64_t n_tokens,
+                        int64_t row_bytes, uint64_t* out, int device, cudaStream_t stream) {
+  const int width = vector_bytes(src, dst, row_bytes);
+  if (width < 8) {
+    throw std::invalid_argument("copy_rows_checksum needs 8-byte aligned pointers and rows of a multiple of "
+                                "8 bytes, got rows of " + std::to_string(row_bytes) + " bytes");
   }
-  if (previous != device) check(cudaSetDevice(previous), "cudaSetDevice (restore)");
+  on_device(device, [&] {
+    auto* lanes = reinterpret_cast<csum::u64*>(out);
+    check(cudaMemsetAsync(lanes, 0, 3 * sizeof(csum::u64), stream), "cudaMemsetAsync");
+    if (num_lt <= 0 || n_tokens <= 0 || row_bytes <= 0) return;  // no words: both lanes 0
+    if (width == 16) {
+      launch<ulonglong2, true>(src, src_slots, src_rows, dst, dst_slots, dst_rows, num_lt, n_tokens, row_bytes,
+                               device, stream, lanes);
+    } else {
+      launch<unsigned long long, true>(src, src_slots, src_rows, dst, dst_slots, dst_rows, num_lt, n_tokens,
+                                       row_bytes, device, stream, lanes);
+    }
+  });
 }
 
 }  // namespace tandem

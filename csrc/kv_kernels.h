@@ -22,6 +22,15 @@ void copy_rows(const void* src, const int64_t* src_slots, int64_t src_rows, void
                int64_t dst_rows, int64_t num_lt, int64_t n_tokens, int64_t row_bytes, int device,
                cudaStream_t stream);
 
+// copy_rows, and the two lanes of kv_checksum over the rows it moves (as checksum_rows below: the
+// staging buffer's words in wire order) into out[0..1]; out[2] = 0. `out` (3 device words) is zeroed
+// and then accumulated on `stream`; nothing synchronises. Since the kernel hashes the vectors it
+// stores, the lanes describe what it wrote. Needs 8-byte aligned pointers and row_bytes % 8 == 0
+// (throws std::invalid_argument otherwise).
+void copy_rows_checksum(const void* src, const int64_t* src_slots, int64_t src_rows, void* dst,
+                        const int64_t* dst_slots, int64_t dst_rows, int64_t num_lt, int64_t n_tokens,
+                        int64_t row_bytes, uint64_t* out, int device, cudaStream_t stream);
+
 // The vector width (bytes) copy_rows will use for these pointers and row size: 16, 8, 4, 2 or 1.
 int vector_bytes(const void* src, const void* dst, int64_t row_bytes);
 

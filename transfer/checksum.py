@@ -152,6 +152,16 @@ def reference_kv_checksum(t: torch.Tensor) -> int:
     return _finish(int(a.item()), int(b.item()), nbytes)
 
 
+def rows_checksum_from_lanes(lanes: torch.Tensor, pool: torch.Tensor, n_tokens: int) -> int:
+    """The checksum from a kernel's output lanes (`kv_cuda.checksum_rows`, `gather_write_checksum`:
+    int64 [3], read back here, which waits for the stream that wrote them) over `n_tokens` rows of a
+    `[L, 2, S, *R]` pool: what `kv_checksum_rows` returns for those rows."""
+    a, b, skipped = lanes.tolist()
+    if skipped:
+        raise _out_of_range(skipped // (2 * pool.shape[0]), pool.shape[2])
+    return _finish(a, b, _rows_nbytes(pool, n_tokens))
+
+
 def _finish(a: int, b: int, nbytes: int) -> int:
     """The checksum from its two lanes (any int representatives mod 2^64) and the byte length."""
     return _fmix64((a & _MASK) ^ _fmix64((b & _MASK) ^ nbytes))
@@ -195,10 +205,7 @@ def kv_checksum_rows(pool: torch.Tensor, slots: torch.Tensor | None = None) -> i
         from tandem.csrc import kv_cuda
 
         if kv_cuda.checksum_rows_supported(pool):
-            a, b, skipped = kv_cuda.checksum_rows(pool, slots).tolist()
-            if skipped:
-                raise _out_of_range(skipped // (2 * pool.shape[0]), pool.shape[2])
-            return _finish(a, b, _rows_nbytes(pool, n_tokens))
+            return rows_checksum_from_lanes(kv_cuda.checksum_rows(pool, slots), pool, n_tokens)
     return reference_kv_checksum_rows(pool, slots)
 
 

@@ -39,6 +39,7 @@ from ._gpu import (
     probe_transfer,
 )
 from .arena import Region
+from .checksum import rows_checksum_from_lanes
 from .errors import PathUnavailable, TransferError
 from .layout import WireLayout
 from .paths import ArenaExport, LocalArena, PeerArena, TransferPath, pool_slots
@@ -167,9 +168,11 @@ class _GpuPath(TransferPath):
         src_slots: torch.Tensor,
         peer: PeerArena,
         dst_slots: torch.Tensor,
-    ) -> None:
+    ) -> int | None:
         """One fused kernel on P's GPU reads P's rows and writes D's pages through the mapping (NVLink
-        stores, no staging, no copy engine); on the path's copy stream, synchronised before returning.
+        stores, no staging, no copy engine), hashing each vector it stores (so P's checksum costs no
+        pass of its own); on the path's copy stream, synchronised before returning. Returns that
+        checksum (None for rows not a multiple of 8 bytes: the plain kernel ran, the caller hashes).
         The mapping is passed as a raw pointer: a torch view of it could be placed on D's device (the
         pointer's home) and silently copied."""
         if not isinstance(peer, MappedPeer):
@@ -187,28 +190,26 @@ class _GpuPath(TransferPath):
             raise TransferError(f"{src_slots.numel()} source slots, {dst_slots.numel()} destination slots")
         dst_rows = pool_slots(layout, peer.nbytes, f"{peer.describe}:")
         num_lt = layout.num_layers * 2
+        row_bytes = layout.token_bytes // num_lt
+        hashed = (src.data_ptr() | peer.ptr | row_bytes) % 8 == 0
+        lanes = torch.empty(3, dtype=torch.int64, device=src.device) if hashed else None
         k = kernels()
 
         def launch() -> None:
             stream = torch.cuda.current_stream(src.device).cuda_stream
-            k.gather_write(
-                src.data_ptr(),
-                src.shape[2],
-                src_slots.data_ptr(),
-                peer.ptr,
-                dst_rows,
-                dst_slots.data_ptr(),
-                num_lt,
-                src_slots.numel(),
-                layout.token_bytes // num_lt,
-                dev,
-                stream,
-            )
+            src_rows = (src.data_ptr(), src.shape[2], src_slots.data_ptr())
+            dst = (peer.ptr, dst_rows, dst_slots.data_ptr())
+            shape = (num_lt, src_slots.numel(), row_bytes)
+            if lanes is None:
+                k.gather_write(*src_rows, *dst, *shape, dev, stream)
+            else:
+                k.gather_write_checksum(*src_rows, *dst, *shape, lanes.data_ptr(), dev, stream)
 
         try:
             self._copies.run(dev, launch)
         except RuntimeError as exc:
             raise TransferError(f"{self.name} write into {peer.describe} failed: {exc}") from exc
+        return None if lanes is None else rows_checksum_from_lanes(lanes, src, src_slots.numel())
 
     def probe(self) -> None:
         kernels()

@@ -152,12 +152,14 @@ class TransferPath(ABC):
         src_slots: torch.Tensor,
         peer: PeerArena,
         dst_slots: torch.Tensor,
-    ) -> None:
+    ) -> int | None:
         """P side, direct mode, once per copy on a copy worker: write rows `src[:, :, src_slots]` (P's
         pool, or a staging tensor with `src_slots = arange(T)`) into D's pool (the peer arena viewed as
         `layout.staging_shape(S)`) at `dst_slots`. Both slot tensors are int64 on `src`'s device; the
         sender checked `dst_slots` against S. Ordered after the caller's current stream; returns only
-        when no byte of it can still land (like `copy_to_peer`)."""
+        when no byte of it can still land (like `copy_to_peer`). Returns `kv_checksum_rows(src,
+        src_slots)` when the path hashed the rows on the way (the GPU paths' fused kernel), else None
+        (the sender hashes them itself; P's rows do not change)."""
         raise TransferError(f"the {self.name} path cannot write D's pool directly")
 
     def source_storage(self, layout: WireLayout, n_slots: int) -> torch.Tensor | None:
@@ -288,13 +290,14 @@ class HostShmPath(TransferPath):
         src_slots: torch.Tensor,
         peer: PeerArena,
         dst_slots: torch.Tensor,
-    ) -> None:
+    ) -> int | None:
         assert isinstance(peer, HostPeerArena)
         dst = peer.pool(layout)
         if src.device.type != "cpu":  # a GPU P: bring only this request's rows to the host
             src = src.index_select(2, src_slots).cpu()
             src_slots = torch.arange(src.shape[2])
         kv_cuda.gather_write(src, src_slots, dst, dst_slots.cpu(), check_bounds=False)
+        return None
 
 
 PATHS: dict[str, Callable[[], TransferPath]] = {

@@ -256,9 +256,9 @@ class ProxyPath(TransferPath):
         src_slots: torch.Tensor,
         peer: PeerArena,
         dst_slots: torch.Tensor,
-    ) -> None:
+    ) -> int | None:
         """The sidecar writes D's pool from P's registered pool (or a staging slab) with the fused row
-        kernel; returns on its reply, sent after the kernel finished."""
+        kernel; returns on its reply, sent after the kernel finished. None: the sender hashes P's rows."""
         if not isinstance(peer, ProxyPeer):
             raise TransferError(f"proxy path cannot write a {type(peer).__name__}")
         with self._lock:
@@ -284,6 +284,7 @@ class ProxyPath(TransferPath):
             num_lt=num_lt,
             row_bytes=row_bytes,
         )
+        return None
 
     def probe(self) -> None:
         """Ping the proxy, then move 64 MiB through it into an arena of our own, timed and verified."""

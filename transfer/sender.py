@@ -3,9 +3,10 @@
 Journey of an offer: `offer()` -> OFFERED (P's pages held) -> PULL accepted -> QUEUED -> a copy worker
 takes it -> COPYING: gather into staging (then the source is released), checksum, `copy_hook`, one copy
 into D's region -> COPIED, reply DONE. A PULL_ROWS (direct mode: D's arena is its KV pool) instead has
-the worker checksum P's rows in place and write them straight into the D slots it names
-(`path.write_rows`), releasing the source after the write; with a `copy_hook` (fault injection) the
-rows go through a staging buffer so the hook can alter what lands after the checksum.
+the worker write P's rows straight into the D slots it names (`path.write_rows`: the GPU paths hash
+them in the same kernel, the others after the write), releasing the source after the write; with a
+`copy_hook` (fault injection) the rows go through a staging buffer so the hook can alter what lands
+after the checksum.
 Off the happy path an offer is tombstoned (ABORTED/EXPIRED) before any write, or the copy fails after
 its copy call returned (FAILED). Terminal offers leave the table; a later PULL for their id is refused
 (tids are random and never reused, so "not in the table" is proof that no copy for it will start),
@@ -519,23 +520,27 @@ class TransferSender:
             self._on_event(event)
 
     def _write_rows(self, offer: Offer, runs: list[int]) -> int:
-        """Copy worker, direct mode: checksum P's rows, write them into D's pool at `runs`, release the
-        source once the write returned (whatever happened). Returns the checksum of what P wrote."""
+        """Copy worker, direct mode: write P's rows into D's pool at `runs` and checksum them (in the
+        write's own kernel on the GPU paths), release the source once the write returned (whatever
+        happened). Returns the checksum of what P wrote."""
         try:
             assert (
                 offer.rows is not None and offer.pull_peer is not None and offer.pull_peer.arena is not None
             )
             src, src_slots = offer.rows
             dst = torch.from_numpy(expand_runs(runs)).to(src.device)
-            if self._copy_hook is None:
-                checksum = kv_checksum_rows(src, src_slots)
-            else:  # fault injection: the hook may alter what lands after the checksum, never P's pool
-                staging = self.path.alloc_staging(self.layout, offer.n_tokens)
-                offer.gather(staging)
-                checksum = kv_checksum(staging)
-                self._copy_hook(offer.tid, staging)
-                src, src_slots = staging, torch.arange(offer.n_tokens, device=staging.device)
-            self.path.write_rows(self.layout, src, src_slots, offer.pull_peer.arena, dst)
+            arena = offer.pull_peer.arena
+            if self._copy_hook is None:  # GPU paths hash the rows as their kernel writes them
+                written = self.path.write_rows(self.layout, src, src_slots, arena, dst)
+                return kv_checksum_rows(src, src_slots) if written is None else written
+            # fault injection: the hook may alter what lands after the checksum, never P's pool
+            staging = self.path.alloc_staging(self.layout, offer.n_tokens)
+            offer.gather(staging)
+            checksum = kv_checksum(staging)
+            self._copy_hook(offer.tid, staging)
+            self.path.write_rows(
+                self.layout, staging, torch.arange(offer.n_tokens, device=staging.device), arena, dst
+            )
             return checksum
         finally:
             self._release_source(offer)

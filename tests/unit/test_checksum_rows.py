@@ -320,3 +320,51 @@ def test_empty_and_single_row_on_cuda() -> None:
     assert kv_checksum_rows(pool.cuda(), empty.cuda()) == kv_checksum(gathered(pool, empty))
     one = torch.tensor([5])
     assert kv_checksum_rows(pool.cuda(), one.cuda()) == kv_checksum(gathered(pool, one))
+
+
+# ---- GPU: P's fused write-and-hash (kv_cuda.gather_write_checksum) -----------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("layers", "pool_slots", "row", "dtype", "n_tokens"), GPU_GRID)
+@pytest.mark.parametrize("fragmented", [True, False])
+def test_fused_write_hashes_exactly_what_it_wrote(
+    layers: int, pool_slots: int, row: tuple[int, int], dtype: torch.dtype, n_tokens: int, fragmented: bool
+) -> None:
+    """The lanes of the fused kernel give kv_checksum_rows of the source rows (= the CPU value of the
+    staging buffer), the destination's rows at dst_slots equal the source's, and no other
+    destination row changes (the destination is poisoned first)."""
+    _need_cuda()
+    cpu_pool = make_pool(layers, pool_slots, row, dtype, seed=n_tokens + 7)
+    if fragmented:
+        cpu_src = shuffled_slots(n_tokens, pool_slots, seed=n_tokens + 8)
+        cpu_dst = shuffled_slots(n_tokens, pool_slots, seed=n_tokens + 9)
+    else:
+        cpu_src = torch.arange(n_tokens)
+        cpu_dst = torch.arange(pool_slots - n_tokens, pool_slots)
+    want = kv_checksum(gathered(cpu_pool, cpu_src))
+    src, src_slots, dst_slots = cpu_pool.cuda(), cpu_src.cuda(), cpu_dst.cuda()
+    poison = make_pool(layers, pool_slots, row, dtype, seed=n_tokens + 10).cuda()
+    dst = poison.clone()
+    assert kv_cuda.gather_write_checksum_supported(src, dst)
+    lanes = kv_cuda.gather_write_checksum(src, src_slots, dst, dst_slots)
+    assert ck.rows_checksum_from_lanes(lanes, src, n_tokens) == want == kv_checksum_rows(src, src_slots)
+    assert torch.equal(dst[:, :, dst_slots].view(torch.uint8), src[:, :, src_slots].view(torch.uint8))
+    untouched = torch.ones(pool_slots, dtype=torch.bool, device="cuda")
+    untouched[dst_slots] = False
+    assert torch.equal(dst[:, :, untouched].view(torch.uint8), poison[:, :, untouched].view(torch.uint8))
+
+
+@pytest.mark.gpu
+def test_fused_write_refuses_what_it_cannot_hash() -> None:
+    """Rows of 4 bytes (not whole words): unsupported, and the call says so instead of writing."""
+    _need_cuda()
+    src = make_pool(1, 8, (1, 2), torch.float16, seed=1).cuda()
+    dst = torch.zeros_like(src)
+    slots = torch.arange(4, device="cuda")
+    assert not kv_cuda.gather_write_checksum_supported(src, dst)
+    with pytest.raises(RuntimeError, match="no fused write-and-hash kernel"):
+        kv_cuda.gather_write_checksum(src, slots, dst, slots)
+    assert not torch.any(dst)
+    with pytest.raises(ValueError, match="slot"):  # bounds are checked before anything runs
+        kv_cuda.gather_write_checksum(src, slots, dst, torch.tensor([0, 1, 2, 99], device="cuda"))

@@ -23,6 +23,7 @@ import torch
 
 from tandem.backend.kv_pool import KVLayout, KVPool
 from tandem.transfer import (
+    ChecksumMismatch,
     HostShmPath,
     RegionState,
     ReleaseReason,
@@ -36,6 +37,7 @@ from tandem.transfer import (
     testing,
 )
 from tandem.transfer._offer import Peer
+from tandem.transfer.checksum import kv_checksum, kv_checksum_rows
 from tandem.transfer.control import connect_unix
 from tandem.transfer.frames import (
     PROTOCOL_VERSION,
@@ -158,6 +160,48 @@ def test_rows_land_in_place_at_fragmented_slots(direct: Direct) -> None:
     assert (st.verify_ok, st.transfers_failed, st.quarantined_count) == (4, 0, 0)
     assert st.free_bytes == st.arena_bytes == POOL_BYTES
     assert wait_for(lambda: len(direct.released) == 4)  # P's source rows released after each write
+
+
+class HashingPath(HostShmPath):
+    """A host path that, like the GPU paths' fused kernel, reports the checksum of the rows it wrote
+    (`skew` added, to show that the sender sends exactly what the path reported)."""
+
+    def __init__(self, skew: int) -> None:
+        super().__init__()
+        self.skew = skew
+        self.hashed = 0
+
+    def write_rows(self, layout, src, src_slots, peer, dst_slots):  # type: ignore[no-untyped-def]
+        super().write_rows(layout, src, src_slots, peer, dst_slots)
+        self.hashed += 1
+        return (kv_checksum_rows(src, src_slots) + self.skew) % (1 << 64)
+
+
+@pytest.mark.parametrize("skew", [0, 1])
+def test_a_path_that_hashes_its_write_supplies_the_checksum(xdg: str, skew: int) -> None:
+    """The checksum in DONE is the one the path's write reported (the GPU paths hash in the write's
+    kernel, no pass of their own): right, D verifies; off by one, D's in-place hash catches it."""
+    path = HashingPath(skew)
+    released: list[str] = []
+    s = TransferSender(LAYOUT, "dir", path, released.append, lambda _: None)
+    s.start()
+    r = TransferReceiver(LAYOUT, "dir", POOL_BYTES, HostShmPath(), abort_retry_s=0.05, direct=True)
+    try:
+        d = Direct(s, r, released, random.Random(3))
+        ticket, data = d.offer(40, seed=5)
+        want = kv_checksum(data.contiguous())
+        h = r.request(ticket, 5.0, d.dest(40), Freed())
+        state = settle(r, h)
+        assert path.hashed == 1
+        assert state is (TransferState.VERIFIED if skew == 0 else TransferState.FAILED), h.error
+        if skew:
+            assert isinstance(h.error, ChecksumMismatch)
+            assert f"P sent {(want + 1) % (1 << 64):016x}, region hashes to {want:016x}" in str(h.error)
+            assert r.stats().verify_mismatch == 1
+        r.complete(h)
+    finally:
+        r.close()
+        s.close()
 
 
 def test_blocked_write_quarantines_slots_until_abort_ack(hooked: tuple[Direct, HookControl]) -> None:
