@@ -2,6 +2,7 @@
 
     tandem-bench-checksum --mib 288 --out docs/benchmarks            # on the device: --device cuda:0
     tandem-bench-checksum --device cuda:0 --paths torch,kernel,rows  # the fused kernel against torch
+    tandem-bench-checksum --device cuda:0 --paths rows,write         # P's hash before / inside its write
 
 D verifies every DONE on the control connection's reader thread (`transfer/receiver.py: _verify`),
 while the engine thread runs decode steps in the same process. Both hold the GIL between torch calls,
@@ -19,11 +20,18 @@ for each `--paths` entry:
     kernel  `kv_checksum` through the fused kernel (csrc/kv_checksum.cu), the bytes as one flat array
     rows    `kv_checksum_rows`: the same bytes viewed as a pool [--layers, 2, S, --row-bytes] read in
             place at every slot in shuffled order (page size 1, fully fragmented; the kernel's P/D use)
+    hash_then_write   P's direct-mode hand-off before the fused kernel: `rows`, then `gather_write`
+            of every row into a second pool of the same shape at other shuffled slots (on one GPU:
+            the local write, not NVLink), synchronised
+    write_hash        the same write by `gather_write_checksum`, which hashes what it stores (what
+            the GPU paths' `write_rows` run now); its value must equal `rows`'
+    write             the write alone (`gather_write`, synchronised), the floor for the two above
 
 torch and kernel must give the same checksum (asserted), rows the value of its torch reference
-(asserted, untimed). kernel and rows need CUDA and the built module; elsewhere they are skipped with a
-note. Median, p90 and max over `--reps`. Writes `<out>/<name>.json`; each result row carries `path`
-and, for torch, `group` (null for the kernel paths).
+(asserted, untimed), hash_then_write and write_hash the value of rows (asserted). All but torch need
+CUDA and the built module; elsewhere they are skipped with a note. Median, p90 and max over `--reps`.
+Writes `<out>/<name>.json`; each result row carries `path` and, for torch, `group` (null for the
+kernel paths).
 """
 
 from __future__ import annotations
@@ -108,22 +116,61 @@ def _rows_case(data: torch.Tensor, layers: int, row_bytes: int) -> tuple[torch.T
     return pool, slots
 
 
+def _write_cases(
+    pool: torch.Tensor, slots: torch.Tensor, want: int, why_not: str
+) -> tuple[list[tuple[str, int | None, Callable[[], int]]], list[str]]:
+    """The direct-mode write, with P's hash before it or inside it, into a second pool (shuffled)."""
+    dst = torch.empty_like(pool)
+    dst_slots = slots[
+        torch.randperm(slots.numel(), generator=torch.Generator().manual_seed(1)).to(slots.device)
+    ]
+    if not kv_cuda.gather_write_checksum_supported(pool, dst):
+        return [], [f"write paths: no fused kernel for this pool ({why_not})"]
+    n = slots.numel()
+
+    def write() -> int:
+        kv_cuda.gather_write(pool, slots, dst, dst_slots, check_bounds=False)
+        torch.cuda.synchronize(pool.device)
+        return 0
+
+    def hash_then_write() -> int:
+        value = ck.kv_checksum_rows(pool, slots)
+        write()
+        return value
+
+    def write_hash() -> int:
+        return ck.rows_checksum_from_lanes(
+            kv_cuda.gather_write_checksum(pool, slots, dst, dst_slots, check_bounds=False), pool, n
+        )
+
+    if write_hash() != want or hash_then_write() != want:
+        raise SystemExit("the fused write's checksum differs from kv_checksum_rows")
+    return [
+        ("hash_then_write", None, hash_then_write),
+        ("write_hash", None, write_hash),
+        ("write", None, write),
+    ], []
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--mib", type=int, default=288, help="bytes hashed per call, in MiB")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--groups", default="1,8", help="comma-separated _GROUP values to compare (torch path)")
-    ap.add_argument("--paths", default="torch", help="comma-separated: torch, kernel, rows (see above)")
+    ap.add_argument(
+        "--paths", default="torch", help="comma-separated: torch, kernel, rows, write (see above)"
+    )
     ap.add_argument("--layers", type=int, default=36, help="rows path: pool layers (qwen3-4b: 36)")
     ap.add_argument("--row-bytes", type=int, default=2048, help="rows path: bytes per row (qwen3-4b: 2048)")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--name", default="checksum")
     args = ap.parse_args(argv)
     paths = [p.strip() for p in args.paths.split(",") if p.strip()]
-    unknown = sorted(set(paths) - {"torch", "kernel", "rows"})
+    known = ("torch", "kernel", "rows", "write")
+    unknown = sorted(set(paths) - set(known))
     if unknown:
-        raise SystemExit(f"unknown --paths entries {unknown}: use torch, kernel, rows")
+        raise SystemExit(f"unknown --paths entries {unknown}: use {', '.join(known)}")
     device = torch.device(args.device)
     data = torch.randint(0, 256, (args.mib << 20,), dtype=torch.uint8, device=device)
     why_not = "needs --device cuda" if device.type != "cuda" else kv_cuda.build_info()
@@ -137,6 +184,14 @@ def main(argv: list[str] | None = None) -> int:
                 cases.append(("kernel", None, functools.partial(ck.kv_checksum, data)))
             else:
                 skipped.append(f"kernel: no kernel for this tensor ({why_not})")
+        elif path == "write":
+            pool, slots = _rows_case(data, args.layers, args.row_bytes)
+            if kv_cuda.checksum_rows_supported(pool):
+                more, notes = _write_cases(pool, slots, ck.reference_kv_checksum_rows(pool, slots), why_not)
+                cases += more
+                skipped += notes
+            else:
+                skipped.append(f"write paths: no kernel for this pool ({why_not})")
         else:
             pool, slots = _rows_case(data, args.layers, args.row_bytes)
             if kv_cuda.checksum_rows_supported(pool):
@@ -154,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     for path, group, fn in cases:
         for busy in (False, True):
             times, value, steps = measure(fn, device, busy, args.reps)
-            if path != "rows":
+            if path in ("torch", "kernel"):
                 values.add(value)
             results.append(
                 {

@@ -3,15 +3,18 @@
 # nvidia-pytriton wheel's server, binary and libraries (plus tritonclient's gRPC client); the repo goes
 # on PYTHONPATH as the `tandem` namespace; the CUDA kernels are built into csrc/.
 #
-#   source cli/device_env.sh CARRY.tar.xz OUT
-carry=${1:?carry tarball}; out=${2:?output dir}
+#   source cli/device_env.sh CARRY.tar.xz OUT      (CARRY "-": no Triton, e.g. for cli/run_gpu_checks.sh)
+carry=${1:?carry tarball or -}; out=${2:?output dir}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-mkdir -p /tmp/carry "$out" && tar -C /tmp/carry -xJf "$carry"
-# pytriton 0.7's python-backend stub is built against NumPy 1.x: with NumPy 2 its BYTES tensors are
-# garbled and the stub aborts. Install a NumPy 1.x wheel carried beside the tarball, if there is one.
-for whl in "$(dirname "$carry")"/numpy-1.*.whl; do
-  [ -e "$whl" ] && python3 -m pip install -q --no-index --no-deps --force-reinstall "$whl"
-done
+mkdir -p /tmp/carry "$out"
+if [ "$carry" != "-" ]; then
+  tar -C /tmp/carry -xJf "$carry"
+  # pytriton 0.7's python-backend stub is built against NumPy 1.x: with NumPy 2 its BYTES tensors are
+  # garbled and the stub aborts. Install a NumPy 1.x wheel carried beside the tarball, if there is one.
+  for whl in "$(dirname "$carry")"/numpy-1.*.whl; do
+    [ -e "$whl" ] && python3 -m pip install -q --no-index --no-deps --force-reinstall "$whl"
+  done
+fi
 python3 -c "import numpy, torch; print('numpy', numpy.__version__, 'torch', torch.__version__)"
 mkdir -p /tmp/pkg/tandem
 for d in backend transfer cli csrc serving; do ln -sfn "$PWD/$d" "/tmp/pkg/tandem/$d"; done
