@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
-# What one GPU can check, on a GPU machine where tandem is not installed (cli/device_env.sh, no Triton):
-# the GPU unit tests, P's direct-mode write with its hash before or inside it (tandem-bench-checksum),
-# and D's decode loop serial against pipelined with the start-up calibration (tandem-bench-decode-loop).
-# Writes logs and result JSON/PNG into OUT; the last lines printed are the tables.
+# What one GPU can check, on a GPU machine where tandem is not installed (cli/device_env.sh): the GPU
+# unit tests, P's direct-mode write with its hash before or inside it (tandem-bench-checksum), and D's
+# decode loop serial against pipelined with the start-up calibration (tandem-bench-decode-loop).
+# Writes logs and result JSON/PNG into OUT; the last lines printed are the tables. The carry is needed
+# for tritonclient, which some unit test modules import (collection fails without it).
 #
-#   cli/run_gpu_checks.sh OUT [pytest -k expression]
+#   cli/run_gpu_checks.sh CARRY.tar.xz OUT [pytest -k expression]
 set -uo pipefail
-out=${1:?output dir}; select=${2:-}
-source "$(dirname "$0")/device_env.sh" - "$out" || exit 1
+carry=${1:?carry tarball}; out=${2:?output dir}; select=${3:-}
+source "$(dirname "$0")/device_env.sh" "$carry" "$out" || exit 1
 nvidia-smi --query-gpu=index,name,memory.used,clocks.sm --format=csv > "$out/gpus.csv"
 rc=0
 timeout 300 python3 -m pytest tests/unit -m gpu -q -p no:cacheprovider ${select:+-k "$select"} \
