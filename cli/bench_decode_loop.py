@@ -3,7 +3,7 @@ device, serial against pipelined, and how well the start-up seed predicts its st
 
     tandem-bench-decode-loop --preset tiny --device cpu --out docs/benchmarks
     tandem-bench-decode-loop --preset qwen3-4b-shape --device cuda --dtype bfloat16 \\
-        --batches 8,32,64,96 --context 1024,2048 --host-ms 0,2 --out results/
+        --batches 8,32,64,96 --context 1024,2048 --host-ms 0,3 --lead-ms 0,3 --calibrate --out results/
 
 What runs: one `DecodeBatch` (what D and the monolithic engine build: CUDA graphs where available,
 paged attention, sampling with temperature 0.8 / top-p 0.95) over a pool of shuffled pages filled with
@@ -13,7 +13,8 @@ tokens are already in the pool and runs the loop to their end:
 * `serial`: `DecodeBatch.step()` (queue a step, wait for it, hand its rows out: the loop before
   device-side token feedback);
 * `pipelined`: `DecodeBatch.advance()` (queue step n+1 from step n's rows on the device, then wait
-  for step n), what D runs now.
+  for step n), what D runs now, once per `--lead-ms` (0: step n+1 is queued as soon as step n
+  starts; L: L ms before step n is due to end, `tandem.batch.launch_lead_ms`).
 
 After each loop turn the host spins for H ms holding the GIL (`--host-ms`): D's own work per turn
 (taking admitted streams, polling transfers, Triton's response sends) — the pipeline hides it while it
@@ -23,6 +24,10 @@ is shorter than a step. Figures per configuration, over the steps after `--warmu
 * `device`: the device time of one step (CUDA events around its queued work; CPU: its forward);
 * `busy`: summed device time over summed periods (the figure `tandem-bench` reads from D's
   `tandem_device_busy_seconds_total` under load);
+* `join`: `--probes` extra streams become ready at random moments of the timed steps (as a stream
+  whose KV was just verified does in D) and join when the loop next takes joiners (pipelined: its
+  `before_launch`); ready -> first chunk (4 rows), median. What pipelining costs a newcomer, and
+  what a launch lead gives back;
 * with `--calibrate`, `predicted`: the step-time model D seeds at start-up (`backend/calibration.py`,
   the same points and steps D times) predicting this configuration's period; `error` = predicted /
   measured - 1 (positive: conservative).
@@ -69,13 +74,17 @@ def _floats(text: str) -> list[float]:
 
 
 class _Sink:
-    """Counts rows; makes each chunk's rows contiguous, as a response tensor would."""
+    """Counts rows; makes each chunk's rows contiguous, as a response tensor would; notes when the
+    first chunk came (the probes' figure)."""
 
     def __init__(self) -> None:
         self.rows = 0
         self.error: TandemError | None = None
+        self.first_chunk_s: float | None = None
 
     def emit(self, chunk: Chunk) -> None:
+        if self.first_chunk_s is None:
+            self.first_chunk_s = time.perf_counter()
         self.rows += len(np.ascontiguousarray(chunk.rows))
 
     def fail(self, error: TandemError) -> None:
@@ -92,50 +101,95 @@ def _spin(ms: float) -> None:
         pass
 
 
+def _add(batch: DecodeBatch, i: int, context: int, rows: int, sink: _Sink, rng: np.random.Generator) -> None:
+    pool, dec = batch.pool, batch.decoder
+    pages = pool.allocate(pool.pages_for(context + rows))
+    stream = Stream(
+        stream_id=i,
+        prompt_len=context,
+        sampling=SamplingParams(temperature=0.8, top_p=0.95, seed=i),
+        max_new_rows=rows,
+        sink=sink,
+        timings=Timings(),
+        pages=pages,
+        slots=pool.slots(pages, context + rows),
+    )
+    first = rng.integers(0, dec.cfg.vocab_size, size=dec.cfg.row_width, dtype=np.int64)
+    batch.add(stream, first, lambda: pool.free(pages))
+
+
 def run_loop(
-    batch: DecodeBatch, b: int, context: int, steps: int, warmup: int, host_ms: float, mode: str, seed: int
+    batch: DecodeBatch,
+    b: int,
+    context: int,
+    steps: int,
+    warmup: int,
+    host_ms: float,
+    mode: str,
+    seed: int,
+    lead_ms: float = 0.0,
+    probes: int = 0,
 ) -> dict[str, Any]:
     """B streams of `context` tokens through `batch` to their end in `mode`; the figures of the steps
-    after `warmup`. Periods are wall time between consecutive finished steps as the loop saw them."""
-    pool, dec = batch.pool, batch.decoder
+    after `warmup`. Periods are wall time between consecutive finished steps as the loop saw them.
+
+    `probes` extra streams (4 rows: the first chunk) become ready at random moments of the timed
+    steps, as a stream whose KV was just verified does in D; each joins the next time the loop takes
+    joiners (pipelined: `before_launch`; serial: before its step). `join_ms` is ready -> first chunk."""
+    batch.launch_lead_s = lead_ms / 1e3 if mode == "pipelined" else 0.0
     rows = warmup + steps + 2  # row 0 stands for P's; the pipelined loop's last step is drained, untimed
     sinks = [_Sink() for _ in range(b)]
     rng = np.random.default_rng(seed)
     for i in range(b):
-        pages = pool.allocate(pool.pages_for(context + rows))
-        stream = Stream(
-            stream_id=i,
-            prompt_len=context,
-            sampling=SamplingParams(temperature=0.8, top_p=0.95, seed=seed + i),
-            max_new_rows=rows,
-            sink=sinks[i],
-            timings=Timings(),
-            pages=pages,
-            slots=pool.slots(pages, context + rows),
-        )
-        first = rng.integers(0, dec.cfg.vocab_size, size=dec.cfg.row_width, dtype=np.int64)
-        batch.add(stream, first, lambda p=pages: pool.free(p))
+        _add(batch, seed + i, context, rows, sinks[i], rng)
+    probe_turns = (
+        sorted(rng.choice(range(warmup + 1, warmup + steps - 4), size=probes, replace=False))
+        if probes
+        else []
+    )
+    pending: list[tuple[float, _Sink]] = []  # (ready at, sink) not yet joined
+    joined: list[tuple[float, _Sink]] = []
+    period_guess = [0.0]
+
+    def join_ready() -> None:
+        now = time.perf_counter()
+        for item in [p for p in pending if p[0] <= now]:
+            pending.remove(item)
+            _add(batch, 10_000 + len(joined), context, 4, item[1], rng)
+            joined.append(item)
+
     finishes: list[tuple[float, FinishedStep]] = []
     t0 = time.perf_counter()
-    while len(batch):
+    turn = 0
+    while len(batch) or pending:
+        if turn in probe_turns:  # ready somewhere within the coming step
+            pending.append((time.perf_counter() + float(rng.uniform(0, period_guess[0])), _Sink()))
         if mode == "pipelined":
-            done = batch.advance()
+            done = batch.advance(before_launch=join_ready)
         else:
+            join_ready()
             batch.advance()  # nothing is queued before it: it only queues
             done = batch.drain()
         if done is not None:
             finishes.append((time.perf_counter(), done))
+            if len(finishes) > 1:
+                period_guess[0] = finishes[-1][0] - finishes[-2][0]
         _spin(host_ms)
+        turn += 1
     batch.drain()
     wall = time.perf_counter() - t0
     if not all(s.error is None and s.rows == rows for s in sinks):
         raise RuntimeError("a stream did not get all its rows")
+    if not all(s.error is None and s.rows == 4 and s.first_chunk_s for _, s in joined):
+        raise RuntimeError("a probe did not get its first chunk")
+    join_ms = [(s.first_chunk_s - ready) * 1e3 for ready, s in joined if s.first_chunk_s is not None]
     timed = range(max(1, warmup), min(len(finishes), warmup + steps))
     period = [finishes[k][0] - finishes[k - 1][0] for k in timed]
     device = [finishes[k][1].device_s for k in timed]
     p, d = benchutil.summary(period), benchutil.summary(device)
     return {
         "mode": mode,
+        "lead_ms": lead_ms if mode == "pipelined" else None,
         "batch": b,
         "context": context,
         "host_ms": host_ms,
@@ -146,6 +200,8 @@ def run_loop(
         "busy": sum(device) / sum(period),
         "tok_s_per_stream": 1e3 / p["median_ms"],
         "meets_floor": 1e3 / p["median_ms"] >= FLOOR_TOK_S,
+        "join_ms_median": benchutil.median(join_ms) if join_ms else None,
+        "join_ms_samples": join_ms,
         "wall_s": wall,
         "period_samples_ms": [x * 1e3 for x in period],
         "device_samples_ms": [x * 1e3 for x in device],
@@ -181,24 +237,38 @@ def plot(result: dict[str, Any], path: Path) -> None:
     runs, meta = result["runs"], result["meta"]
     contexts = sorted({r["context"] for r in runs})
     hosts = sorted({r["host_ms"] for r in runs})
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.4))
+    loops = sorted({(r["mode"], r.get("lead_ms")) for r in runs}, key=lambda m: (m[0], m[1] or 0.0))
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.4))
     for ctx in contexts:
         for h in hosts:
-            for mode, style in (("serial", "--"), ("pipelined", "-")):
+            for mode, lead in loops:
                 pts = sorted(
-                    (r for r in runs if r["context"] == ctx and r["host_ms"] == h and r["mode"] == mode),
+                    (
+                        r
+                        for r in runs
+                        if r["context"] == ctx
+                        and r["host_ms"] == h
+                        and (r["mode"], r.get("lead_ms")) == (mode, lead)
+                    ),
                     key=lambda r: r["batch"],
                 )
                 if not pts:
                     continue
-                label = f"{mode}, ctx {ctx}, host {h:g} ms"
+                style = "--" if mode == "serial" else "-"
+                label = f"{mode}{'' if lead is None else f' lead {lead:g}'}, ctx {ctx}, host {h:g} ms"
                 xs = [r["batch"] for r in pts]
                 axes[0].plot(xs, [100 * r["busy"] for r in pts], style, marker="o", label=label)
                 axes[1].plot(xs, [r["period_median_ms"] for r in pts], style, marker="o", label=label)
+                joins = [
+                    (x, r["join_ms_median"]) for x, r in zip(xs, pts, strict=True) if r.get("join_ms_median")
+                ]
+                if joins:
+                    axes[2].plot(*zip(*joins, strict=True), style, marker="o", label=label)
     axes[0].axhline(95, color="red", linestyle=":", label="95 % target")
     axes[0].set_ylabel("device busy (%)")
     axes[1].axhline(1e3 / FLOOR_TOK_S, color="red", linestyle=":", label=f"{FLOOR_TOK_S:.0f} tok/s floor")
     axes[1].set_ylabel("step period, median (ms)")
+    axes[2].set_ylabel("joiner ready -> first chunk, median (ms)")
     for ax in axes:
         ax.set_xlabel("decode batch (streams)")
         ax.grid(True, alpha=0.3)
@@ -218,9 +288,11 @@ def print_tables(result: dict[str, Any]) -> None:
     rows = []
     for r in result["runs"]:
         pred = r.get("predicted_ms")
+        join = r.get("join_ms_median")
         rows.append(
             [
                 r["mode"],
+                "-" if r.get("lead_ms") is None else r["lead_ms"],
                 r["batch"],
                 r["context"],
                 r["host_ms"],
@@ -229,11 +301,13 @@ def print_tables(result: dict[str, Any]) -> None:
                 r["device_median_ms"],
                 f"{100 * r['busy']:.1f}",
                 r["tok_s_per_stream"],
+                "-" if join is None else join,
                 "-" if pred is None else pred,
                 "-" if pred is None else f"{100 * (pred / r['period_median_ms'] - 1):+.1f} %",
             ]
         )
-    heads = ["mode", "batch", "context", "host ms", "period ms", "p90 ms", "device ms", "busy %", "tok/s"]
+    heads = ["mode", "lead ms", "batch", "context", "host ms", "period ms", "p90 ms", "device ms", "busy %"]
+    heads += ["tok/s", "join ms"]
     print(benchutil.format_table([*heads, "predicted ms", "error"], rows))
     cal = result.get("calibration")
     if cal:
@@ -252,6 +326,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--context", type=_ints, default=[1024], help="tokens of KV per stream, comma list")
     ap.add_argument("--host-ms", type=_floats, default=[0.0, 2.0], help="host work per loop turn, comma list")
     ap.add_argument("--modes", default=",".join(MODES), help="serial,pipelined")
+    ap.add_argument(
+        "--lead-ms", type=_floats, default=[0.0, 3.0], help="pipelined: launch leads to compare, comma list"
+    )
+    ap.add_argument("--probes", type=int, default=6, help="joining streams timed per configuration")
     ap.add_argument("--steps", type=int, default=30, help="timed steps per configuration")
     ap.add_argument("--warmup", type=int, default=4, help="untimed steps first")
     ap.add_argument("--page-size", type=int, default=16)
@@ -268,6 +346,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--modes takes a comma list of {', '.join(MODES)}")
     if args.steps < 2 or args.warmup < 1:
         ap.error("--steps must be >= 2 and --warmup >= 1")
+    if args.probes < 0 or (args.probes and args.steps - 5 < args.probes):
+        ap.error("--probes must be >= 0 and at most --steps - 5 (one per timed turn, away from the end)")
     if args.replot is not None:
         saved = json.loads(args.replot.read_text())
         plot(saved, args.replot.with_suffix(".png"))
@@ -286,6 +366,7 @@ def main(argv: list[str] | None = None) -> int:
     max_b, max_ctx = max(args.batches), max(args.context)
     rows = args.warmup + args.steps + 2
     pages = max_b * -(-(max_ctx + rows) // args.page_size) + 2  # + the graphs' scratch page
+    pages += args.probes * -(-(max_ctx + 4) // args.page_size)  # the joining streams
     pool = _shuffled_pool(cfg, pages * args.page_size, args.page_size, device, args.seed)
     graphs = device.type == "cuda" and not args.no_graphs
     batch = DecodeBatch(
@@ -302,14 +383,16 @@ def main(argv: list[str] | None = None) -> int:
     for ctx in args.context:
         for b in args.batches:
             for h in args.host_ms:
-                for mode in modes:
-                    r = run_loop(batch, b, ctx, args.steps, args.warmup, h, mode, args.seed)
+                for mode, lead in [(m, x) for m in modes for x in ([0.0] if m == "serial" else args.lead_ms)]:
+                    r = run_loop(
+                        batch, b, ctx, args.steps, args.warmup, h, mode, args.seed, lead, args.probes
+                    )
                     if cal is not None:
                         ctxs = r["step_contexts"]
                         r["predicted_ms"] = cal["model"].predict(b, int(np.median(ctxs))) * 1e3
                     runs.append(r)
                     print(
-                        f"  {mode:9s} batch {b:3d} context {ctx} host {h:g} ms: period "
+                        f"  {mode:9s} lead {lead:g} batch {b:3d} context {ctx} host {h:g} ms: period "
                         f"{r['period_median_ms']:.2f} ms, device {r['device_median_ms']:.2f} ms, "
                         f"busy {100 * r['busy']:.1f} %",
                         file=sys.stderr,

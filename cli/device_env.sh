@@ -7,7 +7,9 @@
 carry=${1:?carry tarball or -}; out=${2:?output dir}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 mkdir -p /tmp/carry "$out"
-if [ "$carry" != "-" ]; then
+# Sourced again in the same machine (several scripts in one call), the carry, NumPy and the kernels
+# already in place are kept.
+if [ "$carry" != "-" ] && [ ! -d /tmp/carry/pytriton ]; then
   tar -C /tmp/carry -xJf "$carry"
   # pytriton 0.7's python-backend stub is built against NumPy 1.x: with NumPy 2 its BYTES tensors are
   # garbled and the stub aborts. Install a NumPy 1.x wheel carried beside the tarball, if there is one.
@@ -21,5 +23,8 @@ for d in backend transfer cli csrc serving; do ln -sfn "$PWD/$d" "/tmp/pkg/tande
 export PYTHONPATH=/tmp/pkg:/tmp/carry:$PWD
 # Triton's python stubs ignore PYTHONPATH but read the interpreter's site-packages: a .pth puts tandem there.
 python3 -c 'import site; open(site.getsitepackages()[0] + "/tandem-run.pth", "w").write("/tmp/pkg\n")'
-python3 csrc/build_cuda.py > "$out/build_cuda.log" 2>&1 || { tail -20 "$out/build_cuda.log"; exit 1; }
+built=$(ls csrc/_cuda_kernels*.so 2>/dev/null | head -1)
+if [ -z "$built" ] || [ -n "$(find csrc -newer "$built" \( -name '*.cu' -o -name '*.cuh' -o -name '*.cpp' -o -name '*.h' \))" ]; then
+  python3 csrc/build_cuda.py > "$out/build_cuda.log" 2>&1 || { tail -20 "$out/build_cuda.log"; exit 1; }
+fi
 export XDG_RUNTIME_DIR=/tmp/run && mkdir -p -m 0700 "$XDG_RUNTIME_DIR"

@@ -3,34 +3,37 @@ start-up calibration, and its figures are consistent with each other (not their 
 
 from __future__ import annotations
 
-import itertools
 import json
 
 import pytest
 
 from tandem.cli import bench_decode_loop
 
-SMALL = ["--preset", "tiny", "--device", "cpu", "--batches", "1,4", "--context", "24", "--steps", "4"]
-SMALL += ["--warmup", "1", "--host-ms", "0,1", "--calibrate", "--calibrate-steps", "3"]
+SMALL = ["--preset", "tiny", "--device", "cpu", "--batches", "1,4", "--context", "24", "--steps", "8"]
+SMALL += ["--warmup", "1", "--host-ms", "0,1", "--calibrate", "--calibrate-steps", "3", "--probes", "2"]
+SMALL += ["--lead-ms", "0,2"]
 
 
 def test_cpu_run_writes_consistent_figures(tmp_path, capsys) -> None:
     assert bench_decode_loop.main([*SMALL, "--out", str(tmp_path), "--name", "r"]) == 0
     result = json.loads((tmp_path / "r.json").read_text())
     runs = result["runs"]
-    assert {(r["mode"], r["batch"], r["host_ms"]) for r in runs} == {
-        (m, b, h) for m in ("serial", "pipelined") for b in (1, 4) for h in (0.0, 1.0)
-    }
+    loops = [("serial", None), ("pipelined", 0.0), ("pipelined", 2.0)]
+    assert sorted((r["mode"], r["lead_ms"] or 0.0, r["batch"], r["host_ms"]) for r in runs) == sorted(
+        (m, lead or 0.0, b, h) for m, lead in loops for b in (1, 4) for h in (0.0, 1.0)
+    )
     for r in runs:
-        assert r["steps"] == 4 == len(r["period_samples_ms"]) == len(r["device_samples_ms"])
+        assert r["steps"] == 8 == len(r["period_samples_ms"]) == len(r["device_samples_ms"])
+        # both probes joined and got their first chunk, after they were ready (not before)
+        assert len(r["join_ms_samples"]) == 2 and all(x > 0 for x in r["join_ms_samples"])
         assert r["busy"] == pytest.approx(sum(r["device_samples_ms"]) / sum(r["period_samples_ms"]))
         assert 0 < r["busy"] <= 1.5  # CPU timers: device time is the forward's own wall time
         assert r["tok_s_per_stream"] == pytest.approx(1e3 / r["period_median_ms"])
         if r["host_ms"] == 1.0:  # the host's spin is in every period it follows
             assert min(r["period_samples_ms"]) >= 1.0
-        # contexts grow by one row per stream per step
+        # every timed step attends over at least the main streams' prompts and rows so far
         ctxs = r["step_contexts"]
-        assert all(b - a == r["batch"] for a, b in itertools.pairwise(ctxs))
+        assert all(c >= r["batch"] * (r["context"] + 2 + k) for k, c in enumerate(ctxs))
         assert r["predicted_ms"] > 0
     cal = result["calibration"]
     assert len(cal["samples"]) == 3 * len(cal["plan"]) and len(cal["coef_ms"]) == 3
@@ -43,3 +46,5 @@ def test_bad_arguments_are_refused(tmp_path) -> None:
         bench_decode_loop.main(["--modes", "fast", "--out", str(tmp_path)])
     with pytest.raises(SystemExit):
         bench_decode_loop.main(["--steps", "1", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit):  # more probes than timed turns to start them on
+        bench_decode_loop.main(["--steps", "6", "--probes", "4", "--out", str(tmp_path)])
