@@ -22,12 +22,6 @@ transfers) while step n+1 runs. What that costs, and how it stays correct:
   row comes one step later than a serial loop would give it.
 Tokens are exactly those of a serial loop: sampling depends on (seed, position, column) only.
 
-When to queue step n+1: as late as still keeps the device busy. Queued the moment step n starts, it
-would fix its streams a whole step ahead, and a stream that joins meanwhile (D: its KV just
-verified) would wait for step n+2. So with `launch_lead_s` > 0 and a step queued, `advance()` sleeps
-until step n is due to end (its start on the device, as the host saw step n-1 finish, plus the last
-step's device time) less the lead, then runs the owner's `before_launch` (D takes the streams that
-joined meanwhile) and queues step n+1 — the device still runs step n while the host does that.
 Between two `advance()` calls at most one step is queued; `drain()` waits for it. `step()` is
 `advance()` then `drain()`: one whole step, every stream's row appended when it returns. On the CPU
 the forward runs inside `advance()`, in the same order, so the same code is what the CPU tests run.
@@ -67,8 +61,7 @@ class QueuedStep:
     rows: torch.Tensor  # [B, W] sampled rows on the pool's device: the next step's inputs
     host_rows: torch.Tensor  # [B, W] the same rows on the host (CUDA: pinned, valid once `ready` passed)
     context: int  # sum over streams of (position + 1): the KV tokens the step attends over
-    started_s: float  # perf_counter when queueing began
-    queued_s: float  # perf_counter when queueing ended (the device may start it from here)
+    started_s: float  # perf_counter when it was queued
     members: frozenset[int]  # id() of its streams
     events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None  # CUDA: around its device work
     cpu_s: float = 0.0  # CPU: the forward's wall time (it ran inside `_launch`)
@@ -97,10 +90,8 @@ class DecodeBatch:
         cuda_graphs: bool = False,
         max_batch: int = 64,
         graph_warmup_context: int = 0,
-        launch_lead_s: float = 0.0,
     ) -> None:
         self.decoder = decoder
-        self.launch_lead_s = launch_lead_s
         self._graphed = None
         if cuda_graphs and pool.device.type == "cuda":
             self._graphed = GraphedDecode(decoder, pool, max_batch)
@@ -119,7 +110,6 @@ class DecodeBatch:
         self._first_rows: dict[int, int] = {}
         self._queued: list[QueuedStep] = []  # launch order; one between advance() calls, two inside
         self._last_finish_s = 0.0
-        self._last_device_s: float | None = None  # the last finished step's device time (CUDA)
         self._steps = 0
         self.device_busy_s = 0.0  # summed device time of finished steps (`FinishedStep.device_s`)
 
@@ -151,31 +141,12 @@ class DecodeBatch:
         self._releases[id(stream)] = release
         self._after_rows(stream)
 
-    def advance(self, before_launch: Callable[[], None] | None = None) -> FinishedStep | None:
+    def advance(self) -> FinishedStep | None:
         """Queue the next step over every stream that needs a row, then wait for the step queued
-        before it and hand out its rows. Returns that step's figures (None if none was queued).
-
-        `before_launch` (the owner's, optional) runs right before the next step is queued, after the
-        lead wait: streams it adds join that step."""
+        before it and hand out its rows. Returns that step's figures (None if none was queued)."""
         prev = self._queued[-1] if self._queued else None
-        if prev is not None:
-            self._wait_for_launch_time(prev)
-        if before_launch is not None:
-            before_launch()
         self._launch(prev)
         return None if prev is None else self._finish(prev)
-
-    def _wait_for_launch_time(self, prev: QueuedStep) -> None:
-        """Sleep until `prev` is due to end on the device less `launch_lead_s` (CUDA, lead set, and a
-        step time known; at most 100 ms, so a bad estimate costs a bounded wait, never a hang)."""
-        if self.launch_lead_s <= 0 or prev.events is None or self._last_device_s is None:
-            return
-        # prev started on the device when the step before it ended (the host saw that as its last
-        # finish) or, if the device was idle then, once it was queued.
-        due = max(self._last_finish_s, prev.queued_s) + self._last_device_s - self.launch_lead_s
-        delay = due - time.perf_counter()
-        if delay > 0:
-            time.sleep(min(delay, 0.1))
 
     def drain(self) -> FinishedStep | None:
         """Wait for the queued step, if any, and hand out its rows (nothing new is queued)."""
@@ -232,7 +203,6 @@ class DecodeBatch:
             host_rows=host_rows,
             context=sum(p + 1 for p in positions),
             started_s=t0,
-            queued_s=time.perf_counter(),
             members=frozenset(id(s) for s in active),
             events=events,
             cpu_s=0.0 if events is not None else time.perf_counter() - t0,
@@ -278,8 +248,6 @@ class DecodeBatch:
         elapsed = now - max(queued.started_s, self._last_finish_s)
         self._last_finish_s = now
         self.device_busy_s += device_s
-        if queued.events is not None:
-            self._last_device_s = device_s
         for release in queued.deferred:
             release()
         for s, row in zip(queued.streams, new_rows, strict=True):

@@ -247,28 +247,22 @@ class DecodeEngine:
     # ---- loop --------------------------------------------------------------------------------------
 
     def _iterate(self) -> None:
-        """One step, with D's host work overlapped: `advance` waits until the queued step is nearly
-        done (`launch_lead_ms`), then takes the streams admitted meanwhile (admission thread) and
-        polls transfers — verified streams join — queues the next step from the device's own rows
-        (`backend/batch.py`), and only then waits for the step before it."""
-        finished = self.batch.advance(before_launch=self._gather)
+        """One step, with D's host work overlapped: `advance` queues the next step (from the device's
+        own rows, `backend/batch.py`) and only then waits for the one before it; D then takes the
+        streams admitted meanwhile (admission thread) and polls transfers — verified streams join
+        the step queued next — while the device runs the queued step."""
+        finished = self.batch.advance()
         if finished is not None:
             self.step_model.observe(finished.batch, finished.context, finished.seconds)
-        # The queued step's streams are the whole batch now; those joining later add their context.
+        # The queued step's streams are the whole batch now; those joining below add their context.
         self._running_ctx = self.batch.queued_context
-        if not self.batch.in_flight:  # nothing to decode: wait for a stream instead of spinning
-            if self._waiting:
-                time.sleep(0.001)  # only transfers in flight: poll them (next turn), do not spin
-            else:
-                self._take_admitted(block_s=0.02)  # idle: sleep until the admission thread hands one over
+        idle = not self.batch.in_flight and not self._waiting
+        self._take_admitted(block_s=0.02 if idle else 0.0)  # idle: sleep until a stream is handed over
+        self._poll_transfers()
+        if not self.batch.in_flight and self._waiting:
+            time.sleep(0.001)  # only transfers in flight: poll them, do not spin
         if self._publish_timer.due():
             self._publish()
-
-    def _gather(self) -> None:
-        """Engine thread, right before a step is queued: streams the admission thread admitted start
-        waiting for their KV, verified ones join (that step), failed ones get their error."""
-        self._take_admitted()
-        self._poll_transfers()
 
     # ---- admission (its own thread) -----------------------------------------------------------------
 

@@ -52,7 +52,6 @@ def make_batch(decoder: Decoder, pool: KVPool, settings: EngineSettings, metrics
         cuda_graphs=b.cuda_graphs,
         max_batch=b.max_batch,
         graph_warmup_context=b.graph_warmup_context,
-        launch_lead_s=b.launch_lead_ms / 1e3,
     )
 
 

@@ -47,9 +47,6 @@ class BatchSettings:
     # D, before its first admission: time this many steps of its own loop at a few batch sizes and
     # contexts up to `calibrate_context`, and seed the rate-floor step model with them (0: off).
     calibrate_steps: int = 4
-    # CUDA: queue the next decode step this long before the running one is due to end (streams that
-    # join meanwhile make it); 0 queues it as soon as the running one starts (backend/batch.py).
-    launch_lead_ms: float = 3.0
     calibrate_context: int = 2048
     prefill_batch_max: int = 16  # prompts that queued while a prefill ran go through one forward, up to this
     prefill_batch_rows: int = 8192  # ...and up to this many rows to compute (a longer prompt runs alone)

@@ -3,7 +3,7 @@ device, serial against pipelined, and how well the start-up seed predicts its st
 
     tandem-bench-decode-loop --preset tiny --device cpu --out docs/benchmarks
     tandem-bench-decode-loop --preset qwen3-4b-shape --device cuda --dtype bfloat16 \\
-        --batches 8,32,64,96 --context 1024,2048 --host-ms 0,3 --lead-ms 0,3 --calibrate --out results/
+        --batches 8,32,64,96 --context 1024,2048 --host-ms 0,3 --calibrate --out results/
 
 What runs: one `DecodeBatch` (what D and the monolithic engine build: CUDA graphs where available,
 paged attention, sampling with temperature 0.8 / top-p 0.95) over a pool of shuffled pages filled with
@@ -13,8 +13,7 @@ tokens are already in the pool and runs the loop to their end:
 * `serial`: `DecodeBatch.step()` (queue a step, wait for it, hand its rows out: the loop before
   device-side token feedback);
 * `pipelined`: `DecodeBatch.advance()` (queue step n+1 from step n's rows on the device, then wait
-  for step n), what D runs now, once per `--lead-ms` (0: step n+1 is queued as soon as step n
-  starts; L: L ms before step n is due to end, `tandem.batch.launch_lead_ms`).
+  for step n), what D runs now.
 
 After each loop turn the host spins for H ms holding the GIL (`--host-ms`): D's own work per turn
 (taking admitted streams, polling transfers, Triton's response sends) — the pipeline hides it while it
@@ -25,9 +24,9 @@ is shorter than a step. Figures per configuration, over the steps after `--warmu
 * `busy`: summed device time over summed periods (the figure `tandem-bench` reads from D's
   `tandem_device_busy_seconds_total` under load);
 * `join`: `--probes` extra streams become ready at random moments of the timed steps (as a stream
-  whose KV was just verified does in D) and join when the loop next takes joiners (pipelined: its
-  `before_launch`); ready -> first chunk (4 rows), median. What pipelining costs a newcomer, and
-  what a launch lead gives back;
+  whose KV was just verified does in D) and join when the loop next takes joiners (after its
+  `advance()`/`step()`, where D polls its transfers); ready -> first chunk (4 rows), median. What
+  pipelining costs a newcomer: the step already queued when it joins is not its;
 * with `--calibrate`, `predicted`: the step-time model D seeds at start-up (`backend/calibration.py`,
   the same points and steps D times) predicting this configuration's period; `error` = predicted /
   measured - 1 (positive: conservative).
@@ -127,7 +126,6 @@ def run_loop(
     host_ms: float,
     mode: str,
     seed: int,
-    lead_ms: float = 0.0,
     probes: int = 0,
 ) -> dict[str, Any]:
     """B streams of `context` tokens through `batch` to their end in `mode`; the figures of the steps
@@ -135,8 +133,7 @@ def run_loop(
 
     `probes` extra streams (4 rows: the first chunk) become ready at random moments of the timed
     steps, as a stream whose KV was just verified does in D; each joins the next time the loop takes
-    joiners (pipelined: `before_launch`; serial: before its step). `join_ms` is ready -> first chunk."""
-    batch.launch_lead_s = lead_ms / 1e3 if mode == "pipelined" else 0.0
+    joiners (after a turn's step, where D polls its transfers). `join_ms` is ready -> first chunk."""
     rows = warmup + steps + 2  # row 0 stands for P's; the pipelined loop's last step is drained, untimed
     sinks = [_Sink() for _ in range(b)]
     rng = np.random.default_rng(seed)
@@ -165,11 +162,11 @@ def run_loop(
         if turn in probe_turns:  # ready somewhere within the coming step
             pending.append((time.perf_counter() + float(rng.uniform(0, period_guess[0])), _Sink()))
         if mode == "pipelined":
-            done = batch.advance(before_launch=join_ready)
+            done = batch.advance()
         else:
-            join_ready()
             batch.advance()  # nothing is queued before it: it only queues
             done = batch.drain()
+        join_ready()
         if done is not None:
             finishes.append((time.perf_counter(), done))
             if len(finishes) > 1:
@@ -189,7 +186,6 @@ def run_loop(
     p, d = benchutil.summary(period), benchutil.summary(device)
     return {
         "mode": mode,
-        "lead_ms": lead_ms if mode == "pipelined" else None,
         "batch": b,
         "context": context,
         "host_ms": host_ms,
@@ -237,25 +233,19 @@ def plot(result: dict[str, Any], path: Path) -> None:
     runs, meta = result["runs"], result["meta"]
     contexts = sorted({r["context"] for r in runs})
     hosts = sorted({r["host_ms"] for r in runs})
-    loops = sorted({(r["mode"], r.get("lead_ms")) for r in runs}, key=lambda m: (m[0], m[1] or 0.0))
+    loops = sorted({r["mode"] for r in runs})
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.4))
     for ctx in contexts:
         for h in hosts:
-            for mode, lead in loops:
+            for mode in loops:
                 pts = sorted(
-                    (
-                        r
-                        for r in runs
-                        if r["context"] == ctx
-                        and r["host_ms"] == h
-                        and (r["mode"], r.get("lead_ms")) == (mode, lead)
-                    ),
+                    (r for r in runs if r["context"] == ctx and r["host_ms"] == h and r["mode"] == mode),
                     key=lambda r: r["batch"],
                 )
                 if not pts:
                     continue
                 style = "--" if mode == "serial" else "-"
-                label = f"{mode}{'' if lead is None else f' lead {lead:g}'}, ctx {ctx}, host {h:g} ms"
+                label = f"{mode}, ctx {ctx}, host {h:g} ms"
                 xs = [r["batch"] for r in pts]
                 axes[0].plot(xs, [100 * r["busy"] for r in pts], style, marker="o", label=label)
                 axes[1].plot(xs, [r["period_median_ms"] for r in pts], style, marker="o", label=label)
@@ -292,7 +282,6 @@ def print_tables(result: dict[str, Any]) -> None:
         rows.append(
             [
                 r["mode"],
-                "-" if r.get("lead_ms") is None else r["lead_ms"],
                 r["batch"],
                 r["context"],
                 r["host_ms"],
@@ -306,7 +295,7 @@ def print_tables(result: dict[str, Any]) -> None:
                 "-" if pred is None else f"{100 * (pred / r['period_median_ms'] - 1):+.1f} %",
             ]
         )
-    heads = ["mode", "lead ms", "batch", "context", "host ms", "period ms", "p90 ms", "device ms", "busy %"]
+    heads = ["mode", "batch", "context", "host ms", "period ms", "p90 ms", "device ms", "busy %"]
     heads += ["tok/s", "join ms"]
     print(benchutil.format_table([*heads, "predicted ms", "error"], rows))
     cal = result.get("calibration")
@@ -326,9 +315,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--context", type=_ints, default=[1024], help="tokens of KV per stream, comma list")
     ap.add_argument("--host-ms", type=_floats, default=[0.0, 2.0], help="host work per loop turn, comma list")
     ap.add_argument("--modes", default=",".join(MODES), help="serial,pipelined")
-    ap.add_argument(
-        "--lead-ms", type=_floats, default=[0.0, 3.0], help="pipelined: launch leads to compare, comma list"
-    )
     ap.add_argument("--probes", type=int, default=6, help="joining streams timed per configuration")
     ap.add_argument("--steps", type=int, default=30, help="timed steps per configuration")
     ap.add_argument("--warmup", type=int, default=4, help="untimed steps first")
@@ -370,8 +356,14 @@ def main(argv: list[str] | None = None) -> int:
     pool = _shuffled_pool(cfg, pages * args.page_size, args.page_size, device, args.seed)
     graphs = device.type == "cuda" and not args.no_graphs
     batch = DecodeBatch(
-        dec, pool, ChunkPolicy(), RecordingMetrics(), FLOOR_TOK_S, cuda_graphs=graphs, max_batch=max_b
-    )
+        dec,
+        pool,
+        ChunkPolicy(),
+        RecordingMetrics(),
+        FLOOR_TOK_S,
+        cuda_graphs=graphs,
+        max_batch=max_b + args.probes,
+    )  # room for the probes: a batch over max_batch would run the eager step
     setup_s = time.perf_counter() - t0
 
     cal = calibrate(batch, max_b, max_ctx, args.calibrate_steps) if args.calibrate else None
@@ -383,16 +375,14 @@ def main(argv: list[str] | None = None) -> int:
     for ctx in args.context:
         for b in args.batches:
             for h in args.host_ms:
-                for mode, lead in [(m, x) for m in modes for x in ([0.0] if m == "serial" else args.lead_ms)]:
-                    r = run_loop(
-                        batch, b, ctx, args.steps, args.warmup, h, mode, args.seed, lead, args.probes
-                    )
+                for mode in modes:
+                    r = run_loop(batch, b, ctx, args.steps, args.warmup, h, mode, args.seed, args.probes)
                     if cal is not None:
                         ctxs = r["step_contexts"]
                         r["predicted_ms"] = cal["model"].predict(b, int(np.median(ctxs))) * 1e3
                     runs.append(r)
                     print(
-                        f"  {mode:9s} lead {lead:g} batch {b:3d} context {ctx} host {h:g} ms: period "
+                        f"  {mode:9s} batch {b:3d} context {ctx} host {h:g} ms: period "
                         f"{r['period_median_ms']:.2f} ms, device {r['device_median_ms']:.2f} ms, "
                         f"busy {100 * r['busy']:.1f} %",
                         file=sys.stderr,

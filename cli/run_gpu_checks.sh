@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # What one GPU can check, on a GPU machine where tandem is not installed (cli/device_env.sh): the GPU
 # unit tests, P's direct-mode write with its hash before or inside it (tandem-bench-checksum), and D's
-# decode loop serial against pipelined, with launch leads and the start-up calibration
-# (tandem-bench-decode-loop). Writes logs and result JSON/PNG into OUT; the last lines printed are the
-# tables. The carry is needed for tritonclient, which some unit test modules import.
+# decode loop serial against pipelined, with joining streams timed and the start-up calibration
+# (tandem-bench-decode-loop; batches up to 88 + 8 joiners: D's 96-row graph). Writes logs and result
+# JSON/PNG into OUT; the last lines printed are the tables. The carry is needed for tritonclient,
+# which some unit test modules import.
 #
 #   cli/run_gpu_checks.sh CARRY.tar.xz OUT [pytest -k expression]
 #   GPU_CHECKS=loop cli/run_gpu_checks.sh ...      (any of tests,checksum,loop; default all three)
@@ -25,7 +26,7 @@ if [[ ,$checks, == *,checksum,* ]]; then
 fi
 if [[ ,$checks, == *,loop,* ]]; then
   python3 -m tandem.cli.bench_decode_loop --preset qwen3-4b-shape --device cuda --dtype bfloat16 \
-    --batches 8,32,64,96 --context 1024,2048 --host-ms 0,3 --lead-ms 0,3 --probes 8 --calibrate \
+    --batches 8,32,64,88 --context 1024,2048 --host-ms 0,3 --probes 8 --calibrate \
     --steps 30 --out "$out" --name decode-loop-qwen3-4b-shape-h200 2> "$out/decode-loop.log" || rc=$?
   tail -5 "$out/decode-loop.log"
 fi

@@ -65,14 +65,10 @@ class Job:
 
 
 def _run(
-    dec: Decoder,
-    make: Callable[[KVPool], list[Job]],
-    pipelined: bool,
-    join_after: int = 2,
-    lead_ms: float = 3.0,
+    dec: Decoder, make: Callable[[KVPool], list[Job]], pipelined: bool, join_after: int = 2
 ) -> list[Job]:
     """Runs jobs[0..1] from the start and the rest after `join_after` loop turns, to the end."""
-    batch, pool = _batch(dec, launch_lead_ms=lead_ms)
+    batch, pool = _batch(dec)
     free = pool.num_free_pages
     jobs = make(pool)
     for j in jobs[:2]:
@@ -94,26 +90,16 @@ def _run(
     return jobs
 
 
-@pytest.mark.parametrize(
-    ("device", "lead_ms"),
-    [
-        ("cpu", 3.0),
-        pytest.param("cuda", 0.0, marks=pytest.mark.gpu),
-        pytest.param("cuda", 0.05, marks=pytest.mark.gpu),
-    ],
-)
-def test_pipelined_loop_gives_the_serial_loops_tokens_and_chunks(device, lead_ms):
+@pytest.mark.parametrize("device", DEVICES)
+def test_pipelined_loop_gives_the_serial_loops_tokens_and_chunks(device):
     """Greedy and sampled streams of different lengths, two joining while a step is queued, and an
-    EOS that ends streams at a row nobody knew in advance: the same rows, in the same chunks. On CUDA
-    with no lead (queued at once) and a lead shorter than the tiny model's step (the loop sleeps)."""
+    EOS that ends streams at a row nobody knew in advance: the same rows, in the same chunks."""
     dec = _decoder(device)
     plain = _run(dec, lambda pool: [Job(dec, pool, i, 6 + 3 * i) for i in range(4)], pipelined=False)
     eos = int(plain[1].sink.rows()[4][0])  # a token stream 1 is known to produce: it ends there
     for e in (None, eos):
         serial = _run(dec, lambda pool, e=e: [Job(dec, pool, i, 6 + 3 * i, e) for i in range(4)], False)
-        piped = _run(
-            dec, lambda pool, e=e: [Job(dec, pool, i, 6 + 3 * i, e) for i in range(4)], True, lead_ms=lead_ms
-        )
+        piped = _run(dec, lambda pool, e=e: [Job(dec, pool, i, 6 + 3 * i, e) for i in range(4)], True)
         for a, b in zip(serial, piped, strict=True):
             assert a.sink.error is None and b.sink.error is None
             assert [c.first_row for c in a.sink.chunks] == [c.first_row for c in b.sink.chunks]
@@ -221,24 +207,3 @@ def test_graph_batch_buckets_end_at_max_batch():
     assert batch_buckets(96) == [1, 2, 4, 8, 16, 32, 64, 96]
     assert batch_buckets(1) == [1]
     assert [batch_bucket(b, 96) for b in (1, 3, 64, 65, 96)] == [1, 4, 64, 96, 96]
-
-
-def test_streams_added_by_before_launch_join_the_step_it_queues():
-    """The owner's `before_launch` runs right before the next step is queued: a stream it adds is in
-    that step (its first decode row comes one step sooner than a stream added after `advance`)."""
-    dec = _decoder("cpu")
-    batch, pool = _batch(dec)
-    a, early, late = Job(dec, pool, 0, 10), Job(dec, pool, 1, 10), Job(dec, pool, 2, 10)
-    a.add_to(batch)
-    batch.advance()  # step 1: a
-    calls = []
-    finished = batch.advance(before_launch=lambda: (calls.append(len(batch)), early.add_to(batch)))
-    assert calls == [1] and finished is not None and finished.batch == 1  # step 1 had only a
-    late.add_to(batch)
-    finished = batch.advance()
-    assert finished is not None and finished.batch == 2  # step 2: a and early, not late
-    assert len(early.stream.generated) == 2 and len(late.stream.generated) == 1
-    while len(batch):
-        batch.advance()
-    batch.drain()
-    assert a.released == early.released == late.released == 1

@@ -228,12 +228,12 @@ def test_d_admits_and_pulls_while_its_engine_is_inside_a_step(pd, monkeypatch):
     slow: dict[str, int] = {}
     advance = d.batch.advance
 
-    def slow_advance(before_launch=None):
+    def slow_advance():
         if not slow:
             slow["start"] = time.time_ns()
             time.sleep(0.5)
             slow["end"] = time.time_ns()
-        return advance(before_launch)
+        return advance()
 
     monkeypatch.setattr(d.batch, "advance", slow_advance)
     while "start" not in slow and time.monotonic() < deadline:
