@@ -213,6 +213,28 @@ def scatter(
     )
 
 
+def _check_pool_to_pool(
+    src_pool: torch.Tensor,
+    src_slots: torch.Tensor,
+    dst_pool: torch.Tensor,
+    dst_slots: torch.Tensor,
+    check_bounds: bool,
+) -> None:
+    """What `gather_write` and `gather_write_checksum` need of their arguments (raises naming it)."""
+    _check_pool("src_pool", src_pool)
+    _check_pool("dst_pool", dst_pool)
+    if src_pool.dtype != dst_pool.dtype:
+        raise TypeError(f"src_pool is {src_pool.dtype} but dst_pool is {dst_pool.dtype}")
+    if src_pool.shape[:2] != dst_pool.shape[:2] or src_pool.shape[3:] != dst_pool.shape[3:]:
+        raise ValueError(
+            f"pool shapes differ beyond the slot axis: {tuple(src_pool.shape)} vs {tuple(dst_pool.shape)}"
+        )
+    _check_slots("src_slots", src_slots, src_pool.device, src_pool.shape[2], check_bounds)
+    _check_slots("dst_slots", dst_slots, src_pool.device, dst_pool.shape[2], check_bounds)
+    if src_slots.numel() != dst_slots.numel():
+        raise ValueError(f"{src_slots.numel()} source slots but {dst_slots.numel()} destination slots")
+
+
 def gather_write(
     src_pool: torch.Tensor,
     src_slots: torch.Tensor,
@@ -229,18 +251,7 @@ def gather_write(
     so there is nothing to checksum between the two sides: the transfer paths use gather -> copy ->
     scatter instead and keep this for callers that verify the destination themselves.
     """
-    _check_pool("src_pool", src_pool)
-    _check_pool("dst_pool", dst_pool)
-    if src_pool.dtype != dst_pool.dtype:
-        raise TypeError(f"src_pool is {src_pool.dtype} but dst_pool is {dst_pool.dtype}")
-    if src_pool.shape[:2] != dst_pool.shape[:2] or src_pool.shape[3:] != dst_pool.shape[3:]:
-        raise ValueError(
-            f"pool shapes differ beyond the slot axis: {tuple(src_pool.shape)} vs {tuple(dst_pool.shape)}"
-        )
-    _check_slots("src_slots", src_slots, src_pool.device, src_pool.shape[2], check_bounds)
-    _check_slots("dst_slots", dst_slots, src_pool.device, dst_pool.shape[2], check_bounds)
-    if src_slots.numel() != dst_slots.numel():
-        raise ValueError(f"{src_slots.numel()} source slots but {dst_slots.numel()} destination slots")
+    _check_pool_to_pool(src_pool, src_slots, dst_pool, dst_slots, check_bounds)
     if not (uses_kernels(src_pool) and dst_pool.is_cuda):
         reference_gather_write(src_pool, src_slots, dst_pool, dst_slots)
         return
@@ -290,18 +301,7 @@ def gather_write_checksum(
     the rows in wire order — those of `checksum_rows(src_pool, src_slots)` — and 0. Same checks as
     `gather_write`; RuntimeError when `gather_write_checksum_supported` is False.
     """
-    _check_pool("src_pool", src_pool)
-    _check_pool("dst_pool", dst_pool)
-    if src_pool.dtype != dst_pool.dtype:
-        raise TypeError(f"src_pool is {src_pool.dtype} but dst_pool is {dst_pool.dtype}")
-    if src_pool.shape[:2] != dst_pool.shape[:2] or src_pool.shape[3:] != dst_pool.shape[3:]:
-        raise ValueError(
-            f"pool shapes differ beyond the slot axis: {tuple(src_pool.shape)} vs {tuple(dst_pool.shape)}"
-        )
-    _check_slots("src_slots", src_slots, src_pool.device, src_pool.shape[2], check_bounds)
-    _check_slots("dst_slots", dst_slots, src_pool.device, dst_pool.shape[2], check_bounds)
-    if src_slots.numel() != dst_slots.numel():
-        raise ValueError(f"{src_slots.numel()} source slots but {dst_slots.numel()} destination slots")
+    _check_pool_to_pool(src_pool, src_slots, dst_pool, dst_slots, check_bounds)
     if not gather_write_checksum_supported(src_pool, dst_pool):
         raise RuntimeError(f"no fused write-and-hash kernel for these pools; {build_info()}")
     assert _MODULE is not None
