@@ -48,7 +48,6 @@ import torch
 
 from tandem.backend import calibration
 from tandem.backend.batch import DecodeBatch, FinishedStep
-from tandem.backend.config import preset
 from tandem.backend.decoder import Decoder
 from tandem.backend.errors import TandemError
 from tandem.backend.metrics import RecordingMetrics
@@ -61,7 +60,6 @@ from tandem.cli import benchutil
 from tandem.cli.bench_decoder import FLOOR_TOK_S, _shuffled_pool
 
 MODES = ("serial", "pipelined")
-_DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32"}
 
 
 def _ints(text: str) -> list[int]:
@@ -308,9 +306,7 @@ def print_tables(result: dict[str, Any]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="tandem-bench-decode-loop", description=__doc__.split("\n")[0])
-    ap.add_argument("--preset", default="tiny", help="model preset (tiny, qwen3-4b-shape)")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--dtype", help="float32 | bfloat16 | float16 (default: the preset's)")
+    benchutil.add_model_arguments(ap)
     ap.add_argument("--batches", type=_ints, default=[8, 32, 64], help="decode batch sizes, comma list")
     ap.add_argument("--context", type=_ints, default=[1024], help="tokens of KV per stream, comma list")
     ap.add_argument("--host-ms", type=_floats, default=[0.0, 2.0], help="host work per loop turn, comma list")
@@ -340,13 +336,7 @@ def main(argv: list[str] | None = None) -> int:
         print_tables(saved)
         return 0
 
-    device = torch.device(args.device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    cfg = preset(args.preset)
-    if args.dtype:
-        cfg = cfg.with_dtype(_DTYPE_ALIASES.get(args.dtype, args.dtype))
-    torch.manual_seed(args.seed)
+    device, cfg = benchutil.model_from_args(args)
     t0 = time.perf_counter()
     dec = Decoder.random(cfg, device, seed=args.seed)
     max_b, max_ctx = max(args.batches), max(args.context)

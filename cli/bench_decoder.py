@@ -42,7 +42,7 @@ from typing import Any, TypeVar
 import torch
 
 from tandem.backend import decoder as decoder_module
-from tandem.backend.config import ModelConfig, preset
+from tandem.backend.config import ModelConfig
 from tandem.backend.cuda_graphs import GraphedDecode
 from tandem.backend.decoder import Decoder
 from tandem.backend.kv_pool import KVLayout, KVPool
@@ -51,7 +51,6 @@ from tandem.cli import benchutil
 
 _T = TypeVar("_T")
 FLOOR_TOK_S = 42.0  # design.md §5: every stream must sustain >= 42 rows/s
-_DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32"}
 
 
 def _ints(text: str) -> list[int]:
@@ -345,9 +344,7 @@ def print_tables(result: dict[str, Any]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="tandem-bench-decoder", description=__doc__.split("\n")[0])
-    ap.add_argument("--preset", default="tiny", help="model preset (tiny, qwen3-4b-shape)")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--dtype", help="float32 | bfloat16 | float16 (default: the preset's)")
+    benchutil.add_model_arguments(ap)
     ap.add_argument(
         "--prompts", type=_ints, default=[256, 1024, 2048], help="prefill prompt rows, comma list"
     )
@@ -398,13 +395,7 @@ def main(argv: list[str] | None = None) -> int:
         print_tables(result)
         return 0
 
-    device = torch.device(args.device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    cfg = preset(args.preset)
-    if args.dtype:
-        cfg = cfg.with_dtype(_DTYPE_ALIASES.get(args.dtype, args.dtype))
-    torch.manual_seed(args.seed)
+    device, cfg = benchutil.model_from_args(args)
     timer = _Timer(device)
     t0 = time.perf_counter()
     dec = Decoder.random(cfg, device, seed=args.seed)

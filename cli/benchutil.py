@@ -8,6 +8,7 @@ the engines.
 
 from __future__ import annotations
 
+import argparse
 import datetime as _dt
 import json
 import os
@@ -21,6 +22,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from tandem.backend.config import ModelConfig, preset
 
 COMMIT_ENV = "TANDEM_BENCH_COMMIT"  # set by callers that run from a copy without .git (device machine)
 
@@ -139,3 +142,25 @@ def pyplot() -> Any:
         print("matplotlib not installed: no PNG written", file=sys.stderr)
         return None
     return plt
+
+
+DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32"}
+
+
+def add_model_arguments(ap: argparse.ArgumentParser) -> None:
+    """`--preset`, `--device` and `--dtype`, as the decoder benchmarks take them (`model_from_args`)."""
+    ap.add_argument("--preset", default="tiny", help="model preset (tiny, qwen3-4b-shape)")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", help="float32 | bfloat16 | float16 (default: the preset's)")
+
+
+def model_from_args(args: argparse.Namespace) -> tuple[torch.device, ModelConfig]:
+    """The device (CUDA with an index) and the preset's config in `--dtype`; seeds torch with `--seed`."""
+    device = torch.device(args.device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    cfg = preset(args.preset)
+    if args.dtype:
+        cfg = cfg.with_dtype(DTYPE_ALIASES.get(args.dtype, args.dtype))
+    torch.manual_seed(args.seed)
+    return device, cfg
