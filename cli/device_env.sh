@@ -28,3 +28,20 @@ if [ -z "$built" ] || [ -n "$(find csrc -newer "$built" \( -name '*.cu' -o -name
   python3 csrc/build_cuda.py > "$out/build_cuda.log" 2>&1 || { tail -20 "$out/build_cuda.log"; exit 1; }
 fi
 export XDG_RUNTIME_DIR=/tmp/run && mkdir -p -m 0700 "$XDG_RUNTIME_DIR"
+
+# serve_repository REPO OUT: start tritonserver on REPO (gRPC 8001, HTTP 8000, metrics 8002; log in
+# OUT/server.log), stop it when the calling script exits, and return once it is ready (or exit 1 with
+# the log's tail if it dies first). Sets $server to its pid.
+serve_repository() {
+  python3 -m tandem.cli.tritonserver --model-repository "$1" --grpc-port 8001 --http-port 8000 \
+    --metrics-port 8002 > "$2/server.log" 2>&1 &
+  server=$!
+  trap 'kill $server 2>/dev/null || true; wait $server 2>/dev/null || true' EXIT
+  for _ in $(seq 1 240); do
+    if python3 -c "import urllib.request as u; u.urlopen('http://localhost:8000/v2/health/ready', timeout=2)" 2>/dev/null; then
+      return 0
+    fi
+    kill -0 $server 2>/dev/null || { tail -40 "$2/server.log"; exit 1; }
+    sleep 1
+  done
+}

@@ -18,17 +18,7 @@ python3 -m tandem.cli.make_repository --out /tmp/repo --preset qwen3-4b-shape --
   --set "tts_mono:tandem.batch.max_queue=1024" --set "decode:tandem.batch.max_queue=1024" \
   --set "tts_mono:tandem.batch.graph_warmup_context=2560" --set "decode:tandem.batch.graph_warmup_context=2560" \
   $(for kv in ${CAPACITY_SET:-}; do printf -- '--set %s ' "$kv"; done)
-python3 -m tandem.cli.tritonserver --model-repository /tmp/repo --grpc-port 8001 --http-port 8000 \
-  --metrics-port 8002 > "$out/server.log" 2>&1 &
-server=$!
-trap 'kill $server 2>/dev/null || true; wait $server 2>/dev/null || true' EXIT
-for _ in $(seq 1 240); do
-  if python3 -c "import urllib.request as u; u.urlopen('http://localhost:8000/v2/health/ready', timeout=2)" 2>/dev/null; then
-    break
-  fi
-  kill -0 $server 2>/dev/null || { tail -40 "$out/server.log"; exit 1; }
-  sleep 1
-done
+serve_repository /tmp/repo "$out"
 nvidia-smi --query-gpu=index,name,memory.used --format=csv > "$out/gpus.csv"
 python3 -m tandem.cli.bench --url localhost:8001 --models tts,tts_mono --gpus tts=2,tts_mono=2 --out "$out" "$@"
 python3 -c "import urllib.request as u; print(u.urlopen('http://localhost:8002/metrics').read().decode())" \

@@ -17,17 +17,7 @@ python3 -m tandem.cli.make_repository --out /tmp/repo --preset qwen3-4b-shape --
   --set "decode:tandem.batch.graph_warmup_context=2560" \
   $(for kv in ${CAPACITY_SET:-}; do printf -- '--set %s ' "$kv"; done) > "$out/repo.log"
 rm -rf /tmp/repo/tts_mono  # the monolithic baseline needs its own GPUs: not here
-python3 -m tandem.cli.tritonserver --model-repository /tmp/repo --grpc-port 8001 --http-port 8000 \
-  --metrics-port 8002 > "$out/server.log" 2>&1 &
-server=$!
-trap 'kill $server 2>/dev/null || true; wait $server 2>/dev/null || true' EXIT
-for _ in $(seq 1 240); do
-  if python3 -c "import urllib.request as u; u.urlopen('http://localhost:8000/v2/health/ready', timeout=2)" 2>/dev/null; then
-    break
-  fi
-  kill -0 $server 2>/dev/null || { tail -40 "$out/server.log"; exit 1; }
-  sleep 1
-done
+serve_repository /tmp/repo "$out"
 grep -E "seeded|captured [0-9]+ decode graphs|decode: transfer path" "$out/server.log" | cut -c1-300 || true
 python3 -m tandem.cli.bench --url localhost:8001 --models tts --out "$out" "$@" > "$out/bench.log" 2>&1
 tail -8 "$out/bench.log"
