@@ -30,6 +30,7 @@ the forward runs inside `advance()`, in the same order, so the same code is what
 from __future__ import annotations
 
 import logging
+import operator
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -216,7 +217,11 @@ class DecodeBatch:
         """[B, W] input rows on the device: a stream's row from `prev` (still on the device) when it
         has one queued there, else its last generated row (host)."""
         device = self.pool.device
-        if prev is not None and active == prev.streams:
+        if (
+            prev is not None
+            and len(active) == len(prev.streams)
+            and all(map(operator.is_, active, prev.streams))
+        ):
             return prev.rows  # the steady state: the same streams, in the same order
         fresh = [s for s in active if id(s) not in ahead]
         host = upload(np.stack([s.generated[-1] for s in fresh]), device) if fresh else None

@@ -191,7 +191,14 @@ class DecodeEngine:
             log.warning("decode: the pool holds too few pages to time a step; the step model learns live")
             return
         t0 = time.perf_counter()
-        steps = calibration.time_steps(self.batch, plan, b.calibrate_steps)
+        free = self.pool.num_free_pages
+        try:
+            steps = calibration.time_steps(self.batch, plan, b.calibrate_steps)
+        except Exception:
+            if self.pool.num_free_pages != free or len(self.batch):
+                raise  # the pool is not as it was: refuse to start rather than serve on it
+            log.exception("decode: start-up calibration failed; the step model learns from live steps")
+            return
         self.step_model.seed([(f.batch, f.context, f.seconds) for f in steps])
         top = plan[-1]
         log.info(
@@ -213,7 +220,8 @@ class DecodeEngine:
             return
         self._closed = True
         self._stop_admission.set()
-        self._admission.join(10.0)
+        if self._admission.ident is not None:  # started (a start that failed never got there)
+            self._admission.join(10.0)
         self._thread.stop()
         try:
             if self._admission.is_alive() or self._thread.alive:

@@ -213,6 +213,48 @@ def test_d_seeds_its_step_model_before_its_first_admission(pd):
     assert d.metrics.get("tandem_streams_total", outcome="finished") == 0  # its streams are not the service's
 
 
+def test_a_failed_calibration_leaves_d_serving_on_live_steps(decoder, tmp_path, monkeypatch):
+    """Calibration is an optimisation: if it fails with the pool as it was, D logs it, starts with an
+    unseeded model (it learns from live steps) and serves."""
+    from tandem.backend import calibration
+
+    def broken(batch, plan, steps, seed=0):
+        raise RuntimeError("device hiccup")
+
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    monkeypatch.setattr(calibration, "time_steps", broken)
+    s = _settings(tmp_path)
+    p = PrefillEngine(decoder, s, RecordingMetrics(), "p0", on_fatal=lambda r: pytest.fail(r))
+    d = DecodeEngine(decoder, s, RecordingMetrics())
+    p.start()
+    d.start()
+    try:
+        assert not d.step_model.ready
+        handoff, sink = _handoff(p, 1, 5), ListSink()
+        d.submit(DecodeRequest(1, handoff, sink, Timings(handoff.timings)))
+        assert sink.done.wait(10) and sink.error is None and len(sink.rows()) == 5
+    finally:
+        d.close()
+        p.close()
+
+
+def test_a_calibration_that_leaves_the_pool_changed_stops_d_from_starting(decoder, tmp_path, monkeypatch):
+    """A failure that left pages out (a bug in the calibration, not the device) must not be served
+    on: D's start raises, and closing it afterwards is clean."""
+    from tandem.backend import calibration
+
+    def leaky(batch, plan, steps, seed=0):
+        batch.pool.allocate(1)
+        raise RuntimeError("calibration bug")
+
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    monkeypatch.setattr(calibration, "time_steps", leaky)
+    d = DecodeEngine(decoder, _settings(tmp_path), RecordingMetrics())
+    with pytest.raises(RuntimeError, match="calibration bug"):
+        d.start()
+    d.close()
+
+
 def test_d_admits_and_pulls_while_its_engine_is_inside_a_step(pd, monkeypatch):
     """Admission has its own thread: a handoff arriving while D's engine thread is stuck in a (here
     artificially slow) step gets its pages and its PULL before that step ends, and its KV is verified
