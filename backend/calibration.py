@@ -27,7 +27,7 @@ from tandem.backend.batch import DecodeBatch, FinishedStep
 from tandem.backend.errors import TandemError
 from tandem.backend.metrics import RecordingMetrics
 from tandem.backend.sampling import SamplingParams
-from tandem.backend.stream import Chunk, Stream
+from tandem.backend.stream import Chunk, ChunkSink, Stream
 from tandem.backend.timing import Timings
 
 WARMUP_STEPS = 2  # the first steps of each point: the pipeline filling, first use of a graph bucket
@@ -52,13 +52,48 @@ class _DropSink:
         return False
 
 
+def rows_per_stream(steps: int) -> int:
+    """Rows each calibration stream generates for `steps` timed steps: row 0 stands for P's, then one
+    step per row: WARMUP_STEPS untimed, `steps` timed, and a last one finished by `drain()` (its period
+    is not the loop's, so it is not timed either)."""
+    return WARMUP_STEPS + steps + 2
+
+
+def add_stream(
+    batch: DecodeBatch,
+    stream_id: int,
+    seed: int,
+    context: int,
+    rows: int,
+    sink: ChunkSink,
+    rng: np.random.Generator,
+) -> None:
+    """Adds a synthetic stream to `batch`: `context` tokens of prompt already in its pages (whatever
+    the pool holds there), `rows` rows to generate with temperature 0.8 / top-p 0.95 from a random
+    first row; its pages go back to the pool when it leaves. Also used by tandem-bench-decode-loop."""
+    pool, dec = batch.pool, batch.decoder
+    pages = pool.allocate(pool.pages_for(context + rows))
+    stream = Stream(
+        stream_id=stream_id,
+        prompt_len=context,
+        sampling=SamplingParams(temperature=0.8, top_p=0.95, seed=seed),
+        max_new_rows=rows,
+        sink=sink,
+        timings=Timings(),
+        pages=pages,
+        slots=pool.slots(pages, context + rows),
+    )
+    first = rng.integers(0, dec.cfg.vocab_size, size=dec.cfg.row_width, dtype=np.int64)
+    batch.add(stream, first, lambda: pool.free(pages))
+
+
 def points(max_batch: int, max_context: int, pool_tokens: int, steps: int, page_size: int) -> list[Point]:
     """Batch sizes 1, max/4, max/2 and max, each at a short and a long context (max_context / 8 and
     max_context), each shortened to what the pool holds for that many streams. The model is linear
     in (batch, total context), so spread points are what its fit needs."""
     out: list[Point] = []
     for b in sorted({1, max(1, max_batch // 4), max(1, max_batch // 2), max_batch}):
-        per_stream = pool_tokens // b - (WARMUP_STEPS + steps + 2) - page_size  # + a page of rounding
+        per_stream = pool_tokens // b - rows_per_stream(steps) - page_size  # + a page of rounding
         for c in sorted({max(1, max_context // 8), max_context}):
             c = min(c, per_stream)
             if c >= 1 and Point(b, c) not in out:
@@ -71,7 +106,7 @@ def time_steps(batch: DecodeBatch, plan: list[Point], steps: int, seed: int = 0)
     WARMUP_STEPS untimed ones; returns the timed steps. Every page taken comes back."""
     if len(batch):
         raise RuntimeError("calibration needs an empty batch")
-    pool, dec = batch.pool, batch.decoder
+    pool = batch.pool
     gen = torch.Generator(device=pool.device).manual_seed(seed)
     for layer in range(pool.kv.shape[0]):  # never time on zeros; layer by layer: no large temporary
         pool.kv[layer].normal_(0.0, 1.0, generator=gen)
@@ -80,25 +115,11 @@ def time_steps(batch: DecodeBatch, plan: list[Point], steps: int, seed: int = 0)
     # The calibration's steps and streams are not the service's: keep them out of its metrics.
     live_metrics, busy_s = batch.metrics, batch.device_busy_s
     batch.metrics = RecordingMetrics()
+    rows = rows_per_stream(steps)
     try:
         for pt in plan:
-            # Row 0 stands for P's, then one step per row; the last step is finished by drain(), not
-            # by the loop (its period is not the loop's), so it is not timed either.
-            rows = WARMUP_STEPS + steps + 2
             for i in range(pt.batch):
-                pages = pool.allocate(pool.pages_for(pt.context + rows))
-                stream = Stream(
-                    stream_id=-(i + 1),
-                    prompt_len=pt.context,
-                    sampling=SamplingParams(temperature=0.8, top_p=0.95, seed=i),
-                    max_new_rows=rows,
-                    sink=_DropSink(),
-                    timings=Timings(),
-                    pages=pages,
-                    slots=pool.slots(pages, pt.context + rows),
-                )
-                first = rng.integers(0, dec.cfg.vocab_size, size=dec.cfg.row_width, dtype=np.int64)
-                batch.add(stream, first, lambda p=pages: pool.free(p))
+                add_stream(batch, -(i + 1), i, pt.context, rows, _DropSink(), rng)
             finished = []
             while len(batch):
                 done = batch.advance()

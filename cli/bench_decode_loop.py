@@ -51,10 +51,8 @@ from tandem.backend.batch import DecodeBatch, FinishedStep
 from tandem.backend.decoder import Decoder
 from tandem.backend.errors import TandemError
 from tandem.backend.metrics import RecordingMetrics
-from tandem.backend.sampling import SamplingParams
 from tandem.backend.step_model import StepTimeModel
-from tandem.backend.stream import Chunk, Stream
-from tandem.backend.timing import Timings
+from tandem.backend.stream import Chunk
 from tandem.backend.vocoder import ChunkPolicy
 from tandem.cli import benchutil
 from tandem.cli.bench_decoder import FLOOR_TOK_S, _shuffled_pool
@@ -98,23 +96,6 @@ def _spin(ms: float) -> None:
         pass
 
 
-def _add(batch: DecodeBatch, i: int, context: int, rows: int, sink: _Sink, rng: np.random.Generator) -> None:
-    pool, dec = batch.pool, batch.decoder
-    pages = pool.allocate(pool.pages_for(context + rows))
-    stream = Stream(
-        stream_id=i,
-        prompt_len=context,
-        sampling=SamplingParams(temperature=0.8, top_p=0.95, seed=i),
-        max_new_rows=rows,
-        sink=sink,
-        timings=Timings(),
-        pages=pages,
-        slots=pool.slots(pages, context + rows),
-    )
-    first = rng.integers(0, dec.cfg.vocab_size, size=dec.cfg.row_width, dtype=np.int64)
-    batch.add(stream, first, lambda: pool.free(pages))
-
-
 def run_loop(
     batch: DecodeBatch,
     b: int,
@@ -136,7 +117,7 @@ def run_loop(
     sinks = [_Sink() for _ in range(b)]
     rng = np.random.default_rng(seed)
     for i in range(b):
-        _add(batch, seed + i, context, rows, sinks[i], rng)
+        calibration.add_stream(batch, seed + i, seed + i, context, rows, sinks[i], rng)
     probe_turns = (
         sorted(rng.choice(range(warmup + 1, warmup + steps - 4), size=probes, replace=False))
         if probes
@@ -150,7 +131,8 @@ def run_loop(
         now = time.perf_counter()
         for item in [p for p in pending if p[0] <= now]:
             pending.remove(item)
-            _add(batch, 10_000 + len(joined), context, 4, item[1], rng)
+            probe = 10_000 + len(joined)
+            calibration.add_stream(batch, probe, probe, context, 4, item[1], rng)
             joined.append(item)
 
     finishes: list[tuple[float, FinishedStep]] = []
