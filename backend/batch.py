@@ -225,9 +225,10 @@ class DecodeBatch:
             return prev.rows  # the steady state: the same streams, in the same order
         fresh = [s for s in active if id(s) not in ahead]
         host = upload(np.stack([s.generated[-1] for s in fresh]), device) if fresh else None
-        if prev is None or not ahead.keys() & {id(s) for s in active}:
+        if len(fresh) == len(active):  # none has a row queued (always so when nothing is queued)
             assert host is not None
             return host
+        assert prev is not None
         base = prev.rows.shape[0]
         order, k = [], 0
         for s in active:
