@@ -1,0 +1,94 @@
+"""The unit's health, read from Triton's metrics endpoint.
+
+Triton's `/v2/health/ready` says the server and its stubs answer; it cannot see an engine worker that
+stalled or died, nor a decode engine that drains (admits nothing new until quarantined pages come back).
+The engines publish both on Triton's metrics endpoint:
+
+- `tandem_engine_up{model, model_instance}`: 1 while the model instance's engine worker answers, 0 while
+  it is stalled, dead or restarting;
+- `tandem_draining{model, model_instance}`: 1 while a decode engine admits nothing new.
+
+Who reads this: `tandem-health` (the pod's readiness probe, `cli/health.py`), the unit's supervisor and
+the HTTP gateway's `/health`. A unit is *ready* when at least one engine is published, every published
+engine is up, and no engine drains. Nothing here imports Triton or torch.
+"""
+
+from __future__ import annotations
+
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+
+from prometheus_client.parser import text_string_to_metric_families
+
+ENGINE_UP = "tandem_engine_up"
+DRAINING = "tandem_draining"
+
+
+@dataclass(frozen=True)
+class EngineState:
+    model: str
+    model_instance: str
+    up: bool
+    draining: bool
+
+
+@dataclass(frozen=True)
+class UnitHealth:
+    """What the metrics say about the unit. `reasons` names every engine that is down or draining."""
+
+    engines: tuple[EngineState, ...]
+
+    @property
+    def engines_up(self) -> bool:
+        return bool(self.engines) and all(e.up for e in self.engines)
+
+    @property
+    def draining(self) -> bool:
+        return any(e.draining for e in self.engines)
+
+    @property
+    def ready(self) -> bool:
+        return self.engines_up and not self.draining
+
+    @property
+    def reasons(self) -> tuple[str, ...]:
+        if not self.engines:
+            return (f"no {ENGINE_UP} published: no engine has started",)
+        out = [f"{e.model} {e.model_instance}: engine down" for e in self.engines if not e.up]
+        out += [f"{e.model} {e.model_instance}: draining" for e in self.engines if e.draining]
+        return tuple(out)
+
+
+class HealthUnavailable(Exception):
+    """The metrics endpoint could not be read (server down, wrong URL, timeout)."""
+
+
+def parse_health(metrics_text: str) -> UnitHealth:
+    """Build the unit's health from one scrape of Triton's metrics text (Prometheus exposition format).
+
+    Samples are keyed by (model, model_instance); a draining sample without an engine_up sample still
+    counts (as an engine that is up, since it publishes)."""
+    up: dict[tuple[str, str], bool] = {}
+    draining: dict[tuple[str, str], bool] = {}
+    for family in text_string_to_metric_families(metrics_text):
+        if family.name not in (ENGINE_UP, DRAINING):
+            continue
+        for sample in family.samples:
+            key = (sample.labels.get("model", ""), sample.labels.get("model_instance", ""))
+            target = up if family.name == ENGINE_UP else draining
+            target[key] = sample.value >= 0.5
+    keys = sorted(set(up) | set(draining))
+    return UnitHealth(
+        tuple(EngineState(m, i, up.get((m, i), True), draining.get((m, i), False)) for m, i in keys)
+    )
+
+
+def fetch_health(metrics_url: str, timeout_s: float = 2.0) -> UnitHealth:
+    """Scrape `metrics_url` once. Raises `HealthUnavailable` when it cannot be read."""
+    try:
+        with urllib.request.urlopen(metrics_url, timeout=timeout_s) as resp:
+            text = resp.read().decode("utf-8", errors="replace")
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        raise HealthUnavailable(f"cannot read {metrics_url}: {exc}") from None
+    return parse_health(text)
