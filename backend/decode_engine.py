@@ -239,6 +239,10 @@ class DecodeEngine:
         finally:
             self.receiver.close()
 
+    def loop_age_s(self) -> float:
+        """Seconds the engine loop has been inside its current iteration (the worker's heartbeat)."""
+        return self._thread.age_s()
+
     def submit(self, req: DecodeRequest) -> None:
         """Execute thread. A handoff that does not fit this decoder is refused here (InvalidInput),
         before it can reach the batch and fault every other stream."""

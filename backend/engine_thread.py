@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 import traceback
 from collections.abc import Callable
 
@@ -20,6 +21,7 @@ class EngineThread:
         self._iterate = iterate
         self._on_fault = on_fault
         self._stop = threading.Event()
+        self._began = time.monotonic()  # when the current iteration began (read by the worker's heartbeat)
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
     def start(self) -> None:
@@ -33,6 +35,11 @@ class EngineThread:
     def alive(self) -> bool:
         return self._thread.is_alive()
 
+    def age_s(self) -> float:
+        """Seconds since the current iteration began: small while the loop turns, growing while one
+        iteration is stuck (a device call that never returns). Any thread."""
+        return time.monotonic() - self._began
+
     def stop(self, timeout_s: float = 10.0) -> None:
         self._stop.set()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
@@ -40,6 +47,7 @@ class EngineThread:
 
     def _run(self) -> None:
         while not self._stop.is_set():
+            self._began = time.monotonic()
             try:
                 self._iterate()
             except Exception as exc:

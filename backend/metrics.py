@@ -73,7 +73,19 @@ METRICS: tuple[MetricDef, ...] = (
     MetricDef(
         "tandem_prefix_cache_hit_tokens_total", Kind.COUNTER, "Prompt tokens served by the prefix cache"
     ),
+    # Published by the stub, not the engine (serving/engine_worker.py), labelled model, model_instance.
+    MetricDef(
+        "tandem_engine_up",
+        Kind.GAUGE,
+        "1 while the model instance's engine worker answers; 0 while it is stalled, dead or restarting",
+    ),
+    MetricDef(
+        "tandem_engine_restarts_total", Kind.COUNTER, "Engine worker processes started again after a death"
+    ),
 )
+
+# The metrics a stub publishes about its worker (labels model, model_instance; no engine records them).
+WORKER_METRICS = ("tandem_engine_up", "tandem_engine_restarts_total")
 
 BY_NAME = {m.name: m for m in METRICS}
 

@@ -44,6 +44,10 @@ class MonoEngine:
     def close(self) -> None:
         self._thread.stop()
 
+    def loop_age_s(self) -> float:
+        """Seconds the engine loop has been inside its current iteration (the worker's heartbeat)."""
+        return self._thread.age_s()
+
     def submit(self, req: EngineRequest) -> None:
         """Called by Triton's execute thread; raises Overloaded when the queue is full."""
         self.intake.submit(req)

@@ -31,7 +31,7 @@ import torch
 from tandem.backend.decoder import Decoder
 from tandem.backend.engine_parts import control_secret, make_intake, make_pool, transfer_path, wire_layout
 from tandem.backend.engine_thread import EngineThread
-from tandem.backend.errors import StreamFailed, TandemError
+from tandem.backend.errors import Cancelled, StreamFailed, TandemError
 from tandem.backend.handoff import Handoff
 from tandem.backend.metrics import MetricsSink, PublishTimer
 from tandem.backend.prefill_batch import PrefillBatch
@@ -171,6 +171,10 @@ class PrefillEngine:
         self._thread.stop()
         self.sender.close()
 
+    def loop_age_s(self) -> float:
+        """Seconds the engine loop has been inside its current iteration (the worker's heartbeat)."""
+        return self._thread.age_s()
+
     def submit(self, req: PrefillRequest) -> None:
         self.intake.submit(req)
 
@@ -206,6 +210,10 @@ class PrefillEngine:
         to D (the sender owns the pages until it releases them) and send the HANDOFF. On any error the
         pages come back (unless the sender owns them) and the client is told, then the error is raised."""
         t = req.prompt.shape[0]
+        if req.sink.cancelled():  # nobody would pull the KV: offer nothing, the pages come back now
+            self.cache.release(alloc)
+            req.sink.fail(Cancelled("the request was cancelled before its hand-off"))
+            return
         offered = False
         try:
             self.cache.commit(alloc, req.prompt)

@@ -100,6 +100,26 @@ class FaultSettings:
 
 
 @dataclass(frozen=True)
+class WorkerSettings:
+    """The engine's worker process and its supervision by the stub (serving/engine_worker.py).
+
+    `stall_timeout_s`: a request waits at most this long for an engine that stopped answering (no
+    Beat, or its loop stuck in one iteration), then gets `[UNAVAILABLE] <model>: engine not
+    responding`; so does every request while it stays stalled. `beat_s`: the worker's heartbeat.
+    `start_timeout_s`: one worker's start (decoder build, calibration, graph capture) before it counts
+    as failed. A dead worker is started again after `restart_backoff_s`, doubling per failed start up
+    to `restart_backoff_max_s` (tenacity), for as long as the model is loaded.
+    """
+
+    stall_timeout_s: float = 5.0
+    beat_s: float = 0.1
+    start_timeout_s: float = 600.0
+    restart_backoff_s: float = 0.5
+    restart_backoff_max_s: float = 10.0
+    stop_timeout_s: float = 15.0
+
+
+@dataclass(frozen=True)
 class EngineSettings:
     model: ModelSource = field(default_factory=ModelSource)
     device: str = "auto"  # auto: the instance's GPU for KIND_GPU instances, else cpu
@@ -109,6 +129,7 @@ class EngineSettings:
     limits: Limits = field(default_factory=Limits)
     vocoder: VocoderConfig = field(default_factory=VocoderConfig)
     faults: FaultSettings = field(default_factory=FaultSettings)
+    worker: WorkerSettings = field(default_factory=WorkerSettings)
     torch_threads: int = 0  # 0: torch's default
 
 
@@ -121,6 +142,7 @@ _SECTIONS = {
     "limits": "limits",
     "vocoder": "vocoder",
     "faults": "faults",
+    "worker": "worker",
 }
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -151,7 +151,10 @@ class TritonMetrics:
     collected), so this object keeps both for the model's lifetime.
     """
 
-    def __init__(self, pb: Any, const_labels: Mapping[str, str]) -> None:
+    def __init__(
+        self, pb: Any, const_labels: Mapping[str, str], names: Collection[str] | None = None
+    ) -> None:
+        """`names`: the families this sink creates and publishes (default: every one in METRICS)."""
         self._pb = pb
         self._const = dict(const_labels)
         kinds = {
@@ -162,6 +165,7 @@ class TritonMetrics:
         self._families = {
             m.name: pb.MetricFamily(name=m.name, description=m.description, kind=kinds[m.kind])
             for m in METRICS
+            if names is None or m.name in names
         }
         self._defs = {m.name: m for m in METRICS}
         self._metrics: dict[tuple[str, tuple[tuple[str, str], ...]], Any] = {}

@@ -1,55 +1,21 @@
-"""prefill (P): thin Triton adapter over tandem.backend.prefill_engine."""
+"""prefill (P: prompt forward, row 0, KV offer): thin Triton adapter.
 
-import logging
-import os
+The engine runs in a worker process of its own (`tandem-engine prefill <instance> --kind prefill`, started and
+supervised by this stub, tandem.serving.engine_worker); this stub only validates, forwards and relays.
+"""
 
 import triton_python_backend_utils as pb_utils
 
-from tandem.backend.errors import TandemError
-from tandem.backend.prefill_engine import PrefillEngine, PrefillRequest
-from tandem.backend.timing import Timings
-from tandem.serving import triton_io as io
-
-log = logging.getLogger("tandem")
-
-
-def _exit_for_proof(reason):
-    """P holds ABORT_ACKs it cannot prove; at the limit its death (the free slot lock) and then its restart
-    (a new instance id) are the proof (docs/failure-semantics.md). Triton 2.51 does not restart a dead
-    decoupled stub: `tandem-unit` (cli/unit.py) sees the free slot lock and loads `prefill` again."""
-    log.critical("prefill exits so that its restart proves no late KV write can land: %s", reason)
-    os._exit(70)
+from tandem.serving.engine_stub import EngineStub
 
 
 class TritonPythonModel:
     def initialize(self, args):
-        ctx = io.engine_context(pb_utils, args)
-        self.settings, self.decoder, self.metrics = ctx.settings, ctx.decoder, ctx.metrics
-        self.cfg = self.decoder.cfg
-        slot = args["model_instance_name"].replace(" ", "_")
-        self.engine = PrefillEngine(self.decoder, self.settings, self.metrics, slot, _exit_for_proof)
-        self.engine.start()
+        self.stub = EngineStub(pb_utils, args, "prefill")
 
     def execute(self, requests):
-        for request in requests:
-            timings = Timings()
-            timings.mark("entry")
-            sink = io.HandoffResponder(pb_utils, request)
-            try:
-                prompt, params = io.read_request(pb_utils, request, self.cfg, self.settings.limits)
-                self.engine.submit(
-                    PrefillRequest(
-                        stream_id=io.stream_id(request),
-                        prompt=prompt,
-                        sampling=io.sampling_params(params),
-                        max_new_rows=params.max_new_rows,
-                        sink=sink,
-                        timings=timings,
-                    )
-                )
-            except TandemError as err:
-                sink.fail(err)
+        self.stub.execute(requests)
         return None
 
     def finalize(self):
-        self.engine.close()
+        self.stub.close()

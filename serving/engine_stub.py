@@ -1,0 +1,157 @@
+"""What the `prefill`, `decode` and `tts_mono` adapters do: validate, forward to the worker, answer.
+
+`EngineStub` is the whole body of those three `model.py` files. `initialize()` builds one: settings
+from the model's config, the metrics sinks, and the engine worker (`serving/engine_worker.py`), whose
+start it waits for. `execute()` only validates each request — with the same checks and the same
+`[INVALID_ARG]` messages as before the split (`triton_io.read_request`, the handoff checks) — and
+hands it to the worker; it never waits on the engine. Responses come back on the worker's relay
+thread through `TritonResponder`.
+
+The worker owns the engine; this process keeps only what validation needs: the settings, and the
+decoder's `ModelConfig` and pool size reported in the worker's Ready.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from tandem.backend.channel import Array, Submit
+from tandem.backend.config import ModelConfig
+from tandem.backend.errors import InvalidInput, TandemError
+from tandem.backend.handoff import Handoff
+from tandem.backend.metrics import METRICS, WORKER_METRICS
+from tandem.backend.timing import Timings
+from tandem.serving import triton_io as io
+from tandem.serving.engine_worker import EngineWorker
+
+KINDS = ("prefill", "decode", "mono")
+
+
+class TritonResponder:
+    """One request's decoupled response sender: Replies, then FINAL, or one FINAL error.
+
+    Called from the relay and watchdog threads. `_lock` orders every call on the sender: Triton frees
+    the request's response factory once FINAL is sent, and `is_cancelled()` on a freed factory
+    crashes the whole server (seen: SIGSEGV in TRITONBACKEND_ResponseFactoryIsCancelled), so nothing
+    touches the sender after FINAL."""
+
+    def __init__(self, pb: Any, request: Any) -> None:
+        self._pb = pb
+        self._sender = request.get_response_sender()
+        self._closed = False
+        self._lock = threading.Lock()
+
+    def reply(self, outputs: dict[str, Array], final: bool) -> None:
+        tensors = [
+            io.bytes_tensor(self._pb, name, a.data.decode())
+            if a.dtype == "BYTES"
+            else self._pb.Tensor(name, a.numpy())
+            for name, a in outputs.items()
+        ]
+        flags = self._pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = final
+            self._sender.send(self._pb.InferenceResponse(output_tensors=tensors), flags=flags)
+
+    def fail(self, error: TandemError) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._sender.send(
+                self._pb.InferenceResponse(error=io.triton_error(self._pb, error)),
+                flags=self._pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL,
+            )
+
+    def cancelled(self) -> bool:
+        with self._lock:
+            return not self._closed and bool(self._sender.is_cancelled())
+
+
+def check_handoff(handoff: Handoff, cfg: ModelConfig, pool_tokens: int) -> None:
+    """A handoff that does not fit this decoder is refused before it reaches D's batch (where it
+    would fault every other stream). Raises InvalidInput."""
+    row = handoff.first_row
+    if len(row) != cfg.row_width or not all(0 <= x < cfg.vocab_size for x in row):
+        raise InvalidInput(
+            f"malformed handoff: first row {list(row)[:8]} is not {cfg.row_width} ids below {cfg.vocab_size}"
+        )
+    if handoff.prompt_len + handoff.max_new_rows > pool_tokens:
+        raise InvalidInput("malformed handoff: prompt_len + max_new_rows exceed D's whole pool")
+
+
+class EngineStub:
+    """One model instance's stub: `kind` is "prefill", "decode" or "mono" (tts_mono)."""
+
+    def __init__(self, pb: Any, args: Mapping[str, Any], kind: str) -> None:
+        if kind not in KINDS:
+            raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+        io.setup_logging(args["model_name"])
+        self._pb = pb
+        self.kind = kind
+        self.settings, self.config = io.load_settings(args)
+        model, instance = str(args["model_name"]), str(args["model_instance_name"])
+        engine_metrics = [m.name for m in METRICS if m.name not in WORKER_METRICS]
+        metrics = io.TritonMetrics(pb, {"model": model, "instance": instance}, names=engine_metrics)
+        health = io.TritonMetrics(pb, {"model": model, "model_instance": instance}, names=WORKER_METRICS)
+        self.worker = EngineWorker(args, kind, self.settings.worker, metrics, health)
+        ready = self.worker.start()
+        self.cfg = ModelConfig(**ready.cfg)
+        self.pool_tokens = ready.pool_tokens
+        if kind == "mono":
+            io.check_published(self.config, self.cfg, self.settings.vocoder)
+
+    def execute(self, requests: list[Any]) -> None:
+        for request in requests:
+            responder = TritonResponder(self._pb, request)
+            try:
+                build = self._handoff(request) if self.kind == "decode" else self._prompt(request)
+            except TandemError as err:
+                responder.fail(err)
+                continue
+            self.worker.submit(build, responder)
+
+    def close(self) -> None:
+        self.worker.close()
+
+    def _prompt(self, request: Any) -> functools.partial[Submit]:
+        timings = Timings()
+        timings.mark("entry")
+        prompt, params = io.read_request(self._pb, request, self.cfg, self.settings.limits)
+        s = io.sampling_params(params)
+        return functools.partial(
+            _submit,
+            stream_id=io.stream_id(request),
+            timings=timings.as_dict(),
+            prompt=Array.of(np.ascontiguousarray(prompt)),
+            sampling=(float(s.temperature), float(s.top_p), int(s.top_k), int(s.seed)),
+            max_new_rows=params.max_new_rows,
+        )
+
+    def _handoff(self, request: Any) -> functools.partial[Submit]:
+        tensor = self._pb.get_input_tensor_by_name(request, "HANDOFF")
+        if tensor is None:
+            raise InvalidInput("HANDOFF is required")
+        raw = tensor.as_numpy()[0]
+        try:
+            handoff = Handoff.from_json(raw)
+        except ValueError as exc:
+            raise InvalidInput(str(exc)) from None
+        check_handoff(handoff, self.cfg, self.pool_tokens)
+        timings = Timings(handoff.timings)
+        timings.mark("d_entry")
+        text = raw.decode() if isinstance(raw, bytes) else str(raw)
+        return functools.partial(
+            _submit, stream_id=io.stream_id(request), timings=timings.as_dict(), handoff=text
+        )
+
+
+def _submit(req_id: int, **fields: Any) -> Submit:
+    return Submit(req_id=req_id, **fields)
