@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import socket
 import sys
 from collections.abc import Sequence
@@ -36,6 +37,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--kind", required=True, choices=("prefill", "decode", "mono"))
     parser.add_argument("--fd", type=int, required=True, help="the stub's socket (inherited)")
     opts = parser.parse_args(args_in)
+    # The stub alone ends this process (Stop, or the channel's end when it dies). A SIGTERM/SIGINT to
+    # the server's process group (a server shutting down) must not kill the worker before its stub's
+    # finalize() stops it, or the stub would see a death and restart it. SIGKILL still works.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     _title([a for a in args_in if not a.startswith("--fd") and a != str(opts.fd)])
     log = logging.getLogger("tandem")
     handler = logging.StreamHandler(sys.stderr)

@@ -1,20 +1,15 @@
-"""`tandem-unit`: runs one unit's tritonserver and brings its prefill (P) back when P dies.
+"""`tandem-unit`: runs one unit's tritonserver and restarts it when it dies or its engines stay down.
 
-Triton 2.51's python backend does not restart a dead decoupled stub (docs/failure-semantics.md, "Who
-restarts P"): after P's stub dies — SIGKILL, OOM, or P's own `os._exit(70)` when it holds ABORT_ACKs it
-cannot prove — every `tts` request fails with "Stub process 'prefill_0_0' is not healthy" while the
-server and the model still report ready. This supervisor:
+Each engine (P, D, the monolithic engine) runs in a worker process that its model's stub starts and
+restarts itself (serving/engine_worker.py, docs/failure-semantics.md "Engines in processes of their
+own"): a dead or stalled engine never needs this supervisor. What is left here is the server itself:
 
 * starts the real server through the launcher (`tandem.cli.tritonserver.build_command`), adding
   `--model-control-mode=explicit --load-model=*` unless a model-control mode is given;
-* watches P's slot locks, `p-<slot>.lock` in the unit's control dir (transfer/control.py): a live P
-  holds its lock (flock) for its whole life, so a lock of this server's P (seen held, or whose
-  `p-<slot>.sock` was bound since the server started) that is free while Triton reports `prefill`
-  loaded means that P died. It is the same proof D uses to release a dead P's transfers;
-* reloads P: bumps the mtime of `<repo>/prefill/<version>/model.py` (Triton rebuilds a loaded model's
-  instances only when a file of its version directory changed) and `POST /v2/repository/models/
-  prefill/load`. D's streams already decoding continue meanwhile; D accepts the new instance id.
-  After `--max-reload-failures` failed reloads in a row it restarts the whole server;
+* reads the engines' truth from the server's metrics (`tandem.serving.health`: `tandem_engine_up`,
+  `tandem_draining`) every `--poll-interval`, logs each engine that goes down or comes back, and
+  restarts the server when some engine has been down for `--engine-down-grace` seconds (its stub's
+  own restarts did not bring it back: a broken device, a start that keeps failing);
 * forwards SIGTERM/SIGINT to the server (a second one kills it) and exits with its status; restarts
   a server that exits unexpectedly, at most `--max-server-restarts` times a minute, then exits non-zero
   so that the pod's supervisor takes over;
@@ -23,9 +18,7 @@ server and the model still report ready. This supervisor:
   (D's arena, P's staging: they are not re-made), so the supervisor starts a new proxy and then
   restarts the server, whose P and D register again; every stream of the unit fails meanwhile.
 
-The lock probe and the control-dir path mirror `tandem.transfer.control` (`instance_gone`,
-`control_dir`) instead of importing it: importing `tandem.transfer` loads torch, and the supervisor must
-stay small and keep running when the model code cannot import.
+It imports neither torch nor Triton, and keeps running when the model code cannot import.
 """
 
 from __future__ import annotations
@@ -34,20 +27,18 @@ import argparse
 import collections
 import contextlib
 import ctypes
-import fcntl
 import os
 import select
 import signal
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import FrameType
 
 from tandem.cli.tritonserver import LauncherError, build_command
+from tandem.serving.health import HealthUnavailable, UnitHealth, fetch_health
 from tandem.serving.repository import model_parameter
 
 UNIT_PARAMETER = "tandem.transfer.unit"
@@ -90,6 +81,15 @@ def http_base(args: Sequence[str]) -> str:
     return f"http://{host}:{port}"
 
 
+def metrics_url(args: Sequence[str]) -> str:
+    """The server's Prometheus endpoint, where the engines publish `tandem_engine_up`."""
+    port = (option_values(args, "--metrics-port") or ["8002"])[-1]
+    host = (option_values(args, "--metrics-address") or ["127.0.0.1"])[-1]
+    if host in ("0.0.0.0", "::", ""):
+        host = "127.0.0.1"
+    return f"http://{host}:{port}/metrics"
+
+
 def find_model_dir(args: Sequence[str], model: str) -> Path | None:
     """`<repository>/<model>` for the first local repository (of the server's args) that holds `model`."""
     for repo in option_values(args, "--model-repository", "--model-store"):
@@ -97,31 +97,6 @@ def find_model_dir(args: Sequence[str], model: str) -> Path | None:
         if (candidate / "config.pbtxt").is_file():
             return candidate
     return None
-
-
-# ---- P's slot locks (mirrors tandem.transfer.control) --------------------------------------------
-
-
-def control_dir_path(unit: str) -> Path:
-    """Where `tandem.transfer.control.control_dir(unit)` lives; not created here."""
-    base = os.environ.get("XDG_RUNTIME_DIR") or "/tmp"
-    return Path(base) / f"tandem-{os.getuid()}-{unit}"
-
-
-def lock_is_free(path: Path) -> bool | None:
-    """True if no process holds the flock on `path` (taken shared for an instant, as D does), False if
-    one does, None if the file cannot be opened (a missing file proves nothing)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except OSError:
-        return None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return False
-    finally:
-        os.close(fd)  # drops the shared lock if we got it
-    return True
 
 
 # ---- the supervisor ------------------------------------------------------------------------------
@@ -159,37 +134,23 @@ class Supervisor:
         self.opts = opts
         self.model: str = opts.prefill_model
         self.args = with_explicit_control(server_args)
-        self.base = http_base(self.args)
         self.proc: subprocess.Popen[bytes] | None = None
         self.stopping = False
         self.stop_deadline = float("inf")
         self.restarts: collections.deque[float] = collections.deque()
         self.starts = 0
         self.ever_up = False
-        self.p_restarts = 0
         # per server lifetime (reset by start_server)
-        self.known: set[Path] = set()
-        self.dead_since: float | None = None
-        self.failures = 0
-        self.ready_since: float | None = None
-        self.warned_no_lock = False
-        self.started_at = float("inf")  # wall clock of the current server's start
+        self.health: UnitHealth | None = None  # the last reading of the engines
+        self.down_since: float | None = None  # some engine down since (monotonic)
         self.proxy: subprocess.Popen[str] | None = None
         self.proxy_starts = 0
-
-        self.model_dir = find_model_dir(self.args, self.model)
-        self.lock_dir: Path | None = None
-        modes = option_values(self.args, "--model-control-mode")
-        if modes and modes[-1] != "explicit":
-            log(f"--model-control-mode={modes[-1]}: P cannot be reloaded; a dead P costs a server restart")
+        self.metrics_url = metrics_url(self.args)
         self.unit = DEFAULT_UNIT
-        if self.model_dir is None:
-            log(f"no local repository holds {self.model!r}: watching the server process only")
-        else:
-            unit = model_parameter(self.model_dir.parent, self.model, UNIT_PARAMETER) or DEFAULT_UNIT
-            self.unit = unit
-            self.lock_dir = control_dir_path(unit)
-            log(f"watching {self.model} of unit {unit!r}: slot locks {self.lock_dir}/p-{self.model}_*.lock")
+        model_dir = find_model_dir(self.args, self.model)
+        if model_dir is not None:
+            self.unit = model_parameter(model_dir.parent, self.model, UNIT_PARAMETER) or DEFAULT_UNIT
+        log(f"unit {self.unit!r}: engines' health from {self.metrics_url}")
 
     # ---- the IPC proxy sidecar (--proxy) -----------------------------------------------------------
 
@@ -239,10 +200,8 @@ class Supervisor:
             argv, executable=binary, env=env, start_new_session=True, preexec_fn=_die_with_parent_fn()
         )
         self.starts += 1
-        self.known.clear()
-        self.dead_since = None
-        self.failures = 0
-        self.ready_since = None
+        self.health = None
+        self.down_since = None
         log(f"started tritonserver (pid {self.proc.pid}): {' '.join(argv[1:])}")
 
     def stop_server(self, timeout_s: float) -> int:
@@ -310,134 +269,38 @@ class Supervisor:
         log(f"{name}: forwarding it to tritonserver (pid {self.proc.pid})")
         self.proc.send_signal(signum)
 
-    # ---- HTTP ---------------------------------------------------------------------------------------
+    # ---- the engines ------------------------------------------------------------------------------
 
-    def http(self, method: str, path: str, timeout_s: float) -> tuple[int, str]:
-        """(status, body) of one request to the server's HTTP endpoint; status 0 if it did not answer."""
-        req = urllib.request.Request(
-            self.base + path, method=method, data=b"{}" if method == "POST" else None
-        )
+    def check_engines(self) -> None:
+        """Read the engines' health; log what changed; restart the server after `--engine-down-grace`
+        seconds with some engine down (its stub's own restarts have not brought it back)."""
         try:
-            with urllib.request.urlopen(req, timeout=timeout_s) as resp:
-                return resp.status, resp.read().decode(errors="replace")
-        except urllib.error.HTTPError as exc:
-            return exc.code, exc.read().decode(errors="replace")
-        except (urllib.error.URLError, OSError) as exc:
-            return 0, str(exc)
-
-    # ---- P ------------------------------------------------------------------------------------------
-
-    def slot_locks(self) -> tuple[set[Path], set[Path]]:
-        """(held, free) among P's slot lock files."""
-        held: set[Path] = set()
-        free: set[Path] = set()
-        if self.lock_dir is None:
-            return held, free
-        try:
-            paths = sorted(self.lock_dir.glob(f"p-{self.model}_*.lock"))
-        except OSError:
-            return held, free
-        for path in paths:
-            state = lock_is_free(path)
-            if state is True:
-                free.add(path)
-            elif state is False:
-                held.add(path)
-        return held, free
-
-    def bound_since_start(self, lock: Path) -> bool:
-        try:
-            return lock.with_suffix(".sock").stat().st_mtime >= self.started_at
-        except OSError:
-            return False
-
-    def check_prefill(self) -> None:
-        if self.lock_dir is None:
-            return
-        status, _ = self.http("GET", f"/v2/models/{self.model}/ready", 5.0)
-        if status:
-            self.ever_up = True
-        if status != 200:
-            self.dead_since = None
-            self.ready_since = None
-            return
+            health = fetch_health(self.metrics_url, timeout_s=2.0)
+        except HealthUnavailable:
+            return  # starting, or between scrapes of a busy server: the process check covers death
+        self.ever_up = True
+        if not health.engines:
+            return  # the models are still loading: no engine has published yet
+        before = {(e.model, e.model_instance): e for e in self.health.engines} if self.health else {}
+        for e in health.engines:
+            old = before.get((e.model, e.model_instance))
+            if old is None and e.up:
+                log(f"{e.model} {e.model_instance}: engine up")
+            elif (old is None or old.up) and not e.up:
+                log(f"{e.model} {e.model_instance}: engine down (tandem_engine_up 0); its stub restarts it")
+            elif old is not None and not old.up and e.up:
+                log(f"{e.model} {e.model_instance}: engine up again")
+            if old is not None and old.draining != e.draining:
+                log(f"{e.model} {e.model_instance}: {'draining' if e.draining else 'no longer draining'}")
+        self.health = health
         now = time.monotonic()
-        self.ready_since = self.ready_since or now
-        held, free = self.slot_locks()
-        # A P of this server holds its lock (seen held), or held it and died before we looked: it bound
-        # its control socket after taking the lock, so that socket is newer than the server. A lock file
-        # left by an earlier configuration has neither and is never taken for a dead P.
-        self.known |= held | {lock for lock in free if self.bound_since_start(lock)}
-        if not self.known and not self.warned_no_lock and now - self.ready_since > 30:
-            self.warned_no_lock = True
-            log(
-                f"{self.model} is loaded but no P holds a slot lock in {self.lock_dir}: "
-                "dead-P detection is off"
-            )
-        dead = sorted(self.known & free)
-        if not dead:
-            if self.dead_since is not None:
-                log(f"{self.model}'s slot locks are held again; no restart needed")
-            self.dead_since = None
+        if health.engines_up:
+            self.down_since = None
             return
-        names = ", ".join(p.name for p in dead)
-        if self.dead_since is None:
-            self.dead_since = now
-            log(
-                f"P died: slot lock {names} is free while Triton reports {self.model} loaded; "
-                f"restarting it in {self.opts.restart_grace:g} s"
-            )
-            return
-        if now - self.dead_since >= self.opts.restart_grace:
-            self.reload_prefill(dead)
-
-    def version_files(self) -> list[Path]:
-        assert self.model_dir is not None
-        versions = [v for v in self.model_dir.iterdir() if v.is_dir() and v.name.isdigit()]
-        files = [v / "model.py" for v in versions if (v / "model.py").is_file()]
-        return files or [f for v in versions for f in v.iterdir() if f.is_file()]
-
-    def reload_prefill(self, dead: list[Path]) -> None:
-        self.p_restarts += 1
-        n = self.p_restarts
-        names = ", ".join(p.name for p in dead)
-        now = time.time()
-        touched = self.version_files()
-        for f in touched:
-            os.utime(f, (now, now))
-        log(
-            f"restarting P (#{n}): slot lock {names} free while {self.model} is loaded (P died); "
-            f"bumped the mtime of {', '.join(map(str, touched))} so that Triton rebuilds the instances; "
-            f"POST /v2/repository/models/{self.model}/load"
-        )
-        t0 = time.monotonic()
-        status, body = self.http("POST", f"/v2/repository/models/{self.model}/load", self.opts.load_timeout)
-        error = None if status == 200 else f"load answered {status or 'nothing'}: {body.strip()[:300]}"
-        if error is None:
-            deadline = time.monotonic() + 15.0
-            while not self.stopping:
-                held, _ = self.slot_locks()
-                if set(dead) <= held:
-                    break
-                if time.monotonic() > deadline:
-                    error = f"{self.model} loaded but no new P took {names}"
-                    break
-                time.sleep(0.1)
-        if self.stopping:
-            return
-        if error is None:
-            log(
-                f"P restarted (#{n}): {self.model} reloaded in {time.monotonic() - t0:.1f} s; "
-                f"a new P holds {names}"
-            )
-            self.failures = 0
-            self.dead_since = None
-            return
-        self.failures += 1
-        self.dead_since = time.monotonic()  # wait the grace again before the next attempt
-        log(f"P restart #{n} failed ({self.failures} in a row): {error}")
-        if self.failures >= self.opts.max_reload_failures:
-            self.restart_server(f"{self.failures} P reloads failed in a row")
+        self.down_since = self.down_since or now
+        if now - self.down_since >= self.opts.engine_down_grace:
+            down = "; ".join(r for r in health.reasons if r.endswith("engine down"))
+            self.restart_server(f"engines down for {now - self.down_since:.0f} s: {down}")
 
     # ---- main loop ----------------------------------------------------------------------------------
 
@@ -475,7 +338,7 @@ class Supervisor:
                         self.stop_deadline = float("inf")
                 else:
                     self.check_proxy()
-                    self.check_prefill()
+                    self.check_engines()
                 time.sleep(self.opts.poll_interval)
         except GiveUp as give_up:
             if self.proc is not None and self.proc.poll() is None:  # e.g. a proxy that will not start
@@ -489,13 +352,13 @@ def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser(
         prog="tandem-unit",
         usage="tandem-unit [options] -- <tritonserver args...>",
-        description="Run one unit's tritonserver and reload its prefill model when P dies.",
+        description="Run one unit's tritonserver; restart it when it dies or its engines stay down.",
     )
     parser.add_argument(
-        "--restart-grace", type=float, default=2.0, help="seconds P must stay dead before a reload"
-    )
-    parser.add_argument(
-        "--max-reload-failures", type=int, default=3, help="failed reloads in a row that restart the server"
+        "--engine-down-grace",
+        type=float,
+        default=120.0,
+        help="seconds an engine may stay down (its stub restarting it) before the server is restarted",
     )
     parser.add_argument(
         "--max-server-restarts", type=int, default=3, help="server restarts per minute before giving up"
@@ -503,9 +366,10 @@ def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument(
         "--stop-timeout", type=float, default=45.0, help="seconds after SIGTERM before SIGKILL"
     )
-    parser.add_argument("--load-timeout", type=float, default=300.0, help="seconds one model load may take")
     parser.add_argument("--poll-interval", type=float, default=0.5, help="seconds between checks")
-    parser.add_argument("--prefill-model", default="prefill", help="the P model's name in the repository")
+    parser.add_argument(
+        "--prefill-model", default="prefill", help="the model whose tandem.transfer.unit names the unit"
+    )
     parser.add_argument(
         "--proxy", action="store_true", help="run the unit's tandem-proxy sidecar (the proxy KV path)"
     )

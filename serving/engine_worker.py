@@ -9,8 +9,8 @@ stands between Triton and it, modelled on vLLM V1's `MPClient` in front of its `
     execute thread: validate (engine_stub.py) -> `submit`: a req_id, the responder kept in `_pending`,
                     the Submit queued on the channel (never waits for the worker)
     reader thread:  one per worker process: Reply -> the request's response sender (FINAL on the
-                    last), Fail -> its one error, Beat -> liveness and the worker's metrics published
-                    through Triton; end of stream -> the worker died (below)
+                    last), Fail -> its one error, Beat -> liveness, and its metrics to the publisher
+                    thread (which publishes them through Triton); end of stream -> the worker died
     watchdog:       every 50 ms: a stall (no frame for `stall_timeout_s`, or the engine loop stuck in
                     one iteration that long) fails every pending request with
                     `[UNAVAILABLE] <model>: engine not responding` and tells the worker to drop them
@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import shutil
 import socket
 import subprocess
@@ -164,6 +165,10 @@ class EngineWorker:
         self._watchdog = threading.Thread(target=self._watch, name=f"{self.instance}-watchdog", daemon=True)
         self._stalled_since = 0.0
         self._last_cancel_poll = 0.0
+        self._beats: queue.SimpleQueue[Beat | None] = queue.SimpleQueue()
+        self._publisher = threading.Thread(
+            target=self._publish_loop, name=f"{self.instance}-metrics", daemon=True
+        )
         health.set("tandem_engine_up", 0.0)
         health.inc("tandem_engine_restarts_total", 0.0)
 
@@ -173,6 +178,7 @@ class EngineWorker:
         """Start the first worker and wait for its Ready (Triton's load waits with us). Raises
         WorkerStartFailed: the model then fails to load, with the worker's reason."""
         p = self._spawn()
+        self._publisher.start()
         self._go_up(p)
         self._watchdog.start()
         return p.ready
@@ -196,6 +202,7 @@ class EngineWorker:
                 p.proc.wait()
             p.channel.close()
         self._fail_pending(EngineUnavailable(f"{self.model}: the model is being unloaded"))
+        self._beats.put(None)
         self._health.set("tandem_engine_up", 0.0)
 
     # ---- requests (execute threads) --------------------------------------------------------------
@@ -307,7 +314,7 @@ class EngineWorker:
                         pending.responder.fail(RelayedError(msg.code, msg.message))
                 elif isinstance(msg, Beat):
                     p.loop_age_s = msg.loop_age_s
-                    self._publish(msg)
+                    self._beats.put(msg)  # published on its own thread: replies never wait behind it
                     self._maybe_recover(p)
         except Exception:
             log.exception("%s: relay of worker pid %d failed", self.instance, p.proc.pid)
@@ -326,14 +333,23 @@ class EngineWorker:
                 self._pending.pop(msg.req_id, None)
             pending.responder.fail(EngineUnavailable(f"{self.model}: response failed: {exc}"))
 
-    def _publish(self, beat: Beat) -> None:
+    def _publish_loop(self) -> None:
+        """Publisher thread: the worker's metrics through Triton. Each update is a round trip to the
+        server process, so this runs apart from the relay (a reply never waits behind a histogram)."""
         m = self._metrics
-        for name, labels, value in beat.sets:
-            m.set(name, value, **labels)
-        for name, labels, value in beat.incs:
-            m.inc(name, value, **labels)
-        for name, labels, value in beat.observes:
-            m.observe(name, value, **labels)
+        while True:
+            beat = self._beats.get()
+            if beat is None:
+                return
+            try:
+                for name, labels, value in beat.sets:
+                    m.set(name, value, **labels)
+                for name, labels, value in beat.incs:
+                    m.inc(name, value, **labels)
+                for name, labels, value in beat.observes:
+                    m.observe(name, value, **labels)
+            except Exception:
+                log.exception("%s: publishing the worker's metrics failed", self.instance)
 
     def _on_exit(self, p: _Process) -> None:
         """End of stream: the worker is gone. Its pending requests fail now; the watchdog restarts it."""

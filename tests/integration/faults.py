@@ -1,12 +1,11 @@
-"""Fault-injection harness for one real P/D unit: the tritonserver, its stub processes, their metrics.
+"""Fault-injection harness for one real P/D unit: the tritonserver, its stubs, their engine workers.
 
-`FaultUnit` starts the checked-in repository (without `tts_mono`, which the matrix does not use) in
-explicit model-control mode, so a test can reload `prefill` after killing it: Triton 2.51's python
-backend restarts a dead stub only for non-decoupled models, and `prefill` is decoupled (verified in
-`test_fault_matrix.py::test_kill_p_...`). Faults are switched on the running P through
+`FaultUnit` starts the checked-in repository (without `tts_mono` unless asked: only the engine rows use
+it) in explicit model-control mode. Faults are switched on the running P through
 `tandem.faults.control_file` (see `FaultSettings`); processes are found through /proc: a python-backend
-stub is a child of tritonserver whose argv[1] is `<repository>/<model>/1/model.py` and whose argv
-names the instance (`prefill_0_0`).
+stub is a child of tritonserver whose argv[1] is `<repository>/<model>/1/model.py`, and each stub's
+engine worker is its child whose command line reads `tandem-engine <model> <instance> ...`. A dead
+worker is started again by its stub (serving/engine_worker.py); `tandem_engine_up` says when it serves.
 """
 
 from __future__ import annotations
@@ -29,6 +28,7 @@ import tritonclient.grpc as grpcclient
 
 from tandem.backend.settings import TransferSettings
 from tandem.cli.tts_client import StreamResult, TTSClient
+from tandem.serving.health import parse_health
 from tandem.serving.repository import model_parameter
 from tests.integration.helpers import metric_value, metrics_text
 from tests.integration.server import TritonProcess
@@ -65,6 +65,30 @@ def find_stub(server_pid: int, model: str) -> int | None:
         if len(argv) > 1 and argv[0].endswith("triton_python_backend_stub") and f"/{model}/" in argv[1]:
             return pid
     return None
+
+
+def find_worker(server_pid: int, model: str) -> int | None:
+    """The live engine worker (`tandem-engine <model> ...`) of `model`'s stub under `server_pid`."""
+    stub = find_stub(server_pid, model)
+    if stub is None:
+        return None
+    for pid in children(stub):
+        if " ".join(stub_argv(pid)).startswith(f"tandem-engine {model} "):
+            return pid
+    return None
+
+
+def engine_up(metrics_url: str, model: str) -> bool | None:
+    """`tandem_engine_up` of `model` (its instances all up), None if not published."""
+    states = [e for e in parse_health(metrics_text(metrics_url)).engines if e.model == model]
+    return all(e.up for e in states) if states else None
+
+
+def engine_restarts(metrics_url: str, model: str) -> float:
+    try:
+        return metric_value(metrics_text(metrics_url), "tandem_engine_restarts_total", model=model)
+    except KeyError:
+        return 0.0
 
 
 def process_state(pid: int) -> str:
@@ -154,9 +178,11 @@ class FaultUnit:
         overrides: Mapping[str, Mapping[str, str]],
         groups: Mapping[str, str] | None = None,
         proxy: bool = False,
+        mono: bool = False,
     ) -> None:
         """`groups`: instance groups per model (GPU placement); `proxy`: start the unit's IPC proxy
-        sidecar (path `proxy`) before the server, in the server's control directory."""
+        sidecar (path `proxy`) before the server, in the server's control directory; `mono`: serve
+        `tts_mono` too (the engine rows check that it streams on while P or D fails)."""
         self.workdir = workdir
         self.control_file = workdir / "faults.json"
         merged = {m: dict(v) for m, v in overrides.items()}
@@ -172,7 +198,9 @@ class FaultUnit:
         self._want_proxy = proxy
         self.path = model_parameter(self.proc.repo, "decode", "tandem.transfer.paths") or "?"
         self.label = self.path  # how the matrix names this unit (e.g. "host_shm/region")
-        shutil.rmtree(self.proc.repo / "tts_mono")  # not part of the matrix; saves a stub start
+        self.mono = mono
+        if not mono:
+            shutil.rmtree(self.proc.repo / "tts_mono")  # not used by the transfer rows; saves a start
         self.rows: list[Row] = []
         self.idle: Snapshot | None = None  # the settled unit before its first row (the rows' baseline)
 
@@ -232,30 +260,30 @@ class FaultUnit:
         os.kill(pid, sig)
         return pid
 
+    def worker(self, model: str) -> int:
+        pid = find_worker(self.server_pid, model)
+        assert pid is not None, f"no live engine worker for {model}"
+        return pid
+
+    def signal_worker(self, model: str, sig: signal.Signals) -> int:
+        pid = self.worker(model)
+        os.kill(pid, sig)
+        return pid
+
+    def wait_engine(self, model: str, up: bool, timeout_s: float) -> float:
+        """Wait until `tandem_engine_up` of `model` reads `up`; returns the seconds it took."""
+        t0 = time.monotonic()
+        while engine_up(self.metrics_url, model) is not up:
+            if time.monotonic() - t0 > timeout_s:
+                raise AssertionError(f"{model}: tandem_engine_up not {int(up)} within {timeout_s} s")
+            time.sleep(0.05)
+        return time.monotonic() - t0
+
     def signal_proxy(self, sig: signal.Signals) -> int:
         """Signal the unit's `tandem-proxy` sidecar (path `proxy` only)."""
         assert self.proxy is not None and self.proxy.poll() is None, "this unit has no running proxy"
         os.kill(self.proxy.pid, sig)
         return self.proxy.pid
-
-    def reload(self, model: str) -> float:
-        """Explicit-mode load of `model`: Triton builds a new instance (a new stub process).
-
-        Triton 2.51 rebuilds an already-loaded model's instances only if a file of its version
-        directory changed since the last load; with nothing changed it reloads just the dependent
-        ensembles, and with only `config.pbtxt` changed it updates the model in place — either way the
-        dead stub stays dead. So the version's `model.py` mtime is bumped first; a watchdog
-        restarting P must do the same."""
-        code = self.proc.repo / model / "1" / "model.py"
-        now = time.time()
-        os.utime(code, (now, now))
-        t0 = time.monotonic()
-        client = grpcclient.InferenceServerClient(self.url)
-        try:
-            client.load_model(model)
-        finally:
-            client.close()
-        return time.monotonic() - t0
 
     # ---- faults and figures ----------------------------------------------------------------------
 
@@ -346,11 +374,11 @@ class Background:
 
 
 def streams(
-    url: str, jobs: list[tuple[np.ndarray, dict[str, Any]]], timeout_s: float = 60.0
+    url: str, jobs: list[tuple[np.ndarray, dict[str, Any]]], timeout_s: float = 60.0, model: str = "tts"
 ) -> list[StreamResult]:
     """Every job as its own client and stream, all at once; each result has a client-side error or rows.
     A stream that gets no final response within `timeout_s` is reported as an error, not raised."""
-    clients = [TTSClient(url, "tts") for _ in jobs]
+    clients = [TTSClient(url, model) for _ in jobs]
     try:
         keys = [c.send(p, **kw) for c, (p, kw) in zip(clients, jobs, strict=True)]
         out = []
@@ -403,3 +431,42 @@ def volume(url: str, n_requests: int, n_clients: int, seed: int = 0) -> tuple[in
     for t in threads:
         t.join()
     return sum(ok), errors
+
+
+def arrivals(
+    url: str, model: str, n: int, every_s: float, seed: int, rows: int = 20, max_tokens: int = 5
+) -> Background:
+    """`n` one-shot streams to `model`, one started every `every_s` (traffic that keeps arriving while
+    a fault lasts); the Background's result is their StreamResults in start order."""
+
+    def go() -> list[StreamResult]:
+        out: list[StreamResult | None] = [None] * n
+
+        def one(i: int) -> None:
+            x = np.random.default_rng(seed * 1000 + i).integers(0, 1024, size=(rows + i, 4), dtype=np.int64)
+            with TTSClient(url, model) as c:
+                out[i] = c.run(x, timeout_s=60, MAX_TOKENS=max_tokens, TEMPERATURE=0.0)
+
+        threads = []
+        for i in range(n):
+            t = threading.Thread(target=one, args=(i,), daemon=True)
+            t.start()
+            threads.append(t)
+            time.sleep(every_s)
+        for t in threads:
+            t.join(90)
+        assert all(r is not None for r in out), "an arrival did not finish"
+        return [r for r in out if r is not None]
+
+    return Background(go)
+
+
+def server_ready(url: str, models: tuple[str, ...]) -> bool:
+    """The server and every model in `models` report ready (Triton's own view)."""
+    client = grpcclient.InferenceServerClient(url)
+    try:
+        return bool(client.is_server_ready()) and all(client.is_model_ready(m) for m in models)
+    except Exception:
+        return False
+    finally:
+        client.close()

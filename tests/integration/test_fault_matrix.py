@@ -8,8 +8,15 @@ Every row injects one fault into a running 1P1D unit and checks the same four th
 * unaffected streams finish with the right number of rows.
 
 One unit serves every row (a server start costs ~15 s of the suite's budget); faults are switched on
-the running P through its control file, P is paused/killed with signals, and restarted with an
-explicit-mode model load — Triton 2.51 does not restart a dead decoupled stub (the kill row shows it).
+the running P through its control file, P's engine worker is paused/killed with signals, and its stub
+starts a new worker (serving/engine_worker.py; Triton 2.51 itself restarts no dead decoupled stub).
+
+The engine rows (`test_stall_engine_*`, `test_kill_engine_*`, `test_stub_stop_*`) stop or kill each
+engine's worker — P, D, the monolithic engine — under arriving traffic and check that the server stays
+up and ready, the models that did not need that engine keep serving, the affected clients hear
+`[UNAVAILABLE] <model>: engine ...` within the stall bound + 1 s, nothing leaks and `tts` equals
+`tts_mono` afterwards. They run once, on the first path of `TANDEM_FAULT_PATHS` (whose unit also serves
+`tts_mono`): how an engine is supervised does not depend on the KV path.
 D runs with a 1 MiB receive arena (region mode) and a 128-page pool (direct mode: the pool is the arena)
 so that a few quarantined transfers exceed the 25 % drain limit.
 
@@ -50,9 +57,13 @@ from tests.integration.faults import (
     FaultUnit,
     Row,
     Snapshot,
+    arrivals,
+    engine_restarts,
     find_stub,
+    find_worker,
     format_matrix,
     process_state,
+    server_ready,
     streams,
     volume,
 )
@@ -61,6 +72,8 @@ from tests.integration.test_tts_faults import decode, handoff
 
 DEADLINE_S = 2.0
 ERROR_BOUND_S = DEADLINE_S + 1.0
+STALL_S = 2.0  # tandem.worker.stall_timeout_s: a stalled engine's requests fail after this
+STALL_BOUND_S = STALL_S + 1.0
 VOLUMES = {
     "tcp": int(os.environ.get("TANDEM_FAULT_VOLUME_TCP", "1000")),
     "host_shm/region": int(os.environ.get("TANDEM_FAULT_VOLUME_REGION", "1000")),
@@ -80,7 +93,12 @@ PATHS = [
     if p.strip()
 ]
 GPUS = [int(g) for g in os.environ.get("TANDEM_FAULT_GPUS", "").split(",") if g.strip()]
-GROUPS = {"prefill": gpu_group(GPUS[:1]), "decode": gpu_group(GPUS[1:2])} if GPUS else None
+GROUPS = (
+    {"prefill": gpu_group(GPUS[:1]), "decode": gpu_group(GPUS[1:2]), "tts_mono": gpu_group(GPUS[1:2])}
+    if GPUS
+    else None
+)
+ENGINES = ("prefill", "decode", "tts_mono")
 RECEIVER_WRITES = {"tcp"}  # paths where D writes every byte itself (TransferPath.receiver_writes)
 
 
@@ -90,7 +108,12 @@ def p_writes_only(unit: FaultUnit) -> None:
 
 
 OVERRIDES = {
-    "prefill": {"tandem.transfer.max_held_acks": "3", "tandem.transfer.ticket_ttl_s": "10"},
+    "prefill": {
+        "tandem.transfer.max_held_acks": "3",
+        "tandem.transfer.ticket_ttl_s": "10",
+        "tandem.worker.stall_timeout_s": str(STALL_S),
+    },
+    "tts_mono": {"tandem.worker.stall_timeout_s": str(STALL_S)},
     # The matrix tests transfer failure, not admission: on a 2-core CI box P's forwards take D's cores,
     # the step-time model then (rightly) refuses a second stream, and a row that needs three copies in
     # flight would measure the machine instead of the protocol. Rate admission has its own tests.
@@ -103,6 +126,7 @@ OVERRIDES = {
         "tandem.pool.num_pages": "128",
         "tandem.transfer.abort_retry_s": "0.2",
         "tandem.transfer.probe_interval_s": "0.5",
+        "tandem.worker.stall_timeout_s": str(STALL_S),
     },
 }
 
@@ -116,6 +140,8 @@ def unit(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     if len(GPUS) not in (0, 2):
         raise ValueError(f"TANDEM_FAULT_GPUS must name two GPUs (P,D), got {GPUS}")
     overrides = {m: dict(v) for m, v in OVERRIDES.items()}
+    if label != PATHS[0]:
+        del overrides["tts_mono"]
     for model in ("prefill", "decode"):
         overrides[model].update({"tandem.transfer.paths": path, "tandem.transfer.require_path": path})
         if path == "tcp":  # the cross-host form: P's control plane on TCP too, unit-secret handshakes
@@ -123,7 +149,7 @@ def unit(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
         if mode == "region":
             overrides[model]["tandem.transfer.direct_write"] = "false"
     workdir = tmp_path_factory.mktemp(f"faultunit-{path}-{mode or 'default'}")
-    u = FaultUnit(workdir, overrides, GROUPS, proxy=path == "proxy")
+    u = FaultUnit(workdir, overrides, GROUPS, proxy=path == "proxy", mono=label == PATHS[0])
     u.label = label
     u.start()
     yield u
@@ -138,16 +164,19 @@ def row(unit: FaultUnit) -> Iterator[tuple[FaultUnit, Snapshot]]:
     next row's normal."""
     unit.clear_faults()
     if unit.idle is None:
+        unit.wait_for(lambda s: s.p_free_pages > 0 and s.d_free_pages > 0, 30, "P and D publish")
         unit.idle = unit.settle(unit.snapshot())
     base = unit.settle(unit.idle)
-    base = unit.wait_for(lambda s: s.p_free_pages > 0, 10, "P publishes")
+    idle_p = unit.idle.p_free_pages
+    # P's pages of offers nobody pulled (an earlier row's D stalled or died) return at their TTL.
+    base = unit.wait_for(lambda s: s.p_free_pages >= idle_p > 0, 20, "P's pages back to idle")
     yield unit, base
     unit.clear_faults()
-    pid = find_stub(unit.server_pid, "prefill")
-    if pid is None:
-        unit.reload("prefill")
-    elif process_state(pid) == "T":
-        os.kill(pid, signal.SIGCONT)
+    for model in ENGINES if unit.mono else ENGINES[:2]:
+        for pid in (find_stub(unit.server_pid, model), find_worker(unit.server_pid, model)):
+            if pid is not None and process_state(pid) == "T":
+                os.kill(pid, signal.SIGCONT)
+        unit.wait_engine(model, True, 90)
 
 
 def jobs(n: int, rows: int, max_tokens: int, seed: int) -> list[tuple[np.ndarray, dict]]:
@@ -174,7 +203,8 @@ def finish(
     """Checks common to every row, then records it: settle, no leak, errors prompt, others complete.
     `proofs`: the proofs that may free this row's failed regions (at least one must have)."""
     end = unit.settle(base, timeout_s=20)
-    end = unit.wait_for(lambda s: s.p_free_pages == base.p_free_pages, 10, "P pages back")
+    # P's pages of an offer nobody pulled (D stalled or dead) come back at the ticket's TTL (10 s).
+    end = unit.wait_for(lambda s: s.p_free_pages >= base.p_free_pages, 15, "P pages back")
     wants = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(results)
     failed = [r for r in results if r.error is not None]
     for r, want in zip(results, wants, strict=True):
@@ -226,7 +256,7 @@ def test_pause_p_then_resume_releases_by_p_answer(row):
     unit.set_faults(delay_every=3, delay_s=1.5)
     load = Background(lambda: streams(unit.url, jobs(3, 100, 30, seed=1), timeout_s=40))
     unit.wait_for(lambda s: s.verified_ok >= base.verified_ok + 2, 10, "first transfers verified")
-    pid = unit.signal_stub("prefill", signal.SIGSTOP)
+    pid = unit.signal_worker("prefill", signal.SIGSTOP)
     time.sleep(DEADLINE_S + 1.0)
     during = unit.snapshot()
     assert during.d_held_pages > 0, "no quarantine while P is stopped"
@@ -237,7 +267,7 @@ def test_pause_p_then_resume_releases_by_p_answer(row):
     unit.wait_for(lambda s: s.d_held_pages == 0, 10, "held pages back after resume")
     release_s = time.monotonic() - resumed
     results = load.join(40)
-    assert find_stub(unit.server_pid, "prefill") == pid, "P must be the same process"
+    assert find_worker(unit.server_pid, "prefill") == pid, "P must be the same process"
     assert any(r.error is not None for r in results)
     for r in results:
         assert r.error is None or "KV transfer" in r.error, r.error
@@ -254,19 +284,34 @@ def test_pause_p_then_resume_releases_by_p_answer(row):
     )
 
 
-def test_kill_p_while_d_drains_then_reload(row):
+def wait_new_worker(unit: FaultUnit, model: str, old: int, timeout_s: float = 90) -> tuple[int, float]:
+    """The worker the stub started after `old` died, once it serves; (pid, seconds it took)."""
+    t0 = time.monotonic()
+    while True:
+        pid = find_worker(unit.server_pid, model)
+        if pid not in (None, old):
+            break
+        assert time.monotonic() - t0 < timeout_s, f"{model}: no new engine worker within {timeout_s} s"
+        time.sleep(0.05)
+    unit.wait_engine(model, True, max(1.0, timeout_s - (time.monotonic() - t0)))
+    return pid, time.monotonic() - t0
+
+
+def test_kill_p_while_d_drains_then_restart(row):
     """D drains (held > 25 % of its arena) behind a stopped P, with no new traffic; P is then killed.
     D's probing alone must notice (the slot's instance lock is free) and release everything (seed bug
-    #2). Triton 2.51 does not restart the dead decoupled stub: requests fail "not healthy" until an
-    explicit load of `prefill` starts a new process, whose new instance id D then accepts."""
+    #2). P's stub starts a new worker by itself (Triton 2.51 would restart no dead decoupled stub; the
+    stub never died): requests fail with a clear UNAVAILABLE meanwhile, and D accepts the new P's new
+    instance id."""
     unit, base = row
     p_writes_only(unit)
     t0 = time.monotonic()
     before = json.loads(handoff(unit.url))["ticket"]["instance_id"]
+    restarts = engine_restarts(unit.metrics_url, "prefill")
     unit.set_faults(delay_every=1, delay_s=3.0)
     load = Background(lambda: streams(unit.url, jobs(3, 250, 20, seed=2), timeout_s=40))
     unit.wait_for(lambda s: s.inflight >= 3, 10, "3 transfers in flight")
-    pid = unit.signal_stub("prefill", signal.SIGSTOP)
+    pid = unit.signal_worker("prefill", signal.SIGSTOP)
     queued = Background(lambda: streams(unit.url, jobs(2, 30, 5, seed=3), timeout_s=30))
     drain = unit.wait_for(lambda s: s.draining == 1, DEADLINE_S + 2, "D drains")
     assert drain.admittable == 0 and drain.d_held_pages > 0
@@ -279,14 +324,11 @@ def test_kill_p_while_d_drains_then_reload(row):
     results = load.join(40) + queued.join(40)
     assert all(r.error is not None for r in results), [r.error for r in results]
     unit.clear_faults()
-    # Who restarts P? Not Triton: the stub stays dead and every request fails until a reload.
-    time.sleep(0.5)
     after_kill = streams(unit.url, jobs(1, 20, 3, seed=4))
-    assert after_kill[0].error is not None and "not healthy" in after_kill[0].error, after_kill[0].error
-    assert find_stub(unit.server_pid, "prefill") is None, "Triton restarted the stub by itself"
-    reload_s = unit.reload("prefill")
-    new_pid = unit.stub("prefill")
-    assert new_pid != pid
+    assert after_kill[0].error is None or "[UNAVAILABLE] prefill: engine" in after_kill[0].error, after_kill
+    _, restart_s = wait_new_worker(unit, "prefill", pid)
+    assert find_stub(unit.server_pid, "prefill") is not None, "P's stub died with its worker"
+    assert engine_restarts(unit.metrics_url, "prefill") == restarts + 1
     text = handoff(unit.url)
     after = json.loads(text)["ticket"]["instance_id"]
     assert after != before
@@ -304,31 +346,33 @@ def test_kill_p_while_d_drains_then_reload(row):
         proofs={"instance_gone"},
         held_pages_while_draining=drain.d_held_pages,
         dead_p_discovered_s=round(discover_s, 2),
-        triton_restarted_stub=False,
-        reload_s=round(reload_s, 1),
+        restarted_by="prefill's stub",
+        restart_s=round(restart_s, 1),
         new_instance_accepted=True,
     )
 
 
 def test_three_held_acks_make_p_exit(row):
     """Every copy stalls past D's deadline: D aborts, P cannot prove the copies over and holds 3 ACKs,
-    so P exits (os._exit(70)). Its death frees the slot lock — D's proof — and the reload's new
-    instance serves again."""
+    so P's worker exits (os._exit(70)). Its death frees the slot lock — D's proof — and the new worker
+    its stub starts (a new instance) serves again."""
     unit, base = row
     p_writes_only(unit)
     t0 = time.monotonic()
     unit.set_faults(delay_every=1, delay_s=8.0)
-    pid = unit.stub("prefill")
+    pid = unit.worker("prefill")
     results = streams(unit.url, jobs(4, 60, 10, seed=6), timeout_s=20)
     assert all(r.error is not None and "KV transfer" in r.error for r in results), [r.error for r in results]
     deadline = time.monotonic() + 5
     while process_state(pid) not in ("", "Z") and time.monotonic() < deadline:
         time.sleep(0.05)
     assert process_state(pid) in ("", "Z"), "P did not exit with 3 held ACKs"
-    exit_logged = "prefill exits so that its restart proves" in unit.proc.log_path.read_text(errors="replace")
+    log = unit.proc.log_path.read_text(errors="replace")
+    exit_logged = "prefill exits so that its restart proves" in log
     unit.wait_for(lambda s: s.d_held_pages == 0, 10, "held pages released after P's exit")
     unit.clear_faults()
-    reload_s = unit.reload("prefill")
+    _, restart_s = wait_new_worker(unit, "prefill", pid)
+    assert "exited for proof" in unit.proc.log_path.read_text(errors="replace")
     ok = streams(unit.url, jobs(4, 40, 10, seed=7))
     assert all(r.error is None for r in ok), [r.error for r in ok]
     # The three held copies' regions come back by P's death; a fourth copy that had not started when
@@ -345,7 +389,7 @@ def test_three_held_acks_make_p_exit(row):
         10,
         proofs={"instance_gone", "instance_changed", "abort_ack"},
         p_exit_logged=exit_logged,
-        reload_s=round(reload_s, 1),
+        restart_s=round(restart_s, 1),
     )
 
 
@@ -599,6 +643,279 @@ def test_volume(row):
     rec = finish(unit, base, f"volume ({n} short streams, 8 clients)", t0, [], [])
     rec.streams = n
     assert rec.transfers_verified == n
+
+
+# ---- engine rows: P, D and the monolithic engine stalled or killed under traffic -----------------
+
+# Who sends traffic to an engine: tts reaches P and D, tts_mono the monolithic engine.
+ENTRY = {"prefill": "tts", "decode": "tts", "tts_mono": "tts_mono"}
+STALL_FOR_S = 5.0
+
+
+def engine_rows_here(unit: FaultUnit) -> None:
+    if not unit.mono:
+        pytest.skip("the engine rows run once, on the first path's unit (the one serving tts_mono)")
+
+
+def tts_equals_mono(url: str, seed: int) -> None:
+    """The same greedy requests through `tts` and `tts_mono` give the same tokens."""
+    same = jobs(3, 30, 12, seed=seed)
+    for j in same:
+        j[1]["TEMPERATURE"] = 0.0
+    pd, mono = streams(url, same), streams(url, same, model="tts_mono")
+    for a, b in zip(pd, mono, strict=True):
+        assert a.error is None and b.error is None, (a.error, b.error)
+        assert a.rows is not None and b.rows is not None and np.array_equal(a.rows, b.rows)
+
+
+def bystanders(unit: FaultUnit, model: str, seed: int) -> list[tuple[str, Background]]:
+    """Long streams that never need `model`'s engine, started (and, on D, decoding) before the fault:
+    tts_mono while P or D fails; tts streams already on D while P or the monolithic engine fails."""
+    out = []
+    if model != "tts_mono":
+        out.append(
+            (
+                "tts_mono",
+                Background(
+                    lambda: streams(unit.url, jobs(2, 40, 400, seed=seed), timeout_s=60, model="tts_mono")
+                ),
+            )
+        )
+    if model != "decode":
+        verified = unit.snapshot().verified_ok
+        out.append(("tts", Background(lambda: streams(unit.url, jobs(2, 40, 400, seed=seed + 1), 60))))
+        unit.wait_for(lambda s: s.verified_ok >= verified + 2, 20, "bystander tts streams on D")
+    return out
+
+
+def victims(unit: FaultUnit, model: str, seed: int) -> Background | None:
+    """Long streams in flight on `model`'s engine when the fault comes (D and the monolithic engine;
+    P holds a request only for its forward)."""
+    if model == "prefill":
+        return None
+    before = unit.snapshot().verified_ok
+    load = Background(lambda: streams(unit.url, jobs(2, 40, 400, seed=seed), 60, model=ENTRY[model]))
+    if model == "decode":
+        unit.wait_for(lambda s: s.verified_ok >= before + 2, 20, "victim streams on D")
+    else:
+        deadline = time.monotonic() + 20
+        while metric_value(metrics_text(unit.metrics_url), "tandem_inflight_streams", model=model) < 2:
+            assert time.monotonic() < deadline, "victim streams never ran on tts_mono"
+            time.sleep(0.05)
+    time.sleep(0.3)  # a few chunks out: mid-stream
+    return load
+
+
+def told_after(results: list[StreamResult], at_ns: int) -> float:
+    """The latest error, in seconds after `at_ns` (the fault) or after the stream was sent."""
+    lat = [(r.done_ns - max(at_ns, r.sent_ns)) / 1e9 for r in results if r.error is not None]
+    return max(lat, default=0.0)
+
+
+def check_bystanders(kept: list[tuple[str, Background]]) -> dict[str, float]:
+    rates = {}
+    for name, bg in kept:
+        res = bg.join(90)
+        assert all(r.error is None for r in res), (name, [r.error for r in res])
+        assert all(r.rows is not None and r.rows.shape == (400, TINY_W) for r in res), name
+        rates[name] = round(min(r.tokens_per_s for r in res))
+    return rates
+
+
+@pytest.mark.parametrize("model", ENGINES)
+def test_stall_engine_under_traffic_then_resume(row, model):
+    """SIGSTOP `model`'s engine worker for 5 s while requests keep arriving, then SIGCONT. Its stub
+    keeps answering: the engine's streams and every request that arrives fail with `[UNAVAILABLE]
+    <model>: engine not responding` within the stall bound + 1 s; `tandem_engine_up` reads 0; the
+    server and every model stay ready; the other models' streams stream on. On SIGCONT the same worker
+    serves again (no restart), it drops what the stub failed, and nothing leaks."""
+    unit, base = row
+    engine_rows_here(unit)
+    t0 = time.monotonic()
+    restarts = engine_restarts(unit.metrics_url, model)
+    kept = bystanders(unit, model, seed=60)
+    hit = victims(unit, model, seed=62)
+    pid = unit.signal_worker(model, signal.SIGSTOP)
+    stopped_ns = time.time_ns()
+    traffic = arrivals(unit.url, ENTRY[model], n=10, every_s=0.5, seed=64)
+    try:
+        down_s = unit.wait_engine(model, False, STALL_BOUND_S)
+        ready_during = server_ready(unit.url, (*ENGINES, "tts"))
+        time.sleep(max(0.0, STALL_FOR_S - (time.time_ns() - stopped_ns) / 1e9))
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    back_s = unit.wait_engine(model, True, 10)
+    arrived = traffic.join(90)
+    hit_results = hit.join(90) if hit is not None else []
+    assert ready_during and server_ready(unit.url, (*ENGINES, "tts")), "Triton reported not ready"
+    assert find_worker(unit.server_pid, model) == pid, "the stalled worker was replaced"
+    assert engine_restarts(unit.metrics_url, model) == restarts
+    says = f"[UNAVAILABLE] {model}: engine not responding"
+    for r in hit_results:
+        assert r.error is not None and says in r.error, r.error
+    failed = [r for r in arrived if r.error is not None]
+    assert failed, "no arrival met the stalled engine"
+    for r in failed:
+        assert says in r.error, r.error
+    told = max(told_after(hit_results, stopped_ns), told_after(arrived, stopped_ns))
+    assert told <= STALL_BOUND_S, f"a client was told {told:.2f} s after the stall began"
+    rates = check_bystanders(kept)
+    tts_equals_mono(unit.url, seed=66)
+    finish(
+        unit,
+        base,
+        f"stall {model} 5 s + resume",
+        t0,
+        arrived,
+        5,
+        stalled_streams_failed=len(hit_results),
+        arrivals_failed=len(failed),
+        arrivals_served=len(arrived) - len(failed),
+        clients_told_within_s=round(told, 2),
+        engine_down_published_s=round(down_s, 2),
+        engine_up_after_resume_s=round(back_s, 2),
+        bystander_min_rate_tok_s=rates,
+        tts_equals_mono_after=True,
+    )
+
+
+@pytest.mark.parametrize("model", ENGINES)
+def test_kill_engine_mid_stream(row, model):
+    """SIGKILL `model`'s engine worker mid-stream under arriving traffic. Its stub sees the channel
+    end at once: the engine's streams fail with `[UNAVAILABLE] <model>: engine died ...` within 1 s,
+    arrivals fail with a clear UNAVAILABLE until the new worker (started by the stub with backoff,
+    counted in `tandem_engine_restarts_total`) serves; a new P is a new instance id, which D accepts.
+    The server and the other models serve throughout; nothing leaks; tts equals tts_mono after."""
+    unit, base = row
+    engine_rows_here(unit)
+    t0 = time.monotonic()
+    restarts = engine_restarts(unit.metrics_url, model)
+    before = json.loads(handoff(unit.url))["ticket"]["instance_id"] if model == "prefill" else None
+    kept = bystanders(unit, model, seed=70)
+    hit = victims(unit, model, seed=72)
+    traffic = arrivals(
+        unit.url, ENTRY[model], n=12, every_s=0.25, seed=74, rows=400 if model == "prefill" else 20
+    )
+    time.sleep(0.6)  # arrivals in flight (on P: in its forwards)
+    pid = unit.signal_worker(model, signal.SIGKILL)
+    killed_ns = time.time_ns()
+    ready_during = server_ready(unit.url, (*ENGINES, "tts"))
+    new_pid, restart_s = wait_new_worker(unit, model, pid)
+    arrived = traffic.join(90)
+    hit_results = hit.join(90) if hit is not None else []
+    assert ready_during and server_ready(unit.url, (*ENGINES, "tts")), "Triton reported not ready"
+    assert engine_restarts(unit.metrics_url, model) == restarts + 1
+    for r in hit_results:
+        assert r.error is not None and f"[UNAVAILABLE] {model}: engine died" in r.error, r.error
+    failed = [r for r in arrived if r.error is not None]
+    clear = (f"[UNAVAILABLE] {model}: engine", "KV transfer")  # P's death also fails transfers in flight
+    for r in failed:
+        assert any(c in r.error for c in clear), r.error
+    told = max(told_after(hit_results, killed_ns), told_after(arrived, killed_ns))
+    assert told <= ERROR_BOUND_S, f"a client was told {told:.2f} s after the kill"
+    if model == "prefill":
+        assert json.loads(handoff(unit.url))["ticket"]["instance_id"] != before
+    rates = check_bystanders(kept)
+    tts_equals_mono(unit.url, seed=76)
+    finish(
+        unit,
+        base,
+        f"kill {model} mid-stream",
+        t0,
+        arrived,
+        5,
+        killed_streams_failed=len(hit_results),
+        arrivals_failed=len(failed),
+        arrivals_served=len(arrived) - len(failed),
+        clients_told_within_s=round(told, 2),
+        new_worker_serves_after_s=round(restart_s, 1),
+        new_worker_pid_differs=new_pid != pid,
+        bystander_min_rate_tok_s=rates,
+        tts_equals_mono_after=True,
+    )
+
+
+def test_stub_stop_1s_is_survived(row):
+    """A 1 s SIGSTOP of the prefill *stub* (not its worker) under arriving traffic: what Triton 2.51's
+    python backend survives (3 s or more aborts the server: design.md §4). Kept so that a regression
+    there shows: the server stays up and ready, and afterwards every model serves."""
+    unit, base = row
+    engine_rows_here(unit)
+    t0 = time.monotonic()
+    kept = bystanders(unit, "prefill", seed=80)
+    traffic = arrivals(unit.url, "tts", n=8, every_s=0.25, seed=82)
+    time.sleep(0.3)
+    pid = unit.signal_stub("prefill", signal.SIGSTOP)
+    try:
+        time.sleep(1.0)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    arrived = traffic.join(90)
+    assert unit.proc.proc is not None and unit.proc.proc.poll() is None, "tritonserver died"
+    assert server_ready(unit.url, (*ENGINES, "tts"))
+    failed = [r for r in arrived if r.error is not None]
+    for r in failed:
+        assert "not healthy" in r.error or "[UNAVAILABLE]" in r.error, r.error
+    rates = check_bystanders(kept)
+    tts_equals_mono(unit.url, seed=84)
+    finish(
+        unit,
+        base,
+        "stop prefill stub 1 s",
+        t0,
+        arrived,
+        5,
+        arrivals_failed=len(failed),
+        bystander_min_rate_tok_s=rates,
+        tts_equals_mono_after=True,
+    )
+
+
+def test_cancel_reaches_the_engine_where_triton_reports_it(row):
+    """Two `tts_mono` clients hang up mid-stream. `tts_mono` is a plain decoupled model: Triton 2.51
+    reports the cancellation to its response sender, the stub's watchdog forwards it (Cancel) and the
+    engine drops the streams and frees their pages before MAX_TOKENS. (Inside the `tts` ensemble 2.51
+    does not report it to `decode`: see the client-cancel row's `decode_saw_cancel`.)"""
+    unit, base = row
+    engine_rows_here(unit)
+    t0 = time.monotonic()
+
+    def cancelled() -> float:
+        try:
+            text = metrics_text(unit.metrics_url)
+            return metric_value(text, "tandem_streams_total", model="tts_mono", outcome="cancelled")
+        except KeyError:
+            return 0.0
+
+    before = cancelled()
+    clients = [TTSClient(unit.url, "tts_mono") for _ in range(2)]
+    for i, c in enumerate(clients):
+        c.send(prompt(60, seed=90 + i), MAX_TOKENS=2000)
+    deadline = time.monotonic() + 20
+    while metric_value(metrics_text(unit.metrics_url), "tandem_inflight_streams", model="tts_mono") < 2:
+        assert time.monotonic() < deadline, "the streams never ran"
+        time.sleep(0.05)
+    time.sleep(0.3)
+    for c in clients:
+        c.close(cancel=True)
+    hung_up = time.monotonic()
+    while cancelled() < before + 2:
+        assert time.monotonic() - hung_up < 10, "tts_mono's engine never saw the cancellation"
+        time.sleep(0.05)
+    seen_s = time.monotonic() - hung_up
+    while metric_value(metrics_text(unit.metrics_url), "tandem_inflight_streams", model="tts_mono") > 0:
+        assert time.monotonic() - hung_up < 10, "cancelled streams still in flight"
+        time.sleep(0.05)
+    finish(
+        unit,
+        base,
+        "client cancel reaches tts_mono",
+        t0,
+        [],
+        [],
+        cancelled_streams=2,
+        engine_saw_cancel_after_s=round(seen_s, 2),
+    )
 
 
 def test_matrix_totals_and_report(unit, request):
