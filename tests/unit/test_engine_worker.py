@@ -1,0 +1,182 @@
+"""The stub's side of an engine worker without Triton: a real `tandem-engine` process (the monolithic
+engine, tiny preset, CPU) behind `EngineWorker`, driven with plain responders.
+
+Checks the contract `serving/engine_worker.py` states: requests are answered through the responder
+(Replies then FINAL); a stopped worker's pending and new requests fail `[UNAVAILABLE] tts_mono: engine
+not responding` within the stall bound and it serves again on SIGCONT (same process); a killed worker's
+requests fail `engine died` at once and a new worker serves, counted as a restart; close() stops it.
+Also the channel's framing and the worker's metrics aggregation.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import pytest
+
+from tandem.backend.channel import Array, Beat, Cancel, Channel, Reply, Submit
+from tandem.backend.engine_host import WorkerMetrics
+from tandem.backend.errors import TandemError
+from tandem.backend.metrics import RecordingMetrics
+from tandem.backend.settings import WorkerSettings
+from tandem.serving.engine_worker import EngineWorker, WorkerState
+
+STALL_S = 1.0
+
+
+@dataclass
+class Responder:
+    rows: list[np.ndarray] = field(default_factory=list)
+    error: str | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+    at: float = 0.0
+
+    def reply(self, outputs: dict[str, Array], final: bool) -> None:
+        self.rows.append(outputs["TOKENS"].numpy())
+        if final:
+            self.at = time.monotonic()
+            self.done.set()
+
+    def fail(self, error: TandemError) -> None:
+        self.error = str(error)
+        self.at = time.monotonic()
+        self.done.set()
+
+    def cancelled(self) -> bool:
+        return False
+
+
+def _args() -> dict[str, object]:
+    params = {
+        "tandem.model.preset": "tiny",
+        "tandem.device": "cpu",
+        "tandem.pool.num_pages": "256",
+        "tandem.torch_threads": "1",
+    }
+    config = {"parameters": {k: {"string_value": v} for k, v in params.items()}}
+    return {
+        "model_name": "tts_mono",
+        "model_instance_name": "tts_mono_0_0",
+        "model_instance_kind": "CPU",
+        "model_instance_device_id": "0",
+        "model_config": json.dumps(config),
+    }
+
+
+def _submit(worker: EngineWorker, rows: int, seed: int = 0) -> Responder:
+    r = Responder()
+    prompt = np.random.default_rng(seed).integers(0, 1024, size=(20, 4), dtype=np.int64)
+    worker.submit(
+        lambda req_id: Submit(
+            req_id=req_id,
+            stream_id=seed + 1,
+            timings={},
+            prompt=Array.of(prompt),
+            sampling=(0.0, 1.0, 0, seed),
+            max_new_rows=rows,
+        ),
+        r,
+    )
+    return r
+
+
+def _worker_pid(worker: EngineWorker) -> int:
+    p = worker._proc
+    assert p is not None
+    return p.proc.pid
+
+
+@pytest.fixture
+def worker():
+    health = RecordingMetrics()
+    w = EngineWorker(
+        _args(),
+        "mono",
+        WorkerSettings(stall_timeout_s=STALL_S, restart_backoff_s=0.2),
+        RecordingMetrics(),
+        health,
+    )
+    w.start()
+    yield w, health
+    w.close()
+
+
+@pytest.mark.slow
+def test_serves_stalls_resumes_dies_and_restarts(worker):
+    w, health = worker
+    assert health.get("tandem_engine_up") == 1.0 and health.get("tandem_engine_restarts_total") == 0.0
+    r = _submit(w, 8)
+    assert r.done.wait(30) and r.error is None and sum(len(x) for x in r.rows) == 8
+
+    pid = _worker_pid(w)
+    long = _submit(w, 2000, seed=1)
+    time.sleep(0.3)
+    os.kill(pid, signal.SIGSTOP)
+    stopped = time.monotonic()
+    try:
+        assert long.done.wait(STALL_S + 2), "the stalled engine's stream was not failed"
+        assert long.error is not None and "[UNAVAILABLE] tts_mono: engine not responding" in long.error
+        assert long.at - stopped <= STALL_S + 1.0
+        assert w._state is WorkerState.STALLED and health.get("tandem_engine_up") == 0.0
+        refused = _submit(w, 4, seed=2)
+        assert refused.done.wait(1) and refused.error is not None and "not responding" in refused.error
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    deadline = time.monotonic() + 10
+    while w._state is not WorkerState.UP:
+        assert time.monotonic() < deadline, "the resumed worker did not serve again"
+        time.sleep(0.05)
+    assert _worker_pid(w) == pid and health.get("tandem_engine_up") == 1.0
+    r = _submit(w, 6, seed=3)
+    assert r.done.wait(30) and r.error is None and sum(len(x) for x in r.rows) == 6
+
+    doomed = _submit(w, 2000, seed=4)
+    time.sleep(0.3)
+    os.kill(pid, signal.SIGKILL)
+    killed = time.monotonic()
+    assert doomed.done.wait(3) and doomed.error is not None, "the dead engine's stream was not failed"
+    assert "[UNAVAILABLE] tts_mono: engine died" in doomed.error and doomed.at - killed < 1.0
+    deadline = time.monotonic() + 60
+    while w._state is not WorkerState.UP:
+        assert time.monotonic() < deadline, "no new worker"
+        time.sleep(0.05)
+    assert _worker_pid(w) != pid and health.get("tandem_engine_restarts_total") == 1.0
+    r = _submit(w, 5, seed=5)
+    assert r.done.wait(30) and r.error is None and sum(len(x) for x in r.rows) == 5
+
+
+def test_channel_frames_and_end_of_stream() -> None:
+    a, b = socket.socketpair()
+    ca, cb = Channel(a, "a"), Channel(b, "b")
+    rows = np.arange(12, dtype=np.int64).reshape(3, 4)
+    ca.send(Reply(7, {"TOKENS": Array.of(rows), "TIMINGS": Array.text("{}")}, True))
+    ca.send(Cancel(7))
+    got = cb.recv()
+    assert isinstance(got, Reply) and got.req_id == 7 and got.final
+    assert np.array_equal(got.outputs["TOKENS"].numpy(), rows) and got.outputs["TIMINGS"].data == b"{}"
+    assert cb.recv() == Cancel(7)
+    ca.close()
+    assert cb.recv() is None  # the peer is gone: end of stream, at once
+    cb.close()
+
+
+def test_worker_metrics_aggregate_until_the_next_beat() -> None:
+    m = WorkerMetrics()
+    m.set("tandem_free_pages", 5)
+    m.set("tandem_free_pages", 7)
+    m.inc("tandem_streams_total", outcome="finished")
+    m.inc("tandem_streams_total", 2, outcome="finished")
+    m.observe("tandem_step_ms", 1.5)
+    beat = m.beat(0.25)
+    assert isinstance(beat, Beat) and beat.loop_age_s == 0.25
+    assert beat.sets == [("tandem_free_pages", {}, 7.0)]
+    assert beat.incs == [("tandem_streams_total", {"outcome": "finished"}, 3.0)]
+    assert beat.observes == [("tandem_step_ms", {}, 1.5)]
+    assert m.beat(0.0) == Beat(0.0)  # nothing new
