@@ -6,9 +6,10 @@ in the file system, so no other process can connect (more private than the unit'
 
 Framing: every message is one msgpack document (msgspec, a tagged union of the Structs below) behind a
 4-byte little-endian length. Contract of `Channel`:
-- `send(msg)` never blocks its caller: it queues the message for the channel's writer thread. A peer
-  that stopped reading (SIGSTOP) therefore stalls only that writer thread, never an execute thread of
-  Triton or an engine loop.
+- `send(msg)` never blocks its caller: it writes the frame at once when the socket takes it and
+  nothing is queued, else queues it for the channel's writer thread. A peer that stopped reading
+  (SIGSTOP) therefore stalls only that writer thread, never an execute thread of Triton or an engine
+  loop.
 - `recv()` blocks for the next message and returns None at end of stream: the peer exited, crashed or
   closed its end. That is how each side learns of the other's death at once (no timeout involved).
 - A malformed frame is a `ChannelError` (a bug: the two ends run the same code).
@@ -152,14 +153,33 @@ class Channel:
         self._name = name
         self._out: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
         self._closed = False
+        self._lock = threading.Lock()  # orders direct writes against the writer thread's
+        self._queued = 0  # frames handed to the writer thread and not yet written
         self._writer = threading.Thread(target=self._write_loop, name=f"{name}-writer", daemon=True)
         self._writer.start()
 
     def send(self, msg: Message) -> None:
-        """Queue `msg` for the writer thread; never blocks. Dropped once the channel is closed."""
-        if not self._closed:
-            body = _encoder.encode(msg)
-            self._out.put(_LEN.pack(len(body)) + body)
+        """Send `msg` without blocking: written at once when nothing is queued and the socket takes
+        it (one syscall, no thread hand-off), else queued for the writer thread behind what is
+        already queued (order is kept). Dropped once the channel is closed."""
+        if self._closed:
+            return
+        body = _encoder.encode(msg)
+        frame = _LEN.pack(len(body)) + body
+        with self._lock:
+            if not self._queued:
+                try:
+                    n = self._sock.send(frame, socket.MSG_DONTWAIT)
+                except BlockingIOError:
+                    n = 0
+                except OSError:  # the peer is gone; its reader sees EOF and handles it
+                    self._closed = True
+                    return
+                if n == len(frame):
+                    return
+                frame = frame[n:]
+            self._queued += 1
+            self._out.put(frame)
 
     def recv(self) -> Message | None:
         """The next message, or None at end of stream (the peer is gone)."""
@@ -199,6 +219,8 @@ class Channel:
             except OSError:  # the peer is gone; its reader sees EOF and handles it
                 self._closed = True
                 return
+            with self._lock:
+                self._queued -= 1
 
     def close(self) -> None:
         """Send what is queued (the writer finishes its queue), then shut the socket. Idempotent."""
