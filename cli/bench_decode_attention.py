@@ -5,11 +5,12 @@
 One layer of a pool [2, S, KVH, HD] (bf16 unless `--dtype`), `--kv-heads` x `--head-dim` with `--group`
 query heads per KV head (the 4B shape: 8 x 128, group 4). For every variant x page size x batch x
 context: B streams of `context` tokens on pages handed out in shuffled order (page size 1: every row its
-own page), every stream at full length. Time: median of `--reps` launches (both kernels, the split-K
-partial and its merge) timed with CUDA events, after warm-up. Bytes: the K and V rows of every stream
-read once (B x context x 2 x KVH x HD x itemsize; q, the partials and the output are left out), so
-`hbm_fraction` = bytes / time / `--hbm-tb-s`. Configurations whose KV fits in the 60 MB L2 can exceed
-1.0 (they are read from the cache on repeats); the pool is re-filled with random values every run.
+own page), every stream at full length. Time: a CUDA graph of `--calls` back-to-back calls (both
+kernels, the split-K partial and its merge) is replayed `--reps` times after warm-up, timed with CUDA
+events; a call's time is a replay's over `--calls` (no host launch cost, as in the graphed step).
+Bytes: the K and V rows of every stream read once (B x context x 2 x KVH x HD x itemsize; q, the
+partials and the output are left out), so `hbm_fraction` = bytes / time / `--hbm-tb-s`.
+Configurations whose KV fits in the 60 MB L2 can exceed 1.0 (repeats read it from the cache).
 Writes <out>/<name>.json and prints the table.
 """
 
@@ -39,6 +40,35 @@ def _slots(
     return (pages[:, :, None] * page_size + offs).reshape(batch, -1)[:, :context].contiguous()
 
 
+def _graph_ms(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    slots: torch.Tensor,
+    lengths: torch.Tensor,
+    variant: int,
+    args: argparse.Namespace,
+) -> list[float]:
+    """Milliseconds of `--reps` replays of a graph of `--calls` back-to-back calls (host launch cost
+    out, as in the decoder's graphed step)."""
+    scale = q.shape[-1] ** -0.5
+    kv_cuda.decode_attention(q, kv, slots, lengths, scale, variant=variant)  # eager first (attributes)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(args.calls):
+            kv_cuda.decode_attention(q, kv, slots, lengths, scale, variant=variant)
+    out = []
+    for i in range(args.warmup + args.reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        if i >= args.warmup:
+            out.append(start.elapsed_time(end))
+    return out
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     device = torch.device(args.device)
     dtype = benchutil.DTYPE_ALIASES.get(args.dtype, args.dtype)
@@ -60,18 +90,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     q = torch.randn(b, kvh * group, hd, generator=gen, device=device).to(tdtype)
                     if not kv_cuda.decode_attention_supported(q, kv, variant):
                         continue
-                    ms = []
-                    for i in range(args.warmup + args.reps):
-                        start, end = (
-                            torch.cuda.Event(enable_timing=True),
-                            torch.cuda.Event(enable_timing=True),
-                        )
-                        start.record()
-                        kv_cuda.decode_attention(q, kv, slots, lengths, hd**-0.5, variant=variant)
-                        end.record()
-                        end.synchronize()
-                        if i >= args.warmup:
-                            ms.append(start.elapsed_time(end))
+                    ms = [t / args.calls for t in _graph_ms(q, kv, slots, lengths, variant, args)]
                     s = benchutil.summary([t / 1e3 for t in ms])
                     nbytes = b * ctx * 2 * kvh * hd * item
                     tb_s = nbytes / (s["median_ms"] / 1e3) / 1e12
@@ -97,11 +116,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kv-heads", type=int, default=8)
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--group", type=int, default=4)
-    ap.add_argument("--variants", type=_ints, default=[2, 3])
+    ap.add_argument("--variants", type=_ints, default=[2, 3, 4])
     ap.add_argument("--page-sizes", type=_ints, default=[1, 16])
     ap.add_argument("--batches", type=_ints, default=[1, 4, 16, 64, 256])
     ap.add_argument("--context", type=_ints, default=[256, 1024, 2048, 8192])
-    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--reps", type=int, default=10, help="timed replays")
+    ap.add_argument("--calls", type=int, default=10, help="attention calls captured in one graph")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--hbm-tb-s", type=float, default=4.8)
     ap.add_argument("--out", type=Path, default=Path("."))

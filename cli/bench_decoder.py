@@ -294,16 +294,17 @@ def plot(result: dict[str, Any], path: Path) -> None:
 def print_tables(result: dict[str, Any]) -> None:
     meta = result["meta"]
     print(f"\ndecoder {meta['preset']} {meta['dtype']} on {meta['device']}, commit {meta['commit']}")
-    print("\nprefill (position 0, median of repeats)\n")
-    print(
-        benchutil.format_table(
-            ["prompt rows", "median ms", "min ms", "p90 ms", "rows/s"],
-            [
-                [p["prompt_rows"], p["median_ms"], p["min_ms"], p["p90_ms"], p["rows_per_s"]]
-                for p in result["prefill"]
-            ],
+    if result["prefill"]:
+        print("\nprefill (position 0, median of repeats)\n")
+        print(
+            benchutil.format_table(
+                ["prompt rows", "median ms", "min ms", "p90 ms", "rows/s"],
+                [
+                    [p["prompt_rows"], p["median_ms"], p["min_ms"], p["p90_ms"], p["rows_per_s"]]
+                    for p in result["prefill"]
+                ],
+            )
         )
-    )
     decoder_roofline.print_tables(result)
     if not result["decode"]:
         return

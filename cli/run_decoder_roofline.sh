@@ -29,11 +29,11 @@ kv = torch.randn(2, b * s, kvh, hd, device="cuda").bfloat16()
 slots = torch.randperm(b * s, device="cuda").view(b, s).contiguous()
 lengths = torch.full((b,), s, dtype=torch.long, device="cuda")
 q = torch.randn(b, kvh * g, hd, device="cuda").bfloat16()
-for v in (2, 3):
+for v in (2, 3, 4):
     kv_cuda.decode_attention(q, kv, slots, lengths, hd**-0.5, variant=v)
 torch.cuda.synchronize()
 PY
-  timeout 240 ncu --clock-control none -k regex:decode_partial -c 2 --section SpeedOfLight \
+  timeout 240 ncu --clock-control none -k regex:decode_partial -c 3 --section SpeedOfLight \
     --section MemoryWorkloadAnalysis --section Occupancy --section WarpStateStats --section LaunchStats \
     python3 /tmp/ncu_attn.py > "$out/ncu-attention.txt" 2>&1 || rc=$?
   grep -E "decode_partial|Memory Throughput|DRAM Throughput|Duration|Achieved Occupancy|Registers|Stall|L1/TEX Hit|Theoretical Occ" "$out/ncu-attention.txt" | head -40

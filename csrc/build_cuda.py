@@ -56,7 +56,13 @@ def build(arch: str, nvcc: str) -> Path:
     suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
     out = HERE / f"_cuda_kernels{suffix}"
     with tempfile.TemporaryDirectory() as tmp:
-        sources = ("kv_kernels.cu", "kv_checksum.cu", "decode_attention.cu", "decode_attention_staged.cu")
+        sources = (
+            "kv_kernels.cu",
+            "kv_checksum.cu",
+            "decode_attention.cu",
+            "decode_attention_staged.cu",
+            "decode_attention_mma.cu",
+        )
         objs = [os.path.join(tmp, name.replace(".cu", ".o")) for name in sources]
         mod = os.path.join(tmp, "cuda_module.o")
         pairs = zip(sources, objs, strict=True)

@@ -50,6 +50,18 @@ struct alignas(EPL * sizeof(T) >= 16 ? 16 : EPL * sizeof(T)) Pack {
   T v[EPL];
 };
 
+// cp.async (sm_80+): a 16-byte global -> shared copy that does not pass through registers; copies
+// are grouped by commit and waited for by group (wait<N>: all but the N most recent groups done).
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
 // One block per (sequence, query head), one thread per element of the head: merge the splits.
 // Partials of empty splits hold m = -inf and weigh 0 (exp2(-inf) = 0); split 0 is never empty
 // (lengths >= 1), so the maximum is finite. The loops are unrolled so a thread's loads of several
@@ -75,6 +87,14 @@ __global__ void decode_merge(const float* __restrict__ part_acc, const float* __
 }
 
 }  // namespace attn
+
+// Variant 4 (decode_attention_mma.cu): variant 3's staging with the scores and P.V on the tensor cores
+// (mma.sync m16n8k16, float32 accumulation) for float16/bfloat16 and head_dim 64/128; other shapes run
+// variant 3. Same arguments and contract as `decode_attention_staged`.
+void decode_attention_mma(const void* q, const void* kv, int64_t pool_rows, const int64_t* slots, int64_t s_max,
+                          const int64_t* lengths, int64_t batch, int64_t kv_heads, int64_t group, int64_t head_dim,
+                          int dtype, float scale, int64_t chunk, int splits, float* part_acc, float* part_ml,
+                          void* out, int device, cudaStream_t stream);
 
 // Variant 3 (decode_attention_staged.cu): K and V tiles staged through shared memory by cp.async.
 // Same arguments as `decode_attention`; `group` 1..8. Throws std::runtime_error on an unsupported

@@ -26,6 +26,9 @@
 namespace tandem {
 namespace {
 
+using attn::cp_async16;
+using attn::cp_async_commit;
+using attn::cp_async_wait;
 using attn::from_float;
 using attn::Pack;
 using attn::to_float;
@@ -42,16 +45,6 @@ struct Geo {
   static constexpr int kQBytes = 8 * HD * 4;  // room for G <= 8 query heads in float32
   static constexpr int kSmem = kQBytes + kWarps * kWarpBytes;
 };
-
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
-  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
 
 // Copy rows of n (<= 32) tokens, lane t holding token t's slot, into shared rows of `stride` bytes;
 // lane i copies pieces i, i + 32, ... so each warp copy is whole consecutive rows. One group committed.

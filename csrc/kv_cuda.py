@@ -402,14 +402,16 @@ def checksum_tensor(t: torch.Tensor) -> torch.Tensor:
 # ---- paged decode attention ----------------------------------------------------------------------------
 
 _DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
-# Which decode-attention kernel runs: 3, K/V tiles staged in shared memory by cp.async, any group of
-# 1..8 (csrc/decode_attention_staged.cu, the default); 2, one token per lane for the scores with K rows
-# read per lane; 1, one token per warp (csrc/decode_attention.cu; groups 1/2/4/8).
+# Which decode-attention kernel runs: 4 (the default), tensor cores (mma.sync) on variant 3's staging
+# for float16/bfloat16 with head_dim 64/128 and variant 3 for other shapes (csrc/decode_attention_mma.cu);
+# 3, K/V tiles staged in shared memory by cp.async, FMA arithmetic, any group of 1..8
+# (csrc/decode_attention_staged.cu); 2, one token per lane for the scores with K rows read per lane;
+# 1, one token per warp (csrc/decode_attention.cu; groups 1/2/4/8).
 # $TANDEM_DECODE_ATTENTION_KERNEL picks one for a process (A/B runs).
-VARIANTS = (1, 2, 3)
-_variant = os.environ.get("TANDEM_DECODE_ATTENTION_KERNEL", "3").strip()
-if _variant not in ("1", "2", "3"):
-    raise ValueError(f"TANDEM_DECODE_ATTENTION_KERNEL must be 1, 2 or 3, got {_variant!r}")
+VARIANTS = (1, 2, 3, 4)
+_variant = os.environ.get("TANDEM_DECODE_ATTENTION_KERNEL", "4").strip()
+if _variant not in ("1", "2", "3", "4"):
+    raise ValueError(f"TANDEM_DECODE_ATTENTION_KERNEL must be 1, 2, 3 or 4, got {_variant!r}")
 KERNEL_VARIANT = int(_variant)
 _sm_counts: dict[int, int] = {}
 
@@ -445,7 +447,7 @@ def kernel_decodes(
 ) -> bool:
     """True when the compiled decode-attention kernel `variant` (default `KERNEL_VARIANT`) exists for this
     model shape on `device`: CUDA, module built, float32/float16/bfloat16, head_dim 64/128/256, and
-    1..8 query heads per KV head (variant 3; 1/2/4/8 for variants 1 and 2)."""
+    1..8 query heads per KV head (variants 3 and 4; 1/2/4/8 for variants 1 and 2)."""
     if _MODULE is None or device.type != "cuda" or dtype not in _DTYPE_CODES or num_heads % kv_heads:
         return False
     v = KERNEL_VARIANT if variant is None else variant
@@ -464,15 +466,15 @@ def decode_attention_supported(q: torch.Tensor, kv: torch.Tensor, variant: int |
 
 
 def _chunk(batch: int, kv_heads: int, s: int, device: torch.device, variant: int = 2) -> int:
-    """Tokens per split: 256, halved until the grid has ~4 blocks per SM (3 for variant 3, whose blocks
-    take 68 KiB of shared memory: three fit an SM), down to 32 tokens (128 for variant 3: a 32-token
+    """Tokens per split: 256, halved until the grid has ~4 blocks per SM (3 for variants 3/4, whose blocks
+    take 68 KiB of shared memory: three fit an SM), down to 32 tokens (128 for variants 3/4: a 32-token
     tile for each of its four warps; fewer splits also make the merge cheaper at small batch). Depends
     only on shapes, so a captured graph keeps its grid."""
     index = device.index or 0
     sms = _sm_counts.get(index)
     if sms is None:
         sms = _sm_counts[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    floor, per_sm = (128, 3) if variant == 3 else (32, 4)
+    floor, per_sm = (128, 3) if variant >= 3 else (32, 4)
     chunk = 256
     while chunk > floor and batch * kv_heads * -(-s // chunk) < per_sm * sms:
         chunk //= 2
