@@ -150,8 +150,7 @@ class Decoder(nn.Module):
         # The matmul runs in the model dtype (fp32 accumulate, as HF does); keeping an fp32 copy of a
         # 152k-row head would cost 1.5 GB. The result is returned as float32.
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = triton_ops.linear(h, weight) if self._fused_on(h) else F.linear(h, weight)
-        return logits.float().view(h.shape[0], self.cfg.row_width, self.cfg.vocab_size)
+        return F.linear(h, weight).float().view(h.shape[0], self.cfg.row_width, self.cfg.vocab_size)
 
     def _fused_on(self, x: torch.Tensor) -> bool:
         return self.fused and triton_ops.available(x)
@@ -185,15 +184,14 @@ class Decoder(nn.Module):
         layers = cast(Sequence[DecoderLayer], self.model.layers)
         norm = layers[0].input_layernorm
         h, x = triton_ops.add_rms_norm(x, None, norm.weight, norm.eps)
-        linear = triton_ops.linear
         for i, layer in enumerate(layers):
             w, b = layer.self_attn.qkv_weight()
-            o = attend(i, linear(h, w, b), cos, sin)
+            o = attend(i, F.linear(h, w, b), cos, sin)
             post = layer.post_attention_layernorm
-            h, x = triton_ops.add_rms_norm(linear(o, layer.self_attn.o_proj.weight), x, post.weight, post.eps)
-            up = triton_ops.swiglu(linear(h, layer.mlp.gate_up_weight()))
+            h, x = triton_ops.add_rms_norm(layer.self_attn.o_proj(o), x, post.weight, post.eps)
+            up = triton_ops.swiglu(F.linear(h, layer.mlp.gate_up_weight()))
             norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
-            h, x = triton_ops.add_rms_norm(linear(up, layer.mlp.down_proj.weight), x, norm.weight, norm.eps)
+            h, x = triton_ops.add_rms_norm(layer.mlp.down_proj(up), x, norm.weight, norm.eps)
         return h
 
     def _check_pool(self, pool: KVPool) -> None:

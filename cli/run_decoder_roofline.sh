@@ -4,7 +4,7 @@
 # step against its roofline for each preset, fused (this tree's step) and with the reference kernels
 # (main's step), with a kernel-family breakdown. Writes logs and JSON/PNG into OUT; prints the tables.
 #
-#   cli/run_decoder_roofline.sh OUT [PRESETS] [STEPS: tests,attention,ncu,decoder,reference,cublas]
+#   cli/run_decoder_roofline.sh OUT [PRESETS] [STEPS: tests,attention,ncu,decoder,reference]
 set -uo pipefail
 out=${1:?output dir}; presets=${2:-qwen3-4b-shape}; steps=${3:-tests,attention,ncu,decoder,reference}
 source "$(dirname "$0")/device_env.sh" - "$out" || exit 1
@@ -38,15 +38,12 @@ PY
     python3 /tmp/ncu_attn.py > "$out/ncu-attention.txt" 2>&1 || rc=$?
   grep -E "decode_partial|Memory Throughput|DRAM Throughput|Duration|Achieved Occupancy|Registers|Stall|L1/TEX Hit|Theoretical Occ" "$out/ncu-attention.txt" | head -40
 fi
-# kinds: decoder (this tree's step), reference (main's: torch modules, attention variant 2), cublas
-# (this tree's step with the small-batch GEMV off: every projection through F.linear).
+# kinds: decoder (this tree's step), reference (main's: torch modules, attention variant 2).
 for p in ${presets//,/ }; do
-  for kind in decoder reference cublas; do
+  for kind in decoder reference; do
     [[ ,$steps, == *,$kind,* ]] || continue
-    flag=""; gemv=${TANDEM_TRITON_GEMV_ROWS:-8}
-    [ "$kind" = reference ] && flag="--reference-kernels"
-    [ "$kind" = cublas ] && gemv=0
-    TANDEM_TRITON_GEMV_ROWS=$gemv python3 -m tandem.cli.bench_decoder --preset "$p" --device cuda --graphs \
+    flag=""; [ "$kind" = reference ] && flag="--reference-kernels"
+    python3 -m tandem.cli.bench_decoder --preset "$p" --device cuda --graphs \
       --forward-only $flag --breakdown 1x2048,64x2048 --batches 1,8,32,64,128 --context 2048 --prompts "" \
       --steps 20 --warmup 3 --out "$out" --name "roofline-$p-$kind" \
       > "$out/roofline-$p-$kind.log" 2> "$out/roofline-$p-$kind.err" || rc=$?

@@ -11,9 +11,6 @@ replace them (docs/benchmarks, decoder-*-fused):
   output, per head: Qwen3's q/k RMSNorm (when the weights are given), RoPE, then K and V written into
   one layer of the paged pool at `slots`; returns q [N, nh, hd].
 - `swiglu(gate_up)`: silu(gate) * up from the fused gate-up projection's output.
-- `linear(x, weight, bias)`: `F.linear`, through a Triton GEMV for at most `GEMV_ROWS` rows (a decode
-  step of a few streams reads each weight once for one row; cuBLAS reached ~64 % of HBM there), else
-  `F.linear`. `GEMV_ROWS` = 0 ($TANDEM_TRITON_GEMV_ROWS) turns it off.
 
 Numerics follow the torch modules (`backend/layers.py`) step for step, each intermediate rounded to the
 model dtype where torch rounds it (the norm in float32, then cast, then times the weight; RoPE as
@@ -29,17 +26,14 @@ Inputs must be contiguous; wrappers raise ValueError on shapes that do not fit t
 from __future__ import annotations
 
 import importlib
-import os
 from types import ModuleType
 from typing import Any
 
 import torch
 
 __all__ = [
-    "GEMV_ROWS",
     "add_rms_norm",
     "available",
-    "linear",
     "reference_add_rms_norm",
     "reference_rope_kv_write",
     "reference_swiglu",
@@ -55,9 +49,6 @@ try:
 except ImportError:  # CPU installs: the references run instead
     _triton = None
     _tl = None
-
-
-GEMV_ROWS = int(os.environ.get("TANDEM_TRITON_GEMV_ROWS", "8"))
 
 
 def available(t: torch.Tensor) -> bool:
@@ -206,48 +197,8 @@ if _triton is not None:
         s = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
         tl.store(out_ptr + row * inter + offs, (s * u).to(dt), mask=mask)
 
-    @triton.jit
-    def _gemv_kernel(  # type: ignore[no-untyped-def]
-        x_ptr, w_ptr, b_ptr, y_ptr, M, N, K,
-        HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, M_PAD: tl.constexpr,
-    ):  # fmt: skip
-        rn = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-        rm = tl.arange(0, M_PAD)
-        n_ok = rn < N
-        m_ok = rm < M
-        acc = tl.zeros((M_PAD, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            rk = k0 + tl.arange(0, BLOCK_K)
-            k_ok = rk < K
-            w = tl.load(w_ptr + rn[:, None] * K + rk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-            x = tl.load(x_ptr + rm[:, None] * K + rk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-            acc += tl.dot(x, tl.trans(w))
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        dt = y_ptr.dtype.element_ty
-        tl.store(y_ptr + rm[:, None] * N + rn[None, :], acc.to(dt), mask=m_ok[:, None] & n_ok[None, :])
-
 
 # ---- entry points ---------------------------------------------------------------------------------------
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear(x, weight, bias)` for x [M, K]; the Triton GEMV when M <= `GEMV_ROWS` on a GPU (float32
-    accumulation, the result rounded once to x's dtype, as cuBLAS does)."""
-    m = x.shape[0] if x.dim() == 2 else GEMV_ROWS + 1
-    if not (available(x) and 0 < m <= GEMV_ROWS and x.dtype in (torch.bfloat16, torch.float16)):
-        return torch.nn.functional.linear(x, weight, bias)
-    n, k = weight.shape
-    if x.shape[1] != k or not (x.is_contiguous() and weight.is_contiguous()):
-        return torch.nn.functional.linear(x, weight, bias)
-    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    block_n = 16 if n <= 8192 else 64
-    _gemv_kernel[(-(-n // block_n),)](
-        x, weight, bias if bias is not None else weight, y, m, n, k,
-        HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=256 if block_n == 64 else 512,
-        M_PAD=16, num_warps=4, num_stages=4,
-    )  # fmt: skip
-    return y
 
 
 def _need_contiguous(**tensors: torch.Tensor) -> None:

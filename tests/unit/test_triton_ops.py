@@ -108,36 +108,6 @@ def test_swiglu_matches_reference(dtype: torch.dtype, inter: int, n: int) -> Non
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize(("n", "k"), [(6144, 2560), (2560, 9728), (151936, 2560), (1152, 896), (100, 72)])
-@pytest.mark.parametrize("m", [1, 3, 8])
-@pytest.mark.parametrize("bias", [False, True])
-def test_gemv_matches_f_linear(dtype: torch.dtype, n: int, k: int, m: int, bias: bool) -> None:
-    """The small-batch GEMV against a float32 product of the same inputs (and cuBLAS's own error)."""
-    _need_gpu()
-    x = _randn(m, k, dtype=dtype, device="cuda", seed=m + n)
-    w = (0.02 * _randn(n, k, dtype=torch.float32, device="cuda", seed=n + k)).to(dtype)
-    b = _randn(n, dtype=dtype, device="cuda", seed=k) if bias else None
-    got = triton_ops.linear(x, w, b)
-    want = torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float())
-    assert got.dtype == dtype and got.shape == (m, n)
-    err = ((got.float() - want).norm() / want.norm()).item()
-    cublas = torch.nn.functional.linear(x, w, b).float()
-    assert err <= 2 * ((cublas - want).norm() / want.norm()).item() + 1e-3
-
-
-@pytest.mark.gpu
-def test_gemv_only_below_its_row_limit() -> None:
-    """Above `GEMV_ROWS` rows (and for float32) `linear` is `F.linear` exactly."""
-    _need_gpu()
-    w = _randn(256, 128, dtype=torch.bfloat16, device="cuda", seed=1)
-    x = _randn(triton_ops.GEMV_ROWS + 1, 128, dtype=torch.bfloat16, device="cuda", seed=2)
-    assert torch.equal(triton_ops.linear(x, w), torch.nn.functional.linear(x, w))
-    x32, w32 = x.float(), w.float()
-    assert torch.equal(triton_ops.linear(x32[:1], w32), torch.nn.functional.linear(x32[:1], w32))
-
-
-@pytest.mark.gpu
 def test_kernels_are_graph_capturable() -> None:
     """Captured once, a replay reads the inputs' new values (nothing was baked in at capture)."""
     _need_gpu()
@@ -173,8 +143,6 @@ def test_cpu_runs_the_references() -> None:
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     gu = _randn(2, 64, dtype=torch.float32, device="cpu", seed=3)
     assert torch.equal(triton_ops.swiglu(gu), triton_ops.reference_swiglu(gu))
-    x, w = a[:1].bfloat16(), _randn(16, 32, dtype=torch.bfloat16, device="cpu", seed=5)
-    assert torch.equal(triton_ops.linear(x, w), torch.nn.functional.linear(x, w))
     case = _rope_case(5, 4, 2, 16, torch.float32, "cpu", True, seed=4)
     (q, kv), (q_ref, kv_ref) = _rope_both(case, 4, 2, 16, torch.float32, "cpu")
     assert torch.equal(q, q_ref) and torch.equal(kv.nan_to_num(7.0), kv_ref.nan_to_num(7.0))
