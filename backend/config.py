@@ -98,6 +98,57 @@ PRESETS: dict[str, ModelConfig] = {
         max_position_embeddings=40960,
         dtype="bfloat16",
     ),
+    # The shapes TTS users serve (random weights; the head and table are vocab x hidden, tied):
+    # Orpheus-3B is Llama-3.2-3B with a 156,940-token vocabulary (text plus SNAC audio codes).
+    "orpheus-3b-shape": ModelConfig(
+        name="orpheus-3b-shape",
+        vocab_size=156940,
+        row_width=1,
+        hidden_size=3072,
+        num_layers=28,
+        num_heads=24,
+        num_kv_heads=8,
+        head_dim=128,
+        intermediate_size=8192,
+        rope_theta=500_000.0,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+        max_position_embeddings=131072,
+        dtype="bfloat16",
+    ),
+    # Llasa-1B's decoder: Llama-3.2-1B with its 128,256 text tokens plus XCodec2's 65,536 speech codes.
+    "llama-3.2-1b-shape": ModelConfig(
+        name="llama-3.2-1b-shape",
+        vocab_size=193800,
+        row_width=1,
+        hidden_size=2048,
+        num_layers=16,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=64,
+        intermediate_size=8192,
+        rope_theta=500_000.0,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+        max_position_embeddings=131072,
+        dtype="bfloat16",
+    ),
+    # CosyVoice2's and Spark-TTS's LM body: Qwen2.5-0.5B (qkv bias, 14 query heads on 2 KV heads).
+    "qwen2.5-0.5b-shape": ModelConfig(
+        name="qwen2.5-0.5b-shape",
+        vocab_size=151936,
+        row_width=1,
+        hidden_size=896,
+        num_layers=24,
+        num_heads=14,
+        num_kv_heads=2,
+        head_dim=64,
+        intermediate_size=4864,
+        attention_bias=True,
+        tie_word_embeddings=True,
+        max_position_embeddings=32768,
+        dtype="bfloat16",
+    ),
 }
 
 

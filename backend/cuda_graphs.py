@@ -103,6 +103,13 @@ class GraphedDecode:
         log.info("captured decode graph for batch %d, context %d", bb, s)
         return _Graph(graph, rows, padded, lengths, positions, logits)
 
+    def replay_of(self, b: int, longest: int) -> torch.cuda.CUDAGraph | None:
+        """The captured graph a `decode` of `b` streams whose longest slot table has `longest` entries
+        replays (None when not captured yet). For benchmarks that time the device step alone: a replay
+        reruns the last `decode`'s inputs (its KV write lands on the same slots again)."""
+        g = self._graphs.get(self._bucket(b, longest))
+        return None if g is None else g.graph
+
     @torch.inference_mode()
     def decode(
         self, rows: torch.Tensor, slot_tables: Sequence[torch.Tensor], positions: torch.Tensor

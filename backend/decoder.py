@@ -24,7 +24,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
-from tandem.csrc import kv_cuda
+from tandem.csrc import kv_cuda, triton_ops
 
 from .config import ModelConfig
 from .kv_pool import KVLayout, KVPool
@@ -38,6 +38,9 @@ _PREFILL_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
 
 # attend(layer, q [N, nh, hd], k [N, kvh, hd], v [N, kvh, hd]) -> attention output [N, nh*hd]
 _Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# The fused step's form: attend(layer, qkv [N, (nh + 2 kvh) * hd] (the fused projection's output), cos,
+# sin) -> attention output [N, nh*hd]; it applies qk-norm/RoPE and writes the KV itself.
+_AttendQKV = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def _sdpa(
@@ -86,10 +89,17 @@ class Decoder(nn.Module):
                 else nn.Linear(cfg.hidden_size, cfg.row_width * cfg.vocab_size, bias=False, dtype=dtype)
             )
         self.to_empty(device=device)
+        for layer in cast(Sequence[DecoderLayer], self.model.layers):  # to_empty gave each its own storage
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
         # Decode attention reads K/V in place with the compiled kernel when it exists for this shape
         # (`tandem.csrc.kv_cuda.kernel_decodes`); False forces the gather + SDPA path (setting
         # `tandem.batch.paged_attention`). Read when a step runs (or a CUDA graph is captured).
         self.paged_attention = True
+        # On a GPU the step runs fused: one QKV and one gate-up GEMM per layer and the Triton kernels of
+        # `tandem.csrc.triton_ops` (residual add + RMSNorm, qk-norm + RoPE + KV write, SwiGLU); False
+        # runs the torch modules one by one (the reference; the CPU always does). Read when a step runs.
+        self.fused = True
         dev = self.model.embed_tokens.weight.device
         self.register_buffer("inv_freq", rope_inv_freq(cfg.head_dim, cfg.rope_theta, dev), persistent=False)
         self.register_buffer(
@@ -142,13 +152,47 @@ class Decoder(nn.Module):
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(h, weight).float().view(h.shape[0], self.cfg.row_width, self.cfg.vocab_size)
 
+    def _fused_on(self, x: torch.Tensor) -> bool:
+        return self.fused and triton_ops.available(x)
+
+    def _rope_tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin [N, head_dim] for `positions`: the one place a step turns positions into RoPE angles."""
+        return rope_cos_sin(self.inv_freq, positions, dtype)
+
     def _run(self, x: torch.Tensor, positions: torch.Tensor, attend: _Attend) -> torch.Tensor:
-        cos, sin = rope_cos_sin(self.inv_freq, positions, x.dtype)
+        """The layers over embedded rows `x` [N, H] -> final-normed hidden states [N, H]; `attend` is the
+        attention of each layer (it owns the pool writes). Fused on a GPU (`_run_fused`)."""
+        if self._fused_on(x):
+
+            def attend_qkv(i: int, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+                attn = cast(Sequence[DecoderLayer], self.model.layers)[i].self_attn
+                return attend(i, *attn.split_qkv(qkv, cos, sin))
+
+            return self._run_fused(x, positions, attend_qkv)
+        cos, sin = self._rope_tables(positions, x.dtype)
         for i, layer in enumerate(cast(Sequence[DecoderLayer], self.model.layers)):
             q, k, v = layer.self_attn.qkv(layer.input_layernorm(x), cos, sin)
             x = x + layer.self_attn.o_proj(attend(i, q, k, v))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return self.model.norm(x)
+
+    def _run_fused(self, x: torch.Tensor, positions: torch.Tensor, attend: _AttendQKV) -> torch.Tensor:
+        """`_run` on a GPU: per layer an add + RMSNorm, the QKV GEMM, attention (`attend`, which applies
+        qk-norm/RoPE and writes the KV), o_proj, add + RMSNorm, the gate-up GEMM, SwiGLU, down_proj.
+        The residual add of each block is fused into the norm that follows it."""
+        cos, sin = self._rope_tables(positions, x.dtype)
+        layers = cast(Sequence[DecoderLayer], self.model.layers)
+        norm = layers[0].input_layernorm
+        h, x = triton_ops.add_rms_norm(x, None, norm.weight, norm.eps)
+        for i, layer in enumerate(layers):
+            w, b = layer.self_attn.qkv_weight()
+            o = attend(i, F.linear(h, w, b), cos, sin)
+            post = layer.post_attention_layernorm
+            h, x = triton_ops.add_rms_norm(layer.self_attn.o_proj(o), x, post.weight, post.eps)
+            up = triton_ops.swiglu(F.linear(h, layer.mlp.gate_up_weight()))
+            norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
+            h, x = triton_ops.add_rms_norm(layer.mlp.down_proj(up), x, norm.weight, norm.eps)
+        return h
 
     def _check_pool(self, pool: KVPool) -> None:
         if pool.layout != self.kv_layout():
@@ -304,6 +348,20 @@ class Decoder(nn.Module):
         ):
             new_slot = padded.gather(1, (lengths - 1)[:, None])[:, 0]
             scale = cfg.head_dim**-0.5
+            if self._fused_on(x):
+                layers = cast(Sequence[DecoderLayer], self.model.layers)
+
+                def attend_fused(
+                    layer: int, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                ) -> torch.Tensor:
+                    kv, attn = pool.kv[layer], layers[layer].self_attn
+                    qn = None if attn.q_norm is None else attn.q_norm.weight
+                    kn = None if attn.k_norm is None else attn.k_norm.weight
+                    eps = cfg.rms_norm_eps
+                    q = triton_ops.rope_kv_write(qkv, cos, sin, qn, kn, eps, kv, new_slot, cfg.num_heads)
+                    return kv_cuda.decode_attention(q, kv, padded, lengths, scale).reshape(b, -1)
+
+                return self._logits(self._run_fused(x, positions, attend_fused))
 
             def attend_in_place(
                 layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor

@@ -47,7 +47,8 @@ from tandem.backend.cuda_graphs import GraphedDecode
 from tandem.backend.decoder import Decoder
 from tandem.backend.kv_pool import KVLayout, KVPool
 from tandem.backend.sampling import SamplingParams, sample
-from tandem.cli import benchutil
+from tandem.cli import benchutil, decoder_roofline
+from tandem.csrc import kv_cuda
 
 _T = TypeVar("_T")
 FLOOR_TOK_S = 42.0  # design.md §5: every stream must sustain >= 42 rows/s
@@ -255,6 +256,9 @@ def bench_decode(
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
+    if not result["decode"]:
+        decoder_roofline.plot(result, path)
+        return
     plt = benchutil.pyplot()
     if plt is None:
         return
@@ -290,16 +294,20 @@ def plot(result: dict[str, Any], path: Path) -> None:
 def print_tables(result: dict[str, Any]) -> None:
     meta = result["meta"]
     print(f"\ndecoder {meta['preset']} {meta['dtype']} on {meta['device']}, commit {meta['commit']}")
-    print("\nprefill (position 0, median of repeats)\n")
-    print(
-        benchutil.format_table(
-            ["prompt rows", "median ms", "min ms", "p90 ms", "rows/s"],
-            [
-                [p["prompt_rows"], p["median_ms"], p["min_ms"], p["p90_ms"], p["rows_per_s"]]
-                for p in result["prefill"]
-            ],
+    if result["prefill"]:
+        print("\nprefill (position 0, median of repeats)\n")
+        print(
+            benchutil.format_table(
+                ["prompt rows", "median ms", "min ms", "p90 ms", "rows/s"],
+                [
+                    [p["prompt_rows"], p["median_ms"], p["min_ms"], p["p90_ms"], p["rows_per_s"]]
+                    for p in result["prefill"]
+                ],
+            )
         )
-    )
+    decoder_roofline.print_tables(result)
+    if not result["decode"]:
+        return
     print("\ndecode (one step = decode + sample, median over steps)\n")
     print(
         benchutil.format_table(
@@ -371,6 +379,26 @@ def main(argv: list[str] | None = None) -> int:
         help="prompt lengths (rows, total with the prefix) the first-call probe draws from",
     )
     ap.add_argument("--graphs", action="store_true", help="replay CUDA graphs of the decode step (GPU)")
+    ap.add_argument(
+        "--forward-only",
+        action="store_true",
+        help="time the decode forward without sampling, with its roofline fraction (GPU; see "
+        "cli/decoder_roofline.py for the bytes model)",
+    )
+    ap.add_argument("--hbm-tb-s", type=float, default=decoder_roofline.H200_HBM_TB_S)
+    ap.add_argument(
+        "--breakdown",
+        type=lambda t: [tuple(int(v) for v in c.split("x")) for c in t.split(",") if c],
+        default=[],
+        metavar="BxC,...",
+        help="kernel-family breakdown of one eager forward step at these batch x context (GPU)",
+    )
+    ap.add_argument(
+        "--reference-kernels",
+        action="store_true",
+        help="run main's step: the torch modules one by one (no fused GEMMs or Triton kernels) and "
+        "decode-attention variant 2 (the before of issue 14)",
+    )
     ap.add_argument("--temperature", type=float, default=0.8)
     ap.add_argument("--top-p", type=float, default=0.95)
     ap.add_argument("--seed", type=int, default=0)
@@ -390,19 +418,24 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"--distinct-lengths: {exc}")
 
     if args.replot is not None:
-        result = json.loads(args.replot.read_text())
+        result: dict[str, Any] = json.loads(args.replot.read_text())
         plot(result, args.replot.with_suffix(".png"))
         print_tables(result)
         return 0
 
     device, cfg = benchutil.model_from_args(args)
+    if (args.forward_only or args.breakdown) and device.type != "cuda":
+        ap.error("--forward-only and --breakdown time CUDA kernels: they need --device cuda")
     timer = _Timer(device)
     t0 = time.perf_counter()
     dec = Decoder.random(cfg, device, seed=args.seed)
+    if args.reference_kernels:
+        dec.fused = False
+        kv_cuda.KERNEL_VARIANT = 2
     longest = max(args.context) + args.warmup + args.steps
     # one spare page: the CUDA-graph runner reserves a scratch page for padding rows
     pages = max(args.batches) * -(-longest // args.page_size) + 1
-    pool_tokens = max(pages * args.page_size, max(args.prompts))
+    pool_tokens = max(pages * args.page_size, max(args.prompts, default=0))
     if args.distinct_lengths:
         pool_tokens = max(pool_tokens, args.distinct_range[1])
     pool = _shuffled_pool(cfg, pool_tokens, args.page_size, device, args.seed)
@@ -411,16 +444,31 @@ def main(argv: list[str] | None = None) -> int:
 
     prefill = bench_prefill(dec, pool, args.prompts, args.prefill_warmup, args.prefill_reps, timer)
     decode_fn: DecodeFn
+    graphed = None
     if args.graphs and device.type == "cuda":
-        decode_fn = GraphedDecode(dec, pool, max(args.batches)).decode
+        graphed = GraphedDecode(dec, pool, max(args.batches))
+        decode_fn = graphed.decode
     else:
 
         def decode_fn(r: torch.Tensor, t: list[torch.Tensor], p: torch.Tensor) -> torch.Tensor:
             return dec.decode(r, pool, t, p)
 
-    decode = []
+    decode, forward = [], []
     for ctx in args.context:
         for b in args.batches:
+            if args.forward_only:
+                fw = decoder_roofline.bench_forward(
+                    dec, pool, decode_fn, graphed, b, ctx, args.warmup, args.steps, args.hbm_tb_s
+                )
+                forward.append(fw)
+                rf = fw["roofline"]
+                print(
+                    f"  batch {b:3d} context {ctx}: forward {fw['step_ms']:.2f} ms, roofline "
+                    f"{rf['roofline_ms']:.2f} ms ({rf['fraction']:.2f} of it)",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                continue
             decode.append(bench_decode(dec, pool, decode_fn, b, ctx, args.warmup, args.steps, params, timer))
             d = decode[-1]
             print(
@@ -429,6 +477,22 @@ def main(argv: list[str] | None = None) -> int:
                 file=sys.stderr,
                 flush=True,
             )
+
+    breakdown = []
+    for b, ctx in args.breakdown:
+        if device.type != "cuda":
+            break
+        total = ctx + 1
+        owned = [pool.allocate(pool.pages_for(total)) for _ in range(b)]
+        tables = [pool.slots(pages, total) for pages in owned]
+        rows = torch.randint(0, cfg.vocab_size, (b, cfg.row_width), device=device)
+        positions = torch.full((b,), ctx, dtype=torch.long)
+        fams = decoder_roofline.kernel_breakdown(
+            partial(dec.decode, rows, pool, tables, positions), device, cfg.num_layers
+        )
+        breakdown.append({"batch": b, "context": ctx, **fams})
+        for pages in owned:
+            pool.free(pages)
 
     first_call = None
     if args.distinct_lengths:
@@ -441,6 +505,11 @@ def main(argv: list[str] | None = None) -> int:
         **benchutil.provenance(device, "tandem-bench-decoder", argv),
         "benchmark": "decoder",
         "cuda_graphs": bool(args.graphs and device.type == "cuda"),
+        "kernels": "reference (torch modules, attention variant 2)"
+        if args.reference_kernels
+        else f"fused={dec.fused}, attention variant {kv_cuda.KERNEL_VARIANT}",
+        "hbm_tb_s": args.hbm_tb_s,
+        "roofline_model": decoder_roofline.__doc__.split("\n\n")[1] if decoder_roofline.__doc__ else "",
         "preset": cfg.name,
         "dtype": cfg.dtype,
         "params": sum(p.numel() for p in dec.parameters()),
@@ -461,6 +530,10 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cuda":
         meta["max_memory_allocated_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
     result = {"meta": meta, "prefill": prefill, "decode": decode}
+    if forward:
+        result["forward"] = forward
+    if breakdown:
+        result["breakdown"] = breakdown
     if first_call is not None:
         result["prefill_first_call"] = first_call
     name = args.name or f"decoder-{cfg.name}-{device.type}"

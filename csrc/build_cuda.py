@@ -18,6 +18,7 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -55,12 +56,21 @@ def build(arch: str, nvcc: str) -> Path:
     suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
     out = HERE / f"_cuda_kernels{suffix}"
     with tempfile.TemporaryDirectory() as tmp:
-        objs = []
-        for name in ("kv_kernels.cu", "kv_checksum.cu", "decode_attention.cu"):
-            objs.append(os.path.join(tmp, name.replace(".cu", ".o")))
-            run([nvcc, *common, *gencode, "-c", str(HERE / name), "-o", objs[-1]])
+        sources = (
+            "kv_kernels.cu",
+            "kv_checksum.cu",
+            "decode_attention.cu",
+            "decode_attention_staged.cu",
+            "decode_attention_mma.cu",
+        )
+        objs = [os.path.join(tmp, name.replace(".cu", ".o")) for name in sources]
         mod = os.path.join(tmp, "cuda_module.o")
-        run([nvcc, *common, "-c", str(HERE / "cuda_module.cpp"), "-o", mod])
+        pairs = zip(sources, objs, strict=True)
+        cmds = [[nvcc, *common, *gencode, "-c", str(HERE / n), "-o", o] for n, o in pairs]
+        cmds.append([nvcc, *common, "-c", str(HERE / "cuda_module.cpp"), "-o", mod])
+        # One process per file, in parallel: the decode-attention templates take most of the build.
+        with ThreadPoolExecutor(max_workers=len(cmds)) as pool:
+            list(pool.map(run, cmds))
         tmp_out = os.path.join(tmp, out.name)
         run([nvcc, "-shared", *gencode, "-cudart=static", *objs, mod, "-o", tmp_out])
         shutil.move(tmp_out, out)

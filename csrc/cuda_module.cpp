@@ -192,7 +192,8 @@ PYBIND11_MODULE(_cuda_kernels, m) {
       "out[0], out[1] = kv_checksum's lanes (a, b) over src's rows at slots in wire order (slots 0: rows "
       "0..n_tokens-1); out[2] = rows skipped for a slot outside [0, src_rows) (out, 3 words, written)");
   m.def("decode_attention_supported", &tandem::decode_attention_supported, py::arg("dtype"), py::arg("head_dim"),
-        py::arg("group"), "whether decode_attention has a kernel (dtype 0 f32, 1 f16, 2 bf16)");
+        py::arg("group"), py::arg("variant") = 4,
+        "whether decode_attention's variant has a kernel (dtype 0 f32, 1 f16, 2 bf16)");
   m.def(
       "decode_attention",
       [](uintptr_t q, uintptr_t kv, int64_t pool_rows, uintptr_t slots, int64_t s_max, uintptr_t lengths,
@@ -207,7 +208,7 @@ PYBIND11_MODULE(_cuda_kernels, m) {
       py::arg("q"), py::arg("kv"), py::arg("pool_rows"), py::arg("slots"), py::arg("s_max"), py::arg("lengths"),
       py::arg("batch"), py::arg("kv_heads"), py::arg("group"), py::arg("head_dim"), py::arg("dtype"),
       py::arg("scale"), py::arg("chunk"), py::arg("part_acc"), py::arg("part_ml"), py::arg("out"),
-      py::arg("device"), py::arg("stream"), py::arg("variant") = 2,
+      py::arg("device"), py::arg("stream"), py::arg("variant") = 4,
       "out[b, h] = softmax(q[b, h] . K[slots[b, :len]]) V[...] per sequence, K/V read in place (out written)");
   m.def(
       "vector_bytes",

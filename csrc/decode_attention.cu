@@ -17,6 +17,7 @@
 // scale folded into q (scale * log2 e). Accumulation is float32 throughout; the output is q's dtype.
 #include "decode_attention.h"
 #include "cuda_check.h"
+#include "decode_attention_common.cuh"
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -28,44 +29,13 @@
 namespace tandem {
 namespace {
 
+using attn::from_float;
+using attn::Pack;
+using attn::to_float;
+
 constexpr int kWarps = 4;
 constexpr int kUnroll = 4;  // tokens per warp per iteration, their K and V loads issued together
 
-template <typename T>
-__device__ __forceinline__ float to_float(T x);
-template <>
-__device__ __forceinline__ float to_float<float>(float x) {
-  return x;
-}
-template <>
-__device__ __forceinline__ float to_float<__half>(__half x) {
-  return __half2float(x);
-}
-template <>
-__device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 x) {
-  return __bfloat162float(x);
-}
-
-template <typename T>
-__device__ __forceinline__ T from_float(float x);
-template <>
-__device__ __forceinline__ float from_float<float>(float x) {
-  return x;
-}
-template <>
-__device__ __forceinline__ __half from_float<__half>(float x) {
-  return __float2half_rn(x);
-}
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
-  return __float2bfloat16_rn(x);
-}
-
-// EPL elements of one lane, loaded as one (or, for 32 bytes, two) vector loads.
-template <typename T, int EPL>
-struct alignas(EPL * sizeof(T) >= 16 ? 16 : EPL * sizeof(T)) Pack {
-  T v[EPL];
-};
 
 template <typename T, int EPL, int G>
 __global__ void __launch_bounds__(kWarps * 32)
@@ -324,9 +294,12 @@ __global__ void __launch_bounds__(kWarps * 32)
   }
 }
 
-// One block per (sequence, query head), one thread per element of the head: merge the splits.
+
+// Variants 1 and 2 keep their own merge (one split after the other, as measured with them); variant 3
+// uses attn::decode_merge, whose loads of several splits are in flight together. One block per
+// (sequence, query head), one thread per element of the head.
 template <typename T>
-__global__ void decode_merge(const float* __restrict__ part_acc, const float* __restrict__ part_ml, int splits,
+__global__ void decode_merge_serial(const float* __restrict__ part_acc, const float* __restrict__ part_ml, int splits,
                              int head_dim, T* __restrict__ out) {
   const int64_t head = blockIdx.x;
   const int d = threadIdx.x;
@@ -361,7 +334,7 @@ void launch(int variant, const void* q, const void* kv, int64_t pool_rows, const
         static_cast<int>(kv_heads), chunk, splits, scale_log2, part_acc, part_ml);
   }
   check(cudaGetLastError(), "decode_partial launch");
-  decode_merge<T><<<static_cast<unsigned>(batch * kv_heads * G), 32 * EPL, 0, stream>>>(
+  decode_merge_serial<T><<<static_cast<unsigned>(batch * kv_heads * G), 32 * EPL, 0, stream>>>(
       part_acc, part_ml, splits, 32 * EPL, static_cast<T*>(out));
   check(cudaGetLastError(), "decode_merge launch");
 }
@@ -414,19 +387,21 @@ bool by_head_dim(int variant, int64_t head_dim, int64_t group, const void* q, co
 
 }  // namespace
 
-bool decode_attention_supported(int dtype, int64_t head_dim, int64_t group) {
-  return dtype >= 0 && dtype <= 2 && (head_dim == 64 || head_dim == 128 || head_dim == 256) &&
-         (group == 1 || group == 2 || group == 4 || group == 8);
+bool decode_attention_supported(int dtype, int64_t head_dim, int64_t group, int variant) {
+  if (variant == 3 || variant == 4) return staged_supported(dtype, head_dim, group);
+  return (variant == 1 || variant == 2) && dtype >= 0 && dtype <= 2 &&
+         (head_dim == 64 || head_dim == 128 || head_dim == 256) && (group == 1 || group == 2 || group == 4 || group == 8);
 }
 
 void decode_attention(const void* q, const void* kv, int64_t pool_rows, const int64_t* slots, int64_t s_max,
                       const int64_t* lengths, int64_t batch, int64_t kv_heads, int64_t group, int64_t head_dim,
                       int dtype, float scale, int64_t chunk, float* part_acc, float* part_ml, void* out,
                       int device, cudaStream_t stream, int variant) {
-  if (variant != 1 && variant != 2) throw std::runtime_error("decode_attention: variant must be 1 or 2");
-  if (!decode_attention_supported(dtype, head_dim, group)) {
+  if (variant < 1 || variant > 4) throw std::runtime_error("decode_attention: variant must be 1, 2, 3 or 4");
+  if (!decode_attention_supported(dtype, head_dim, group, variant)) {
     throw std::runtime_error("decode_attention: no kernel for dtype " + std::to_string(dtype) + ", head_dim " +
-                             std::to_string(head_dim) + ", group " + std::to_string(group));
+                             std::to_string(head_dim) + ", group " + std::to_string(group) + ", variant " +
+                             std::to_string(variant));
   }
   if (batch <= 0 || kv_heads <= 0 || s_max <= 0 || chunk <= 0) {
     throw std::runtime_error("decode_attention: batch, kv_heads, s_max and chunk must be positive");
@@ -440,7 +415,14 @@ void decode_attention(const void* q, const void* kv, int64_t pool_rows, const in
   if (previous != device) check(cudaSetDevice(device), "cudaSetDevice");
   try {
     const int n = static_cast<int>(splits);
-    switch (dtype) {
+    if (variant == 4) {
+      decode_attention_mma(q, kv, pool_rows, slots, s_max, lengths, batch, kv_heads, group, head_dim, dtype, scale,
+                           chunk, n, part_acc, part_ml, out, device, stream);
+    } else if (variant == 3) {
+      decode_attention_staged(q, kv, pool_rows, slots, s_max, lengths, batch, kv_heads, group, head_dim, dtype, scale,
+                              chunk, n, part_acc, part_ml, out, device, stream);
+    } else {
+      switch (dtype) {
       case 0:
         by_head_dim<float>(variant, head_dim, group, q, kv, pool_rows, slots, s_max, lengths, batch, kv_heads, scale, chunk,
                            n, part_acc, part_ml, out, stream);
@@ -452,6 +434,7 @@ void decode_attention(const void* q, const void* kv, int64_t pool_rows, const in
       default:
         by_head_dim<__nv_bfloat16>(variant, head_dim, group, q, kv, pool_rows, slots, s_max, lengths, batch, kv_heads,
                                    scale, chunk, n, part_acc, part_ml, out, stream);
+      }
     }
   } catch (...) {
     if (previous != device) cudaSetDevice(previous);

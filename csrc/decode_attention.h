@@ -8,8 +8,10 @@
 // 2 bfloat16. Work buffers `part_acc` float32 [B, KVH * G, splits, HD] and `part_ml` float32
 // [B, KVH * G, splits, 2] with splits = ceil(S / chunk). All pointers are device pointers of
 // `device`; nothing is synchronised (the two kernels run on `stream`, so a CUDA graph can capture
-// them). `variant` picks the kernel: 2 (default) one token per lane for the scores, 1 one token per
-// warp (kept as a measured alternative). Nothing is checked here beyond `supported`: the Python
+// them). `variant` picks the kernel: 4 (default) tensor cores on variant 3's staging for
+// float16/bfloat16 with head_dim 64/128, variant 3 otherwise (decode_attention_mma.cu); 3 K/V tiles
+// staged in shared memory by cp.async, any group of 1..8 (decode_attention_staged.cu); 2 one token per lane for the scores, K rows read
+// per lane; 1 one token per warp (2 and 1 kept as measured alternatives, groups 1/2/4/8). Nothing is checked here beyond `supported`: the Python
 // wrapper checks shapes, dtypes and devices. Errors are thrown as std::runtime_error.
 #pragma once
 
@@ -19,12 +21,12 @@
 
 namespace tandem {
 
-// Whether decode_attention has a kernel for this dtype, head dim and group size.
-bool decode_attention_supported(int dtype, int64_t head_dim, int64_t group);
+// Whether decode_attention's `variant` has a kernel for this dtype, head dim and group size.
+bool decode_attention_supported(int dtype, int64_t head_dim, int64_t group, int variant = 4);
 
 void decode_attention(const void* q, const void* kv, int64_t pool_rows, const int64_t* slots, int64_t s_max,
                       const int64_t* lengths, int64_t batch, int64_t kv_heads, int64_t group, int64_t head_dim,
                       int dtype, float scale, int64_t chunk, float* part_acc, float* part_ml, void* out,
-                      int device, cudaStream_t stream, int variant = 2);
+                      int device, cudaStream_t stream, int variant = 4);
 
 }  // namespace tandem

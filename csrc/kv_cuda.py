@@ -402,12 +402,16 @@ def checksum_tensor(t: torch.Tensor) -> torch.Tensor:
 # ---- paged decode attention ----------------------------------------------------------------------------
 
 _DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
-# Which decode-attention kernel runs (csrc/decode_attention.cu): 2, one token per lane for the scores
-# (default); 1, one token per warp. $TANDEM_DECODE_ATTENTION_KERNEL picks one for a process (A/B runs).
-KERNEL_VARIANT = 2
-_variant = os.environ.get("TANDEM_DECODE_ATTENTION_KERNEL", "2").strip()
-if _variant not in ("1", "2"):
-    raise ValueError(f"TANDEM_DECODE_ATTENTION_KERNEL must be 1 or 2, got {_variant!r}")
+# Which decode-attention kernel runs: 4 (the default), tensor cores (mma.sync) on variant 3's staging
+# for float16/bfloat16 with head_dim 64/128 and variant 3 for other shapes (csrc/decode_attention_mma.cu);
+# 3, K/V tiles staged in shared memory by cp.async, FMA arithmetic, any group of 1..8
+# (csrc/decode_attention_staged.cu); 2, one token per lane for the scores with K rows read per lane;
+# 1, one token per warp (csrc/decode_attention.cu; groups 1/2/4/8).
+# $TANDEM_DECODE_ATTENTION_KERNEL picks one for a process (A/B runs).
+VARIANTS = (1, 2, 3, 4)
+_variant = os.environ.get("TANDEM_DECODE_ATTENTION_KERNEL", "4").strip()
+if _variant not in ("1", "2", "3", "4"):
+    raise ValueError(f"TANDEM_DECODE_ATTENTION_KERNEL must be 1, 2, 3 or 4, got {_variant!r}")
 KERNEL_VARIANT = int(_variant)
 _sm_counts: dict[int, int] = {}
 
@@ -434,16 +438,23 @@ def reference_decode_attention(
 
 
 def kernel_decodes(
-    dtype: torch.dtype, device: torch.device, num_heads: int, kv_heads: int, head_dim: int
+    dtype: torch.dtype,
+    device: torch.device,
+    num_heads: int,
+    kv_heads: int,
+    head_dim: int,
+    variant: int | None = None,
 ) -> bool:
-    """True when the compiled decode-attention kernel exists for this model shape on `device`: CUDA,
-    module built, float32/float16/bfloat16, head_dim 64/128/256, 1/2/4/8 query heads per KV head."""
+    """True when the compiled decode-attention kernel `variant` (default `KERNEL_VARIANT`) exists for this
+    model shape on `device`: CUDA, module built, float32/float16/bfloat16, head_dim 64/128/256, and
+    1..8 query heads per KV head (variants 3 and 4; 1/2/4/8 for variants 1 and 2)."""
     if _MODULE is None or device.type != "cuda" or dtype not in _DTYPE_CODES or num_heads % kv_heads:
         return False
-    return bool(_MODULE.decode_attention_supported(_DTYPE_CODES[dtype], head_dim, num_heads // kv_heads))
+    v = KERNEL_VARIANT if variant is None else variant
+    return bool(_MODULE.decode_attention_supported(_DTYPE_CODES[dtype], head_dim, num_heads // kv_heads, v))
 
 
-def decode_attention_supported(q: torch.Tensor, kv: torch.Tensor) -> bool:
+def decode_attention_supported(q: torch.Tensor, kv: torch.Tensor, variant: int | None = None) -> bool:
     """True when `decode_attention` runs the compiled kernel for these tensors (`kernel_decodes` for
     their shape, both on one CUDA device, 16-byte aligned); otherwise it runs
     `reference_decode_attention`."""
@@ -451,18 +462,21 @@ def decode_attention_supported(q: torch.Tensor, kv: torch.Tensor) -> bool:
         return False
     if q.data_ptr() % 16 or kv.data_ptr() % 16:
         return False
-    return kernel_decodes(q.dtype, q.device, q.shape[1], kv.shape[2], q.shape[2])
+    return kernel_decodes(q.dtype, q.device, q.shape[1], kv.shape[2], q.shape[2], variant)
 
 
-def _chunk(batch: int, kv_heads: int, s: int, device: torch.device) -> int:
-    """Tokens per split: 256, halved (down to 32) until the grid has ~4 blocks per SM. Depends only on
-    shapes, so a captured graph keeps its grid."""
+def _chunk(batch: int, kv_heads: int, s: int, device: torch.device, variant: int = 2) -> int:
+    """Tokens per split: 256, halved until the grid has ~4 blocks per SM (3 for variants 3/4, whose blocks
+    take 68 KiB of shared memory: three fit an SM), down to 32 tokens (128 for variants 3/4: a 32-token
+    tile for each of its four warps; fewer splits also make the merge cheaper at small batch). Depends
+    only on shapes, so a captured graph keeps its grid."""
     index = device.index or 0
     sms = _sm_counts.get(index)
     if sms is None:
         sms = _sm_counts[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    floor, per_sm = (128, 3) if variant >= 3 else (32, 4)
     chunk = 256
-    while chunk > 32 and batch * kv_heads * -(-s // chunk) < 4 * sms:
+    while chunk > floor and batch * kv_heads * -(-s // chunk) < per_sm * sms:
         chunk //= 2
     return chunk
 
@@ -501,14 +515,17 @@ def decode_attention(
         raise TypeError(f"q is {q.dtype} but kv is {kv.dtype}")
     if not (q.device == kv.device == slots.device == lengths.device):
         raise ValueError("q, kv, slots and lengths must be on one device")
-    if not decode_attention_supported(q, kv):
+    v = KERNEL_VARIANT if variant is None else variant
+    if v not in VARIANTS:
+        raise ValueError(f"variant must be one of {VARIANTS}, got {v}")
+    if not decode_attention_supported(q, kv, v):
         return reference_decode_attention(q, kv, slots, lengths, scale)
     assert _MODULE is not None
     q, slots, lengths = q.contiguous(), slots.contiguous(), lengths.contiguous()
     if not kv.is_contiguous():
         raise ValueError("kv must be contiguous (a layer of a KVPool is)")
     kvh, s = kv.shape[2], slots.shape[1]
-    chunk = _chunk(b, kvh, s, q.device)
+    chunk = _chunk(b, kvh, s, q.device, v)
     splits = -(-s // chunk)
     part_acc = torch.empty((b, nh, splits, hd), dtype=torch.float32, device=q.device)
     part_ml = torch.empty((b, nh, splits, 2), dtype=torch.float32, device=q.device)
@@ -532,6 +549,6 @@ def decode_attention(
         out.data_ptr(),
         q.device.index,
         _stream(q.device),
-        KERNEL_VARIANT if variant is None else variant,
+        v,
     )
     return out

@@ -63,3 +63,42 @@ def test_probe_is_off_by_default_and_checks_its_range(tmp_path) -> None:
     assert "prefill_first_call" not in result and "sdpa_enabled" in result["meta"]
     with pytest.raises(SystemExit):
         bench_decoder.main([*SMALL, "--distinct-lengths", "5", "--distinct-range", "60,65"])
+
+
+def test_roofline_bytes_model() -> None:
+    """Weights once (the tied table once, as the head; an untied table not at all) plus every stream's KV."""
+    from dataclasses import replace
+
+    from tandem.backend.config import preset
+    from tandem.backend.decoder import Decoder
+    from tandem.cli import decoder_roofline
+
+    tied = Decoder(replace(preset("tiny"), tie_word_embeddings=True))
+    untied = Decoder(replace(preset("tiny"), tie_word_embeddings=False))
+    params = sum(p.numel() * p.element_size() for p in tied.parameters())
+    assert decoder_roofline.weight_bytes(tied) == params
+    emb = untied.model.embed_tokens.weight
+    untied_params = sum(p.numel() * p.element_size() for p in untied.parameters())
+    assert decoder_roofline.weight_bytes(untied) == untied_params - emb.numel() * emb.element_size()
+    b = decoder_roofline.step_bytes(tied, 3, 100)
+    kv = tied.cfg.kv_bytes_per_token
+    assert b == {"weights": params, "kv_read": 300 * kv, "kv_written": 3 * kv, "total": params + 303 * kv}
+    r = decoder_roofline.roofline(tied, 3, 100, step_ms=2.0, hbm_tb_s=4.8)
+    assert r["roofline_ms"] == b["total"] / 4.8e12 * 1e3 and r["fraction"] * 2.0 == r["roofline_ms"]
+    # the 4B shape's step at 64 x 2048 reads 8.0 GB of weights and 19.3 GB of KV
+    assert preset("qwen3-4b-shape").kv_bytes_per_token * 64 * 2048 == 19_327_352_832
+
+
+def test_kernel_families_by_name() -> None:
+    from tandem.cli import decoder_roofline
+
+    assert decoder_roofline.family("void tandem::decode_partial_staged<...>") == "attention"
+    assert decoder_roofline.family("_rope_kv_write_kernel") == "fused norm/rope/swiglu (triton)"
+    assert decoder_roofline.family("sm90_xmma_gemm_bf16bf16_bf16f32") == "gemm"
+    assert decoder_roofline.family("nvjet_tst_64x8_64x16") == "gemm"
+    assert decoder_roofline.family("vectorized_elementwise_kernel<4, ...>") == "other elementwise"
+
+
+def test_forward_only_needs_cuda(tmp_path) -> None:
+    with pytest.raises(SystemExit):
+        bench_decoder.main([*SMALL, "--forward-only", "--out", str(tmp_path)])

@@ -59,13 +59,13 @@ def _float_reference(
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("group", [1, 4, 8])
 @pytest.mark.parametrize(("batch", "s"), [(1, 17), (5, 300), (3, 2048)])
-@pytest.mark.parametrize("variant", [1, 2])
+@pytest.mark.parametrize("variant", [1, 2, 3, 4])
 def test_kernel_matches_reference(
     dtype: torch.dtype, head_dim: int, group: int, batch: int, s: int, variant: int
 ) -> None:
     _need_cuda()
     q, kv, slots, lengths = _case(batch, 2, group, head_dim, s, dtype, "cuda", seed=batch * s + group)
-    assert kv_cuda.decode_attention_supported(q, kv)
+    assert kv_cuda.decode_attention_supported(q, kv, variant)
     got = kv_cuda.decode_attention(q, kv, slots, lengths, head_dim**-0.5, variant=variant)
     want = _float_reference(q, kv, slots, lengths)
     assert got.dtype == dtype and got.shape == q.shape
@@ -73,14 +73,56 @@ def test_kernel_matches_reference(
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("group", [2, 3, 5, 6, 7])
+@pytest.mark.parametrize(("batch", "s", "kv_heads"), [(1, 17, 2), (6, 1000, 8), (2, 4100, 1)])
+@pytest.mark.parametrize("variant", [3, 4])
+def test_staged_kernel_takes_any_group(
+    dtype: torch.dtype, head_dim: int, group: int, batch: int, s: int, kv_heads: int, variant: int
+) -> None:
+    """Variants 3 and 4 (the default) cover groups 1..8: Orpheus-3B's 3 and Qwen2.5-0.5B's 7 included."""
+    _need_cuda()
+    q, kv, slots, lengths = _case(batch, kv_heads, group, head_dim, s, dtype, "cuda", seed=batch + s + group)
+    assert kv_cuda.decode_attention_supported(q, kv, variant)
+    assert kv_cuda.decode_attention_supported(q, kv, 2) == (group in (1, 2, 4, 8))
+    got = kv_cuda.decode_attention(q, kv, slots, lengths, head_dim**-0.5, variant=variant)
+    torch.testing.assert_close(
+        got.float(), _float_reference(q, kv, slots, lengths), atol=TOL[dtype], rtol=TOL[dtype]
+    )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("variant", [3, 4])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_staged_kernel_over_a_paged_pool(page_size: int, variant: int, dtype: torch.dtype) -> None:
+    """Slots as a KVPool hands them out: pages of 1 (every row its own page) or 16, shuffled pages."""
+    _need_cuda()
+    g = torch.Generator().manual_seed(page_size)
+    batch, s, kvh, group, hd = 9, 700, 8, 4, 128
+    pages_each = -(-s // page_size)
+    pages = torch.randperm(batch * pages_each + 3, generator=g)[: batch * pages_each].view(batch, pages_each)
+    slots = (pages[:, :, None] * page_size + torch.arange(page_size)[None, None, :]).reshape(batch, -1)[:, :s]
+    kv = torch.randn(2, (batch * pages_each + 3) * page_size, kvh, hd, generator=g).to(dtype).cuda()
+    q = torch.randn(batch, kvh * group, hd, generator=g).to(dtype).cuda()
+    lengths = torch.randint(1, s + 1, (batch,), generator=g)
+    lengths[0] = s
+    slots, lengths = slots.contiguous().cuda(), lengths.cuda()
+    got = kv_cuda.decode_attention(q, kv, slots, lengths, hd**-0.5, variant=variant)
+    want = _float_reference(q, kv, slots, lengths)
+    torch.testing.assert_close(got.float(), want, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", [1, 2, 3, 4])
 def test_kernel_matches_reference_at_the_serving_shape(variant: int) -> None:
     """The 4B shape at a serving batch: large enough that splits are 256 tokens and every warp of a
     block has tiles (the small grid above runs 32-token splits on an H200)."""
     _need_cuda()
     q, kv, slots, lengths = _case(48, 8, 4, 128, 2048, torch.bfloat16, "cuda", seed=9)
     lengths[2:6] = torch.tensor([256, 257, 512, 1023], device="cuda")  # split and tile boundaries
-    assert kv_cuda._chunk(48, 8, 2048, q.device) == 256
+    assert kv_cuda._chunk(48, 8, 2048, q.device, variant) == 256
     got = kv_cuda.decode_attention(q, kv, slots, lengths, 128**-0.5, variant=variant)
     torch.testing.assert_close(got.float(), _float_reference(q, kv, slots, lengths), atol=1.6e-2, rtol=1.6e-2)
 

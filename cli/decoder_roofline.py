@@ -1,0 +1,231 @@
+"""The decode step's memory roofline and a kernel-family breakdown of one step (for `tandem-bench-decoder`).
+
+Bytes model of one decode step of B streams at context C (what must cross HBM at least once):
+- every weight once: all parameters except the input embedding table, whose step reads only B rows;
+  with tied embeddings the table is the output head and is counted once, as the head;
+- every stream's KV for its context, read once: B x C x `kv_bytes_per_token` (K and V of every layer);
+- the new rows' KV written: B x `kv_bytes_per_token` (small).
+Activations, logits and the split-K partials are left out (a few MB). Roofline time = bytes / the
+bandwidth (4.8 TB/s, the H200 datasheet's, unless `--hbm-tb-s` says otherwise); fraction = roofline
+time / measured step time (1.0 would be a step that only streams its bytes at the datasheet rate).
+
+`bench_forward` times the forward alone (no sampling; the rows stay fixed, the positions advance): the
+whole `decode` call (host staging of the inputs included) and, with CUDA graphs, the graph's replay
+alone, which is the device step the roofline is compared with.
+
+The breakdown runs one eager forward step (no CUDA graph, so every launch is visible) under the torch
+profiler and sums device time and launches per kernel family, classified by the kernel's name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+import torch
+
+from tandem.backend.cuda_graphs import GraphedDecode
+from tandem.backend.decoder import Decoder
+from tandem.backend.kv_pool import KVPool
+from tandem.cli import benchutil
+
+H200_HBM_TB_S = 4.8
+
+# (family, substrings of the kernel name), first match wins; anything else is "other elementwise".
+FAMILIES: list[tuple[str, tuple[str, ...]]] = [
+    ("attention", ("decode_partial", "decode_merge")),
+    ("fused norm/rope/swiglu (triton)", ("_add_rms_norm", "_rope_kv_write", "_swiglu")),
+    ("gemm", ("gemm", "gemv", "xmma", "cutlass", "nvjet", "sm90_", "splitk", "cublas")),
+    ("kv write (torch)", ("index_copy", "indexing_backward", "index_put")),
+    ("copy / cast", ("copy", "cast", "convert")),
+    ("reduce", ("reduce",)),
+]
+
+
+def weight_bytes(dec: Decoder) -> int:
+    """Bytes of every weight a step reads in full (see the module docstring)."""
+    total = sum(p.numel() * p.element_size() for p in dec.parameters())
+    if dec.lm_head is not None:  # untied: the embedding table is only looked up
+        emb = dec.model.embed_tokens.weight
+        total -= emb.numel() * emb.element_size()
+    return total
+
+
+def step_bytes(dec: Decoder, batch: int, context: int) -> dict[str, int]:
+    """The bytes model of one step: weights, KV read, KV written, and their total."""
+    kv = dec.cfg.kv_bytes_per_token
+    out = {"weights": weight_bytes(dec), "kv_read": batch * context * kv, "kv_written": batch * kv}
+    out["total"] = sum(out.values())
+    return out
+
+
+def roofline(dec: Decoder, batch: int, context: int, step_ms: float, hbm_tb_s: float) -> dict[str, Any]:
+    """The roofline entry of one configuration: bytes, roofline ms, fraction of it the step reached."""
+    b = step_bytes(dec, batch, context)
+    ms = b["total"] / (hbm_tb_s * 1e12) * 1e3
+    return {"bytes": b, "roofline_ms": ms, "fraction": ms / step_ms, "x_roofline": step_ms / ms}
+
+
+def family(name: str) -> str:
+    low = name.lower()
+    for fam, keys in FAMILIES:
+        if any(k in low for k in keys):
+            return fam
+    return "other elementwise"
+
+
+def kernel_breakdown(step: Callable[[], object], device: torch.device, layers: int) -> dict[str, Any]:
+    """Device time and launch count per kernel family of one call of `step` (run once before, untimed)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    torch.cuda.synchronize(device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize(device)
+    fams: dict[str, dict[str, float]] = {}
+    kernels = 0
+    for evt in prof.events():
+        if evt.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        name = evt.name
+        if name.startswith(("Memcpy", "Memset", "[memory]")):
+            fam = "memcpy / memset"
+        else:
+            fam = family(name)
+            kernels += 1
+        f = fams.setdefault(fam, {"us": 0.0, "launches": 0})
+        f["us"] += evt.time_range.elapsed_us()
+        f["launches"] += 1
+    total = sum(f["us"] for f in fams.values())
+    return {
+        "kernels": kernels,
+        "kernels_per_layer": kernels / layers,
+        "device_us": total,
+        "families": dict(sorted(fams.items(), key=lambda kv: -kv[1]["us"])),
+    }
+
+
+DecodeFn = Callable[[torch.Tensor, list[torch.Tensor], torch.Tensor], torch.Tensor]
+
+
+def _event_ms(fn: Callable[[], object]) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return float(start.elapsed_time(end))
+
+
+def bench_forward(
+    dec: Decoder,
+    pool: KVPool,
+    decode: DecodeFn,
+    graphed: GraphedDecode | None,
+    batch: int,
+    context: int,
+    warmup: int,
+    steps: int,
+    hbm_tb_s: float,
+) -> dict[str, Any]:
+    """Forward-only decode steps of `batch` streams at `context` tokens (CUDA): medians of the whole
+    call and of the replay alone, with the roofline of the device step (the replay when graphed)."""
+    total = context + warmup + steps
+    owned = [pool.allocate(pool.pages_for(total)) for _ in range(batch)]
+    tables = [pool.slots(pages, total) for pages in owned]
+    rows = torch.randint(0, dec.cfg.vocab_size, (batch, dec.cfg.row_width), device=pool.device)
+    calls, replays = [], []
+    for step in range(warmup + steps):
+        pos = context + step
+        slot_tables = [t[: pos + 1] for t in tables]
+        positions = torch.full((batch,), pos, dtype=torch.long)
+        calls.append(_event_ms(partial(decode, rows, slot_tables, positions)))
+        graph = None if graphed is None else graphed.replay_of(batch, pos + 1)
+        if graph is not None:
+            replays.append(_event_ms(graph.replay))
+    for pages in owned:
+        pool.free(pages)
+    call = benchutil.summary([t / 1e3 for t in calls[warmup:]])
+    out: dict[str, Any] = {"batch": batch, "context": context, **{f"call_{k}": v for k, v in call.items()}}
+    device_ms = call["median_ms"]
+    if replays[warmup:]:
+        rep = benchutil.summary([t / 1e3 for t in replays[warmup:]])
+        out.update({f"replay_{k}": v for k, v in rep.items()})
+        device_ms = rep["median_ms"]
+    out["step_ms"] = device_ms
+    out["roofline"] = roofline(dec, batch, context, device_ms, hbm_tb_s)
+    return out
+
+
+def print_tables(result: dict[str, Any]) -> None:
+    """The forward table (step, roofline, fraction) and each breakdown, as Markdown."""
+    if result.get("forward"):
+        meta = result["meta"]
+        print(f"\ndecode forward ({meta.get('kernels', '')}; roofline at {meta.get('hbm_tb_s')} TB/s)\n")
+        print(
+            benchutil.format_table(
+                ["batch", "context", "step ms", "call ms", "roofline ms", "fraction", "x roofline"],
+                [
+                    [
+                        f["batch"],
+                        f["context"],
+                        f["step_ms"],
+                        f["call_median_ms"],
+                        f["roofline"]["roofline_ms"],
+                        f["roofline"]["fraction"],
+                        f["roofline"]["x_roofline"],
+                    ]
+                    for f in result["forward"]
+                ],
+            )
+        )
+    for bd in result.get("breakdown", []):
+        print(
+            f"\none eager step at batch {bd['batch']} x context {bd['context']}: {bd['kernels']} kernels "
+            f"({bd['kernels_per_layer']:.1f} per layer), {bd['device_us'] / 1e3:.2f} ms of device time\n"
+        )
+        print(
+            benchutil.format_table(
+                ["family", "launches", "device ms", "share"],
+                [
+                    [fam, int(f["launches"]), f["us"] / 1e3, f["us"] / max(bd["device_us"], 1e-9)]
+                    for fam, f in bd["families"].items()
+                ],
+            )
+        )
+
+
+def plot(result: dict[str, Any], path: Any) -> None:
+    """Step time against roofline time per configuration (left) and the fraction reached (right)."""
+    plt = benchutil.pyplot()
+    if plt is None or not result.get("forward"):
+        return
+    meta, fw = result["meta"], result["forward"]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for ctx in sorted({f["context"] for f in fw}):
+        pts = [f for f in fw if f["context"] == ctx]
+        xs = [f["batch"] for f in pts]
+        ax1.plot(xs, [f["step_ms"] for f in pts], "o-", label=f"step, context {ctx}")
+        ax1.plot(xs, [f["roofline"]["roofline_ms"] for f in pts], "k--", alpha=0.5, label=f"roofline, {ctx}")
+        ax2.plot(xs, [f["roofline"]["fraction"] for f in pts], "o-", label=f"context {ctx}")
+    batches = sorted({f["batch"] for f in fw})
+    for ax, title in ((ax1, "ms per step"), (ax2, "fraction of roofline")):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(batches, labels=[str(b) for b in batches])
+        ax.set_xlabel("decode batch (streams)")
+        ax.set_ylabel(title)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+    ax1.set_ylim(bottom=0)
+    ax2.set_ylim(0, 1)
+    fig.suptitle(
+        f"decode forward {meta['preset']} {meta['dtype']} on {meta['device']} ({meta.get('kernels', '')}, "
+        f"commit {meta['commit'][:10]})",
+        fontsize=9,
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# Issue 14 on one GPU: the decoder kernels' GPU tests, the paged-attention kernel against HBM
+# (tandem-bench-decode-attention), ncu on its two variants at 64 x 2048, and the forward-only decode
+# step against its roofline for each preset, fused (this tree's step) and with the reference kernels
+# (main's step), with a kernel-family breakdown. Writes logs and JSON/PNG into OUT; prints the tables.
+#
+#   cli/run_decoder_roofline.sh OUT [PRESETS] [STEPS: tests,attention,ncu,decoder,reference]
+set -uo pipefail
+out=${1:?output dir}; presets=${2:-qwen3-4b-shape}; steps=${3:-tests,attention,ncu,decoder,reference}
+source "$(dirname "$0")/device_env.sh" - "$out" || exit 1
+export TANDEM_BENCH_COMMIT=${TANDEM_BENCH_COMMIT:-unknown}
+rc=0
+if [[ ,$steps, == *,tests,* ]]; then
+  timeout 400 python3 -m pytest -m gpu -q -p no:cacheprovider -x tests/unit/test_triton_ops.py \
+    tests/unit/test_fused_decoder.py tests/unit/test_decode_attention.py tests/unit/test_cuda_graphs.py \
+    tests/unit/test_decoder.py tests/unit/test_gpu_kernels.py > "$out/gpu-tests.log" 2>&1 || rc=$?
+  tail -15 "$out/gpu-tests.log"
+fi
+if [[ ,$steps, == *,attention,* ]]; then
+  python3 -m tandem.cli.bench_decode_attention --out "$out" > "$out/attention.log" 2>&1 || rc=$?
+  tail -90 "$out/attention.log"
+fi
+if [[ ,$steps, == *,ncu,* ]] && command -v ncu > /dev/null; then
+  cat > /tmp/ncu_attn.py <<'PY'
+import torch
+from tandem.csrc import kv_cuda
+b, s, kvh, g, hd = 64, 2048, 8, 4, 128
+kv = torch.randn(2, b * s, kvh, hd, device="cuda").bfloat16()
+slots = torch.randperm(b * s, device="cuda").view(b, s).contiguous()
+lengths = torch.full((b,), s, dtype=torch.long, device="cuda")
+q = torch.randn(b, kvh * g, hd, device="cuda").bfloat16()
+for v in (2, 3, 4):
+    kv_cuda.decode_attention(q, kv, slots, lengths, hd**-0.5, variant=v)
+torch.cuda.synchronize()
+PY
+  timeout 240 ncu --clock-control none -k regex:decode_partial -c 3 --section SpeedOfLight \
+    --section MemoryWorkloadAnalysis --section Occupancy --section WarpStateStats --section LaunchStats \
+    python3 /tmp/ncu_attn.py > "$out/ncu-attention.txt" 2>&1 || rc=$?
+  grep -E "decode_partial|Memory Throughput|DRAM Throughput|Duration|Achieved Occupancy|Registers|Stall|L1/TEX Hit|Theoretical Occ" "$out/ncu-attention.txt" | head -40
+fi
+# kinds: decoder (this tree's step), reference (main's: torch modules, attention variant 2).
+for p in ${presets//,/ }; do
+  for kind in decoder reference; do
+    [[ ,$steps, == *,$kind,* ]] || continue
+    flag=""; [ "$kind" = reference ] && flag="--reference-kernels"
+    python3 -m tandem.cli.bench_decoder --preset "$p" --device cuda --graphs \
+      --forward-only $flag --breakdown 1x2048,64x2048 --batches 1,8,32,64,128 --context 2048 --prompts "" \
+      --steps 20 --warmup 3 --out "$out" --name "roofline-$p-$kind" \
+      > "$out/roofline-$p-$kind.log" 2> "$out/roofline-$p-$kind.err" || rc=$?
+    grep -A8 "^decode forward" "$out/roofline-$p-$kind.log"
+  done
+done
+exit $rc

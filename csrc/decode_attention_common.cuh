@@ -1,0 +1,108 @@
+// Pieces shared by the paged decode-attention kernels (decode_attention.cu: variants 1 and 2, and the
+// dispatch; decode_attention_staged.cu: variant 3): element conversions, a lane's vector of a row, and
+// the kernel that merges the split-K partials. Device code only; each includer instantiates what it uses.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cmath>
+#include <cstdint>
+
+#include <cuda_runtime_api.h>
+
+namespace tandem {
+namespace attn {
+
+template <typename T>
+__device__ __forceinline__ float to_float(T x);
+template <>
+__device__ __forceinline__ float to_float<float>(float x) {
+  return x;
+}
+template <>
+__device__ __forceinline__ float to_float<__half>(__half x) {
+  return __half2float(x);
+}
+template <>
+__device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 x) {
+  return __bfloat162float(x);
+}
+
+template <typename T>
+__device__ __forceinline__ T from_float(float x);
+template <>
+__device__ __forceinline__ float from_float<float>(float x) {
+  return x;
+}
+template <>
+__device__ __forceinline__ __half from_float<__half>(float x) {
+  return __float2half_rn(x);
+}
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
+  return __float2bfloat16_rn(x);
+}
+
+// EPL elements of one lane, loaded as one (or, for 32 bytes, two) vector loads.
+template <typename T, int EPL>
+struct alignas(EPL * sizeof(T) >= 16 ? 16 : EPL * sizeof(T)) Pack {
+  T v[EPL];
+};
+
+// cp.async (sm_80+): a 16-byte global -> shared copy that does not pass through registers; copies
+// are grouped by commit and waited for by group (wait<N>: all but the N most recent groups done).
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+// One block per (sequence, query head), one thread per element of the head: merge the splits.
+// Partials of empty splits hold m = -inf and weigh 0 (exp2(-inf) = 0); split 0 is never empty
+// (lengths >= 1), so the maximum is finite. The loops are unrolled so a thread's loads of several
+// splits are in flight together: at batch 1 a head has 16-64 splits and the merge was latency-bound.
+template <typename T>
+__global__ void decode_merge(const float* __restrict__ part_acc, const float* __restrict__ part_ml, int splits,
+                             int head_dim, T* __restrict__ out) {
+  const int64_t head = blockIdx.x;
+  const int d = threadIdx.x;
+  const float* ml = part_ml + head * splits * 2;
+  const float* acc = part_acc + head * splits * head_dim + d;
+  float mx = -INFINITY;
+#pragma unroll 8
+  for (int s = 0; s < splits; ++s) mx = fmaxf(mx, ml[2 * s]);
+  float sum = 0.f, a = 0.f;
+#pragma unroll 8
+  for (int s = 0; s < splits; ++s) {
+    const float f = exp2f(ml[2 * s] - mx);
+    sum += ml[2 * s + 1] * f;
+    a += acc[static_cast<int64_t>(s) * head_dim] * f;
+  }
+  out[head * head_dim + d] = from_float<T>(sum > 0.f ? a / sum : 0.f);
+}
+
+}  // namespace attn
+
+// Variant 4 (decode_attention_mma.cu): variant 3's staging with the scores and P.V on the tensor cores
+// (mma.sync m16n8k16, float32 accumulation) for float16/bfloat16 and head_dim 64/128; other shapes run
+// variant 3. Same arguments and contract as `decode_attention_staged`.
+void decode_attention_mma(const void* q, const void* kv, int64_t pool_rows, const int64_t* slots, int64_t s_max,
+                          const int64_t* lengths, int64_t batch, int64_t kv_heads, int64_t group, int64_t head_dim,
+                          int dtype, float scale, int64_t chunk, int splits, float* part_acc, float* part_ml,
+                          void* out, int device, cudaStream_t stream);
+
+// Variant 3 (decode_attention_staged.cu): K and V tiles staged through shared memory by cp.async.
+// Same arguments as `decode_attention`; `group` 1..8. Throws std::runtime_error on an unsupported
+// shape. Runs on the current device (the caller has set it).
+bool staged_supported(int dtype, int64_t head_dim, int64_t group);
+void decode_attention_staged(const void* q, const void* kv, int64_t pool_rows, const int64_t* slots,
+                             int64_t s_max, const int64_t* lengths, int64_t batch, int64_t kv_heads, int64_t group,
+                             int64_t head_dim, int dtype, float scale, int64_t chunk, int splits, float* part_acc,
+                             float* part_ml, void* out, int device, cudaStream_t stream);
+
+}  // namespace tandem

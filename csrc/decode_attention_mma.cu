@@ -1,0 +1,381 @@
+// Paged decode attention, variant 4 (the default for float16/bfloat16, head_dim 64/128): variant 3's
+// cp.async staging of K and V tiles, with the arithmetic on the tensor cores.
+//
+// Why: variant 3 streams KV at ~67 % of HBM at 64 x 2048 (ncu, H200) while its SMs issue an
+// instruction every ~1.5 cycles: each lane's 512 FMAs per token come with shared-memory reads of q,
+// conversions and shuffles, and that issue rate, not memory, bounds it. Here one warp instruction
+// (mma.sync m16n8k16) does 2,048 multiply-adds: the G query heads of a KV head are the rows of the
+// A operand (padded to 16 with zeros), 8 tokens the columns of B, so a 32-token tile costs 32 mma for
+// the scores and 32 for P.V instead of ~1,000 FMA instructions, and the issue slots go to moving bytes.
+//
+// Per warp and 32-token tile (flash-attention 2's register reuse):
+//   S[16 heads x 8 tokens] = Q[16 x 16] . K^T[16 x 8], accumulated over head_dim/16 k-steps; B comes
+//     from the K tile in shared memory by ldmatrix (rows = tokens, as the pool stores them);
+//   online softmax on the S fragments (a row is spread over a quad of lanes: two shuffles per max);
+//   O[16 heads x 8 dims] += P[16 x 16 tokens] . V[16 tokens x 8 dims]: P's A fragments are the S
+//     accumulators rounded to the input type, V's B fragments come by ldmatrix.trans.
+// Shared-memory rows (K and V) are padded by 16 bytes so ldmatrix's eight row reads hit distinct banks.
+// Tokens past a sequence's length get score -inf; their V rows are zero-filled (P = 0 must not meet a
+// stale NaN). Float32 accumulation throughout; q is used unscaled (exact), the scores are scaled by
+// scale * log2 e in float32. Rows of O past the group are computed on zero queries and never stored.
+#include "cuda_check.h"
+#include "decode_attention_common.cuh"
+
+#include <stdexcept>
+#include <string>
+
+namespace tandem {
+namespace {
+
+using attn::cp_async16;
+using attn::cp_async_commit;
+using attn::cp_async_wait;
+
+constexpr int kTile = 32;
+constexpr int kWarps = 4;
+
+template <int HD>
+struct MGeo {
+  static constexpr int kRowBytes = HD * 2;
+  static constexpr int kChunks = kRowBytes / 16;
+  static constexpr int kStride = kRowBytes + 16;
+  static constexpr int kWarpBytes = 2 * kTile * kStride;  // K tile, then V tile
+  static constexpr int kSmem = kWarps * kWarpBytes;
+};
+
+template <int CH>
+__device__ __forceinline__ void load_tile(unsigned char* dst, int stride, const unsigned char* src, int64_t pool_row,
+                                          int64_t slot, int n, int lane, bool zero_rest) {
+#pragma unroll
+  for (int k = 0; k < CH; ++k) {
+    const int i = lane + 32 * k;
+    const int r = i / CH;
+    const int c = i - r * CH;
+    const int64_t s = __shfl_sync(0xffffffffu, slot, r);
+    if (r < n) {
+      cp_async16(dst + r * stride + c * 16, src + s * pool_row + c * 16);
+    } else if (zero_rest) {
+      *reinterpret_cast<uint4*>(dst + r * stride + c * 16) = make_uint4(0, 0, 0, 0);
+    }
+  }
+  cp_async_commit();
+}
+
+__device__ __forceinline__ unsigned smem_u32(const void* p) {
+  return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void ldsm_x4(unsigned addr, unsigned& r0, unsigned& r1, unsigned& r2, unsigned& r3) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+               : "r"(addr));
+}
+__device__ __forceinline__ void ldsm_x4_t(unsigned addr, unsigned& r0, unsigned& r1, unsigned& r2, unsigned& r3) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+               : "r"(addr));
+}
+
+template <typename T>
+__device__ __forceinline__ void mma(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1);
+template <>
+__device__ __forceinline__ void mma<__nv_bfloat16>(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+template <>
+__device__ __forceinline__ void mma<__half>(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+template <typename T>
+__device__ __forceinline__ unsigned pack2(float lo, float hi);
+template <>
+__device__ __forceinline__ unsigned pack2<__nv_bfloat16>(float lo, float hi) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const unsigned*>(&v);
+}
+template <>
+__device__ __forceinline__ unsigned pack2<__half>(float lo, float hi) {
+  const __half2 v = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<const unsigned*>(&v);
+}
+
+// Three blocks an SM (their tiles take 3 x 68 KiB of shared memory): uncapped, 172 registers let only
+// two fit. Capped at 168 (20 bytes spilled) the occupancy is 12 warps instead of 8, but the time at
+// 64 x 2048 stayed 151 us (ncu: DRAM 77 %, L2 89 %): the kernel is bound by the L2, not by latency.
+template <typename T, int HD, int G>
+__global__ void __launch_bounds__(kWarps * 32, 3)
+    decode_partial_mma(const T* __restrict__ q, const T* __restrict__ kv, int64_t pool_rows,
+                       const int64_t* __restrict__ slots, int64_t s_max, const int64_t* __restrict__ lengths,
+                       int kv_heads, int64_t chunk, int splits, float scale_log2, float* __restrict__ part_acc,
+                       float* __restrict__ part_ml) {
+  using GT = MGeo<HD>;
+  constexpr int KS = HD / 16;  // k-steps of the scores
+  constexpr int DT = HD / 8;   // n-tiles of O
+  extern __shared__ __align__(16) unsigned char smem[];
+  const int b = blockIdx.x / kv_heads;
+  const int h = blockIdx.x - b * kv_heads;
+  const int split = blockIdx.y;
+  const int warp = threadIdx.x >> 5;
+  const int lane = threadIdx.x & 31;
+  const int gid = lane >> 2;  // the row (query head) this lane's fragments hold
+  const int tig = lane & 3;
+  const int nh = kv_heads * G;
+  const int64_t len = lengths[b];
+  const int64_t t0 = static_cast<int64_t>(split) * chunk;
+  const int64_t t1 = t0 + chunk < len ? t0 + chunk : len;
+  unsigned char* s_k = smem + warp * GT::kWarpBytes;
+  unsigned char* s_v = s_k + kTile * GT::kStride;
+
+  const int64_t pool_row = static_cast<int64_t>(kv_heads) * GT::kRowBytes;
+  const unsigned char* kbase = reinterpret_cast<const unsigned char*>(kv) + static_cast<int64_t>(h) * GT::kRowBytes;
+  const unsigned char* vbase = kbase + pool_rows * pool_row;
+  const int64_t* srow = slots + static_cast<int64_t>(b) * s_max;
+
+  int64_t base = t0 + warp * kTile;
+  int n = t1 - base >= kTile ? kTile : (t1 > base ? static_cast<int>(t1 - base) : 0);
+  int64_t slot = lane < n ? srow[base + lane] : 0;
+  load_tile<GT::kChunks>(s_k, GT::kStride, kbase, pool_row, slot, n, lane, false);
+  load_tile<GT::kChunks>(s_v, GT::kStride, vbase, pool_row, slot, n, lane, true);
+
+  // Q's A fragments: row gid (< G) of the group, rows gid + 8 are zero padding.
+  unsigned qa[KS][2];
+  {
+    const T* qrow = q + (static_cast<int64_t>(b) * nh + h * G + (gid < G ? gid : 0)) * HD;
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks) {
+      qa[ks][0] = gid < G ? *reinterpret_cast<const unsigned*>(qrow + ks * 16 + 2 * tig) : 0u;
+      qa[ks][1] = gid < G ? *reinterpret_cast<const unsigned*>(qrow + ks * 16 + 8 + 2 * tig) : 0u;
+    }
+  }
+  float o[DT][4];
+#pragma unroll
+  for (int dt = 0; dt < DT; ++dt) o[dt][0] = o[dt][1] = o[dt][2] = o[dt][3] = 0.f;
+  float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;  // rows gid and gid + 8
+
+  // ldmatrix row addresses: lane i feeds row i % 8 of matrix i / 8.
+  const int mrow = lane & 7;
+  const int mat = lane >> 3;
+  const unsigned k_addr = smem_u32(s_k + mrow * GT::kStride + mat * 16);
+  const unsigned v_addr = smem_u32(s_v + ((mat & 1) * 8 + mrow) * GT::kStride + (mat >> 1) * 16);
+
+  for (; base < t1; base += kWarps * kTile) {
+    const int64_t next = base + kWarps * kTile;
+    const int nn = t1 - next >= kTile ? kTile : (t1 > next ? static_cast<int>(t1 - next) : 0);
+    const int64_t nslot = lane < nn ? srow[next + lane] : 0;
+
+    cp_async_wait<1>();
+    __syncwarp();
+    float s[4][4];
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt) {
+      s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
+#pragma unroll
+      for (int k2 = 0; k2 < KS / 2; ++k2) {
+        unsigned r0, r1, r2, r3;
+        ldsm_x4(k_addr + nt * 8 * GT::kStride + k2 * 64, r0, r1, r2, r3);
+        const unsigned a0[4] = {qa[2 * k2][0], 0u, qa[2 * k2][1], 0u};
+        const unsigned a1[4] = {qa[2 * k2 + 1][0], 0u, qa[2 * k2 + 1][1], 0u};
+        mma<T>(s[nt], a0, r0, r1);
+        mma<T>(s[nt], a1, r2, r3);
+      }
+    }
+    __syncwarp();
+    load_tile<GT::kChunks>(s_k, GT::kStride, kbase, pool_row, nslot, nn, lane, false);
+
+    // Online softmax over this tile's 32 tokens; lane holds tokens nt * 8 + 2 * tig + {0, 1}.
+    float mx0 = -INFINITY, mx1 = -INFINITY;
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt) {
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const bool valid = nt * 8 + 2 * tig + j < n;
+        s[nt][j] = valid ? s[nt][j] * scale_log2 : -INFINITY;
+        s[nt][j + 2] = valid ? s[nt][j + 2] * scale_log2 : -INFINITY;
+        mx0 = fmaxf(mx0, s[nt][j]);
+        mx1 = fmaxf(mx1, s[nt][j + 2]);
+      }
+    }
+#pragma unroll
+    for (int off = 1; off <= 2; off <<= 1) {
+      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, off));
+      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, off));
+    }
+    const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);  // finite: token 0 of a tile is valid
+    const float c0 = exp2f(m0 - mn0), c1 = exp2f(m1 - mn1);
+    m0 = mn0;
+    m1 = mn1;
+    l0 *= c0;
+    l1 *= c1;
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt) {
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        s[nt][j] = exp2f(s[nt][j] - mn0);
+        s[nt][j + 2] = exp2f(s[nt][j + 2] - mn1);
+        l0 += s[nt][j];
+        l1 += s[nt][j + 2];
+      }
+    }
+#pragma unroll
+    for (int dt = 0; dt < DT; ++dt) {
+      o[dt][0] *= c0;
+      o[dt][1] *= c0;
+      o[dt][2] *= c1;
+      o[dt][3] *= c1;
+    }
+
+    cp_async_wait<1>();
+    __syncwarp();
+#pragma unroll
+    for (int ks = 0; ks < 2; ++ks) {
+      const unsigned pa[4] = {pack2<T>(s[2 * ks][0], s[2 * ks][1]), pack2<T>(s[2 * ks][2], s[2 * ks][3]),
+                              pack2<T>(s[2 * ks + 1][0], s[2 * ks + 1][1]),
+                              pack2<T>(s[2 * ks + 1][2], s[2 * ks + 1][3])};
+#pragma unroll
+      for (int d2 = 0; d2 < DT / 2; ++d2) {
+        unsigned r0, r1, r2, r3;
+        ldsm_x4_t(v_addr + ks * 16 * GT::kStride + d2 * 32, r0, r1, r2, r3);
+        mma<T>(o[2 * d2], pa, r0, r1);
+        mma<T>(o[2 * d2 + 1], pa, r2, r3);
+      }
+    }
+    __syncwarp();
+    load_tile<GT::kChunks>(s_v, GT::kStride, vbase, pool_row, nslot, nn, lane, true);
+    n = nn;
+    slot = nslot;
+  }
+  cp_async_wait<0>();
+#pragma unroll
+  for (int off = 1; off <= 2; off <<= 1) l0 += __shfl_xor_sync(0xffffffffu, l0, off);
+  __syncthreads();  // the tiles' memory holds the warps' partials now
+
+  __shared__ float s_m[kWarps][G];
+  __shared__ float s_l[kWarps][G];
+  float(*s_acc)[G][HD] = reinterpret_cast<float(*)[G][HD]>(smem);
+  if (gid < G) {
+    if (tig == 0) {
+      s_m[warp][gid] = m0;
+      s_l[warp][gid] = l0;
+    }
+#pragma unroll
+    for (int dt = 0; dt < DT; ++dt) {
+      s_acc[warp][gid][dt * 8 + 2 * tig] = o[dt][0];
+      s_acc[warp][gid][dt * 8 + 2 * tig + 1] = o[dt][1];
+    }
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < G * HD; i += kWarps * 32) {
+    const int g = i / HD;
+    const int d = i - g * HD;
+    float mx = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) mx = fmaxf(mx, s_m[w][g]);
+    float sum = 0.f, a = 0.f;
+    if (mx != -INFINITY) {
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) {
+        const float f = s_m[w][g] == -INFINITY ? 0.f : exp2f(s_m[w][g] - mx);
+        sum += s_l[w][g] * f;
+        a += s_acc[w][g][d] * f;
+      }
+    }
+    const int64_t at = (static_cast<int64_t>(b) * nh + h * G + g) * splits + split;
+    part_acc[at * HD + d] = a;
+    if (d == 0) {
+      part_ml[at * 2] = mx;
+      part_ml[at * 2 + 1] = sum;
+    }
+  }
+}
+
+template <typename T, int HD, int G>
+void launch(const void* q, const void* kv, int64_t pool_rows, const int64_t* slots, int64_t s_max,
+            const int64_t* lengths, int64_t batch, int64_t kv_heads, float scale, int64_t chunk, int splits,
+            float* part_acc, float* part_ml, void* out, int device, cudaStream_t stream) {
+  using GT = MGeo<HD>;
+  static_assert(kWarps * G * HD * 4 <= GT::kSmem, "partials do not fit the tiles");
+  static bool raised[64] = {};
+  if (device < 0 || device >= 64 || !raised[device]) {
+    check(cudaFuncSetAttribute(decode_partial_mma<T, HD, G>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                               GT::kSmem),
+          "cudaFuncSetAttribute (decode attention shared memory)");
+    if (device >= 0 && device < 64) raised[device] = true;
+  }
+  const dim3 grid(static_cast<unsigned>(batch * kv_heads), static_cast<unsigned>(splits));
+  decode_partial_mma<T, HD, G><<<grid, kWarps * 32, GT::kSmem, stream>>>(
+      static_cast<const T*>(q), static_cast<const T*>(kv), pool_rows, slots, s_max, lengths,
+      static_cast<int>(kv_heads), chunk, splits, scale * 1.4426950408889634f, part_acc, part_ml);
+  check(cudaGetLastError(), "decode_partial_mma launch");
+  attn::decode_merge<T><<<static_cast<unsigned>(batch * kv_heads * G), HD, 0, stream>>>(
+      part_acc, part_ml, splits, HD, static_cast<T*>(out));
+  check(cudaGetLastError(), "decode_merge launch");
+}
+
+template <typename T, int HD>
+void by_group(int64_t group, const void* q, const void* kv, int64_t pool_rows, const int64_t* slots, int64_t s_max,
+              const int64_t* lengths, int64_t batch, int64_t kv_heads, float scale, int64_t chunk, int splits,
+              float* part_acc, float* part_ml, void* out, int device, cudaStream_t stream) {
+#define TANDEM_MMA_GROUP(N)                                                                                     \
+  case N:                                                                                                     \
+    launch<T, HD, N>(q, kv, pool_rows, slots, s_max, lengths, batch, kv_heads, scale, chunk, splits, part_acc, \
+                     part_ml, out, device, stream);                                                           \
+    return;
+  switch (group) {
+    TANDEM_MMA_GROUP(1)
+    TANDEM_MMA_GROUP(2)
+    TANDEM_MMA_GROUP(3)
+    TANDEM_MMA_GROUP(4)
+    TANDEM_MMA_GROUP(5)
+    TANDEM_MMA_GROUP(6)
+    TANDEM_MMA_GROUP(7)
+    TANDEM_MMA_GROUP(8)
+    default:
+      throw std::runtime_error("decode_attention_mma: group " + std::to_string(group) + " not in 1..8");
+  }
+#undef TANDEM_MMA_GROUP
+}
+
+template <typename T>
+void by_head_dim(int64_t head_dim, int64_t group, const void* q, const void* kv, int64_t pool_rows,
+                 const int64_t* slots, int64_t s_max, const int64_t* lengths, int64_t batch, int64_t kv_heads,
+                 float scale, int64_t chunk, int splits, float* part_acc, float* part_ml, void* out, int device,
+                 cudaStream_t stream) {
+  if (head_dim == 64) {
+    by_group<T, 64>(group, q, kv, pool_rows, slots, s_max, lengths, batch, kv_heads, scale, chunk, splits,
+                    part_acc, part_ml, out, device, stream);
+  } else {
+    by_group<T, 128>(group, q, kv, pool_rows, slots, s_max, lengths, batch, kv_heads, scale, chunk, splits,
+                     part_acc, part_ml, out, device, stream);
+  }
+}
+
+}  // namespace
+
+void decode_attention_mma(const void* q, const void* kv, int64_t pool_rows, const int64_t* slots, int64_t s_max,
+                          const int64_t* lengths, int64_t batch, int64_t kv_heads, int64_t group, int64_t head_dim,
+                          int dtype, float scale, int64_t chunk, int splits, float* part_acc, float* part_ml,
+                          void* out, int device, cudaStream_t stream) {
+  if ((dtype != 1 && dtype != 2) || (head_dim != 64 && head_dim != 128) || group < 1 || group > 8) {
+    decode_attention_staged(q, kv, pool_rows, slots, s_max, lengths, batch, kv_heads, group, head_dim, dtype, scale,
+                            chunk, splits, part_acc, part_ml, out, device, stream);
+    return;
+  }
+  if (dtype == 1) {
+    by_head_dim<__half>(head_dim, group, q, kv, pool_rows, slots, s_max, lengths, batch, kv_heads, scale, chunk,
+                        splits, part_acc, part_ml, out, device, stream);
+  } else {
+    by_head_dim<__nv_bfloat16>(head_dim, group, q, kv, pool_rows, slots, s_max, lengths, batch, kv_heads, scale,
+                               chunk, splits, part_acc, part_ml, out, device, stream);
+  }
+}
+
+}  // namespace tandem

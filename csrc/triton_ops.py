@@ -1,0 +1,277 @@
+"""Fused elementwise kernels of the decoder's GPU step (Triton), each with its torch reference.
+
+Why: an eager decode step spent about half its kernel time in ~45 tiny elementwise kernels per layer
+(RMSNorm alone is seven: cast, square, mean, add, rsqrt, multiply, cast; RoPE and qk-norm a dozen more;
+the K/V write two), each a launch and a round trip through memory of a few kilobytes. Three kernels
+replace them (docs/benchmarks, decoder-*-fused):
+
+- `add_rms_norm(a, residual, weight, eps)`: residual + a (the residual stream's add) and RMSNorm of the
+  sum, one pass; returns (normed, new residual). `residual=None` is the plain norm.
+- `rope_kv_write(qkv, cos, sin, q_norm, k_norm, eps, kv, slots)`: from the fused QKV projection's
+  output, per head: Qwen3's q/k RMSNorm (when the weights are given), RoPE, then K and V written into
+  one layer of the paged pool at `slots`; returns q [N, nh, hd].
+- `swiglu(gate_up)`: silu(gate) * up from the fused gate-up projection's output.
+
+Numerics follow the torch modules (`backend/layers.py`) step for step, each intermediate rounded to the
+model dtype where torch rounds it (the norm in float32, then cast, then times the weight; RoPE as
+x*cos + rotate_half(x)*sin with each product rounded), so results differ from the torch path only in
+the order of the norm's float32 sum. The `reference_*` functions are the torch definitions the GPU
+tests hold the kernels to, and what runs where Triton does not (`available`): CPU tensors, no Triton.
+
+Every kernel runs on the current stream, reads no host value after launch and has static shapes given
+static inputs: CUDA-graph safe once compiled (the first call of a shape compiles; graph warm-up does).
+Inputs must be contiguous; wrappers raise ValueError on shapes that do not fit together.
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+from typing import Any
+
+import torch
+
+__all__ = [
+    "add_rms_norm",
+    "available",
+    "reference_add_rms_norm",
+    "reference_rope_kv_write",
+    "reference_swiglu",
+    "rope_kv_write",
+    "swiglu",
+]
+
+_triton: ModuleType | None
+_tl: Any
+try:
+    _triton = importlib.import_module("triton")
+    _tl = importlib.import_module("triton.language")
+except ImportError:  # CPU installs: the references run instead
+    _triton = None
+    _tl = None
+
+
+def available(t: torch.Tensor) -> bool:
+    """True when the Triton kernels run for tensors like `t` (CUDA tensor, Triton importable)."""
+    return _triton is not None and t.is_cuda
+
+
+# ---- torch references (also the fallback) ---------------------------------------------------------------
+
+
+def reference_add_rms_norm(
+    a: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weight * rmsnorm(residual + a), residual + a), as `layers.RMSNorm` after the residual add."""
+    x = a if residual is None else residual + a
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype), x
+
+
+def _reference_rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def _reference_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rot * sin[:, None, :]
+
+
+def reference_rope_kv_write(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    q_norm: torch.Tensor | None,
+    k_norm: torch.Tensor | None,
+    eps: float,
+    kv: torch.Tensor,
+    slots: torch.Tensor,
+    num_heads: int,
+) -> torch.Tensor:
+    """q [N, nh, hd] with (q-norm and) RoPE applied; K (normed, rotated) and V written into `kv`
+    [2, S, kvh, hd] at `slots` [N]. `qkv` is [N, (nh + 2 kvh) * hd] in q, k, v order."""
+    n = qkv.shape[0]
+    kvh, hd = kv.shape[2], kv.shape[3]
+    q, k, v = qkv.split([num_heads * hd, kvh * hd, kvh * hd], dim=-1)
+    q, k, v = q.reshape(n, num_heads, hd), k.reshape(n, kvh, hd), v.reshape(n, kvh, hd)
+    if q_norm is not None and k_norm is not None:
+        q, k = _reference_rms(q, q_norm, eps), _reference_rms(k, k_norm, eps)
+    q, k = _reference_rope(q, cos, sin), _reference_rope(k, cos, sin)
+    kv.index_copy_(1, slots, torch.stack((k, v)))
+    return q
+
+
+def reference_swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for `gate_up` [N, 2I] (gate's columns first)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
+# ---- Triton kernels -------------------------------------------------------------------------------------
+
+if _triton is not None:
+    triton = _triton
+    tl = _tl
+
+    @triton.jit
+    def _add_rms_norm_kernel(  # type: ignore[no-untyped-def]
+        a_ptr, r_ptr, w_ptr, out_ptr, res_ptr, n_cols, eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr
+    ):
+        row = tl.program_id(0).to(tl.int64)
+        offs = tl.arange(0, BLOCK)
+        mask = offs < n_cols
+        dt = out_ptr.dtype.element_ty
+        x = tl.load(a_ptr + row * n_cols + offs, mask=mask, other=0.0).to(tl.float32)
+        if HAS_RES:
+            r = tl.load(r_ptr + row * n_cols + offs, mask=mask, other=0.0).to(tl.float32)
+            x = (r + x).to(dt).to(tl.float32)
+            tl.store(res_ptr + row * n_cols + offs, x.to(dt), mask=mask)
+        var = tl.sum(x * x, axis=0) / n_cols
+        y = (x * tl.math.rsqrt(var + eps)).to(dt).to(tl.float32)
+        w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + row * n_cols + offs, (w * y).to(dt), mask=mask)
+
+    @triton.jit
+    def _rope_kv_write_kernel(  # type: ignore[no-untyped-def]
+        qkv_ptr,
+        cos_ptr,
+        sin_ptr,
+        qw_ptr,
+        kw_ptr,
+        q_ptr,
+        kv_ptr,
+        slot_ptr,
+        plane,
+        eps,
+        NH: tl.constexpr,
+        KVH: tl.constexpr,
+        HD: tl.constexpr,
+        HAS_NORM: tl.constexpr,
+    ):
+        n = tl.program_id(0).to(tl.int64)
+        j = tl.program_id(1)
+        HALF: tl.constexpr = HD // 2
+        offs = tl.arange(0, HALF)
+        dt = q_ptr.dtype.element_ty
+        src = qkv_ptr + n * ((NH + 2 * KVH) * HD) + j * HD
+        slot = tl.load(slot_ptr + n)
+        if j < NH + KVH:
+            x1 = tl.load(src + offs).to(tl.float32)
+            x2 = tl.load(src + HALF + offs).to(tl.float32)
+            if HAS_NORM:
+                rstd = tl.math.rsqrt((tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / HD + eps)
+                is_q = j < NH
+                w1 = tl.where(is_q, tl.load(qw_ptr + offs), tl.load(kw_ptr + offs)).to(tl.float32)
+                w2 = tl.where(is_q, tl.load(qw_ptr + HALF + offs), tl.load(kw_ptr + HALF + offs))
+                x1 = (w1 * (x1 * rstd).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+                x2 = (w2.to(tl.float32) * (x2 * rstd).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+            c1 = tl.load(cos_ptr + n * HD + offs).to(tl.float32)
+            c2 = tl.load(cos_ptr + n * HD + HALF + offs).to(tl.float32)
+            s1 = tl.load(sin_ptr + n * HD + offs).to(tl.float32)
+            s2 = tl.load(sin_ptr + n * HD + HALF + offs).to(tl.float32)
+            o1 = ((x1 * c1).to(dt).to(tl.float32) - (x2 * s1).to(dt).to(tl.float32)).to(dt)
+            o2 = ((x2 * c2).to(dt).to(tl.float32) + (x1 * s2).to(dt).to(tl.float32)).to(dt)
+            if j < NH:  # noqa: SIM108 (Triton's branch on a run-time scalar)
+                dst = q_ptr + n * (NH * HD) + j * HD
+            else:
+                dst = kv_ptr + slot * (KVH * HD) + (j - NH) * HD
+            tl.store(dst + offs, o1)
+            tl.store(dst + HALF + offs, o2)
+        else:
+            dst = kv_ptr + plane + slot * (KVH * HD) + (j - NH - KVH) * HD
+            tl.store(dst + offs, tl.load(src + offs))
+            tl.store(dst + HALF + offs, tl.load(src + HALF + offs))
+
+    @triton.jit
+    def _swiglu_kernel(gu_ptr, out_ptr, inter, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
+        row = tl.program_id(0).to(tl.int64)
+        offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < inter
+        dt = out_ptr.dtype.element_ty
+        g = tl.load(gu_ptr + row * 2 * inter + offs, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(gu_ptr + row * 2 * inter + inter + offs, mask=mask, other=0.0).to(tl.float32)
+        s = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
+        tl.store(out_ptr + row * inter + offs, (s * u).to(dt), mask=mask)
+
+
+# ---- entry points ---------------------------------------------------------------------------------------
+
+
+def _need_contiguous(**tensors: torch.Tensor) -> None:
+    for name, t in tensors.items():
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous")
+
+
+def add_rms_norm(
+    a: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(normed, new residual) for rows `a` [N, H] (plus `residual` [N, H] when given); new tensors."""
+    if a.dim() != 2 or weight.shape != (a.shape[1],) or (residual is not None and residual.shape != a.shape):
+        raise ValueError(f"add_rms_norm: a {tuple(a.shape)}, weight {tuple(weight.shape)} do not fit")
+    if not available(a):
+        return reference_add_rms_norm(a, residual, weight, eps)
+    _need_contiguous(a=a, weight=weight, **({} if residual is None else {"residual": residual}))
+    n, h = a.shape
+    out = torch.empty_like(a)
+    res = torch.empty_like(a) if residual is not None else a
+    block = _triton.next_power_of_2(h)  # type: ignore[union-attr]
+    _add_rms_norm_kernel[(n,)](
+        a, a if residual is None else residual, weight, out, res, h, eps,
+        HAS_RES=residual is not None, BLOCK=block, num_warps=8 if block >= 2048 else 4,
+    )  # fmt: skip
+    return out, res
+
+
+def rope_kv_write(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    q_norm: torch.Tensor | None,
+    k_norm: torch.Tensor | None,
+    eps: float,
+    kv: torch.Tensor,
+    slots: torch.Tensor,
+    num_heads: int,
+) -> torch.Tensor:
+    """Same contract as `reference_rope_kv_write` (q returned; K and V written into `kv` at `slots`,
+    which the caller keeps inside the pool: they are not bounds-checked on the device)."""
+    n = qkv.shape[0]
+    if kv.dim() != 4 or kv.shape[0] != 2:
+        raise ValueError(f"rope_kv_write: kv must be [2, S, kvh, hd], got {tuple(kv.shape)}")
+    kvh, hd = kv.shape[2], kv.shape[3]
+    if qkv.shape != (n, (num_heads + 2 * kvh) * hd) or cos.shape != (n, hd) or slots.shape != (n,):
+        raise ValueError(
+            f"rope_kv_write: qkv {tuple(qkv.shape)}, cos {tuple(cos.shape)}, slots {tuple(slots.shape)} "
+            f"do not fit {num_heads} heads, kv {tuple(kv.shape)}"
+        )
+    if not available(qkv) or hd % 2 or hd & (hd - 1):
+        return reference_rope_kv_write(qkv, cos, sin, q_norm, k_norm, eps, kv, slots, num_heads)
+    _need_contiguous(qkv=qkv, cos=cos, sin=sin, kv=kv, slots=slots)
+    q = torch.empty((n, num_heads, hd), dtype=qkv.dtype, device=qkv.device)
+    has_norm = q_norm is not None and k_norm is not None
+    qw = q_norm if q_norm is not None else cos
+    kw = k_norm if k_norm is not None else cos
+    _rope_kv_write_kernel[(n, num_heads + 2 * kvh)](
+        qkv, cos, sin, qw, kw, q, kv, slots, kv.shape[1] * kvh * hd, eps,
+        NH=num_heads, KVH=kvh, HD=hd, HAS_NORM=has_norm, num_warps=1,
+    )  # fmt: skip
+    return q
+
+
+def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for `gate_up` [N, 2I]; a new [N, I] tensor."""
+    if gate_up.dim() != 2 or gate_up.shape[1] % 2:
+        raise ValueError(f"swiglu: gate_up must be [N, 2I], got {tuple(gate_up.shape)}")
+    if not available(gate_up):
+        return reference_swiglu(gate_up)
+    _need_contiguous(gate_up=gate_up)
+    n, inter = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty((n, inter), dtype=gate_up.dtype, device=gate_up.device)
+    block = 1024
+    _swiglu_kernel[(n, -(-inter // block))](gate_up, out, inter, BLOCK=block, num_warps=4)
+    return out
