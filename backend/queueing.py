@@ -1,11 +1,16 @@
 """Bounded intake shared by the engines: a full queue is an immediate UNAVAILABLE, and a request that
 cannot be admitted within `admission_timeout_s` (no pages, no batch slot, draining) gets UNAVAILABLE
 too — never an unbounded wait. Requests whose client went away are dropped without work.
+
+`max_queue` bounds every request submitted and not yet admitted, dropped, expired or failed: those in
+the hand-off queue and those the engine already moved to its pending list alike (counting only the
+hand-off queue let the pending list grow by up to `max_queue` per engine iteration; docs/abuse.md).
 """
 
 from __future__ import annotations
 
 import queue
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -34,20 +39,30 @@ class Intake(Generic[R]):
     """Producer side: Triton's execute threads call `submit`; consumer side: the engine thread."""
 
     def __init__(self, max_queue: int, admission_timeout_s: float) -> None:
-        self._queue: queue.Queue[R] = queue.Queue(maxsize=max_queue)
-        self._pending: deque[R] = deque()
+        self._queue: queue.SimpleQueue[R] = queue.SimpleQueue()
+        self._pending: deque[R] = deque()  # engine side only
+        self.max_queue = max_queue
         self.admission_timeout_s = admission_timeout_s
+        self._lock = threading.Lock()
+        self._waiting = 0  # submitted, not yet admitted, dropped, expired or failed (under _lock)
 
     def submit(self, req: R) -> None:
-        """Raises Overloaded at once when the bounded queue is full."""
+        """Raises Overloaded at once when `max_queue` requests are already waiting."""
         req.received_s = time.monotonic()
-        try:
-            self._queue.put_nowait(req)
-        except queue.Full:
-            raise Overloaded(f"admission queue is full ({self._queue.maxsize} requests waiting)") from None
+        with self._lock:
+            if self._waiting >= self.max_queue:
+                raise Overloaded(f"admission queue is full ({self.max_queue} requests waiting)")
+            self._waiting += 1
+        self._queue.put(req)
 
     def __len__(self) -> int:
-        return len(self._pending) + self._queue.qsize()
+        """Requests waiting for admission (any thread)."""
+        return self._waiting
+
+    def _gone(self, n: int = 1) -> None:
+        """`n` pending requests left the intake (admitted, dropped, expired or failed)."""
+        with self._lock:
+            self._waiting -= n
 
     def pull(self, block_s: float) -> None:
         """Move newly submitted requests into the pending list, waiting up to block_s for the first."""
@@ -70,10 +85,12 @@ class Intake(Generic[R]):
             req = self._pending[0]
             if req.sink.cancelled():
                 self._pending.popleft()
+                self._gone()
                 req.sink.fail(Cancelled("client cancelled before admission"))
                 continue
             if try_admit(req):
                 self._pending.popleft()
+                self._gone()
                 yield req
                 continue
             break
@@ -83,6 +100,7 @@ class Intake(Generic[R]):
         keep: deque[R] = deque()
         for req in self._pending:
             if now - req.received_s > self.admission_timeout_s:
+                self._gone()
                 req.sink.fail(
                     Overloaded(f"no capacity within the admission wait of {self.admission_timeout_s:g} s")
                 )
@@ -92,6 +110,7 @@ class Intake(Generic[R]):
 
     def fail_all(self, error: TandemError) -> None:
         self.pull(0)
-        for req in self._pending:
+        pending, self._pending = self._pending, deque()
+        self._gone(len(pending))
+        for req in pending:
             req.sink.fail(error)
-        self._pending.clear()

@@ -28,6 +28,9 @@ from tandem.backend.settings import EngineSettings, parse_settings, triton_param
 from tandem.backend.stream import Chunk
 from tandem.backend.timing import Timings
 
+# TRITONSERVER_REQUEST_FLAG_SEQUENCE_START (tritonserver.h): the request opens its sequence.
+SEQUENCE_START = 1
+
 OPTIONAL_INPUTS = ("MAX_TOKENS", "TEMPERATURE", "TOP_P", "TOP_K", "SEED", "VOICE_ID")
 
 
@@ -64,12 +67,30 @@ def _input(pb: Any, request: Any, name: str) -> np.ndarray | None:
 
 
 def read_request(pb: Any, request: Any, cfg: ModelConfig, limits: Limits) -> tuple[np.ndarray, RequestParams]:
-    """PROMPT and the optional inputs of the client contract; raises InvalidInput naming the problem."""
+    """PROMPT and the optional inputs of the client contract; raises InvalidInput naming the problem.
+
+    A request without a stream id, or one that does not start its stream, is refused first.
+    `tts_mono`'s sequence batcher refuses both before this runs; inside `tts` nothing else stops them
+    before P's forward, and D's sequence batcher then refuses the handoff, so P's offered pages would
+    sit unpulled for `ticket_ttl_s` (docs/abuse.md): a cheap request that wears P down. (A stream is
+    one request today; a request continuing an open stream is refused here too.)"""
+    if not has_stream_id(request):
+        raise InvalidInput(
+            "the request has no stream id: set sequence_id (with sequence_start and sequence_end)"
+        )
+    if not request.flags() & SEQUENCE_START:
+        raise InvalidInput("a stream starts with sequence_start set (one request per stream: start and end)")
     prompt = _input(pb, request, "PROMPT")
     if prompt is None:
         raise InvalidInput("PROMPT is required")
     params = parse_params({name: _input(pb, request, name) for name in OPTIONAL_INPUTS}, cfg, limits)
     return check_prompt(prompt, cfg, limits), params
+
+
+def has_stream_id(request: Any) -> bool:
+    """The request carries a correlation id (a non-zero integer or a non-empty string)."""
+    corr = request.correlation_id()
+    return corr not in (None, 0, "")
 
 
 def stream_id(request: Any) -> int:

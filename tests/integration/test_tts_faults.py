@@ -44,7 +44,7 @@ def call(url: str, model: str, inputs, sequence: bool, timeout_s: float = 30.0):
 
 
 def handoff(url: str, rows: int = 40, max_tokens: int = 8) -> str:
-    out, err = call(url, "prefill", build_inputs(prompt(rows), MAX_TOKENS=max_tokens, TEMPERATURE=0.0), False)
+    out, err = call(url, "prefill", build_inputs(prompt(rows), MAX_TOKENS=max_tokens, TEMPERATURE=0.0), True)
     assert err is None, err
     return out[0]["HANDOFF"][0].decode()
 
