@@ -11,10 +11,10 @@ exist, the KEDA target derives from the measured capacity, the namespace and ima
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import json
 import re
 import shlex
-import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -62,7 +62,7 @@ def _server() -> dict[str, Any]:
 
 
 def _console_scripts() -> set[str]:
-    return set(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"])
+    return {ep.name for ep in importlib.metadata.entry_points(group="console_scripts")}
 
 
 # --- schemas -----------------------------------------------------------------------------------------
@@ -71,7 +71,7 @@ def _console_scripts() -> set[str]:
 @pytest.mark.parametrize("version", K8S_VERSIONS)
 def test_kubernetes_objects_validate_strictly(version):
     checked = 0
-    for name, obj in _all_objects():
+    for _name, obj in _all_objects():
         if obj["apiVersion"].startswith("keda.sh/"):
             continue
         kubernetes_validate.validate(obj, version, strict=True)
@@ -129,7 +129,7 @@ def test_namespace_and_image_are_set_once_in_kustomize():
     assert k["namespace"] == _one("Namespace")["metadata"]["name"]
     for name, obj in _all_objects():
         assert "namespace" not in obj["metadata"], f"{name}: {obj['kind']} hard-codes a namespace"
-    version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    version = importlib.metadata.version("tandem-tts")
     tags = {i["name"]: i["newTag"] for i in k["images"]}
     assert tags["tandem-tts"] == version
     for kind in ("StatefulSet", "Deployment"):
