@@ -1,13 +1,26 @@
-"""deploy/ against the code: the unit pod's commands parse and render, ports and metric names exist,
-and the KEDA target derives from the measured capacity."""
+"""deploy/ validated offline and held against the code.
+
+Schemas: every Kubernetes object against the Kubernetes API schema (kubernetes-validate, strict: an
+unknown field fails) for the oldest and newest versions we claim; the KEDA ScaledObject against
+`deploy/schemas/keda-scaledobject.schema.json`; the Envoy bootstrap against Envoy's v3 API
+(envoy-data-plane's message classes, typed configs unpacked). Then the manifests against the code: the
+pod's commands render a repository and name real console scripts, ports agree everywhere, metric names
+exist, the KEDA target derives from the measured capacity, the namespace and image tag are set once.
+"""
 
 from __future__ import annotations
 
+import importlib
+import importlib.metadata
 import json
 import re
 import shlex
 from pathlib import Path
+from typing import Any
 
+import jsonschema
+import kubernetes_validate
+import pytest
 import yaml
 
 from tandem.backend.checkpoint import save_checkpoint
@@ -18,19 +31,123 @@ from tandem.cli.make_repository import main as tandem_repo
 from tandem.transfer.control import control_dir
 
 ROOT = Path(__file__).resolve().parents[2]
+DEPLOY = ROOT / "deploy"
+K8S_VERSIONS = ("1.29.0", "1.37.0")
 
 
-def _docs(name: str) -> list[dict]:
-    return [d for d in yaml.safe_load_all((ROOT / "deploy" / name).read_text()) if d]
+def _docs(name: str) -> list[dict[str, Any]]:
+    return [d for d in yaml.safe_load_all((DEPLOY / name).read_text()) if d]
 
 
-def _server_container() -> dict:
-    sts = next(d for d in _docs("unit.yaml") if d["kind"] == "StatefulSet")
-    return next(c for c in sts["spec"]["template"]["spec"]["containers"] if c["name"] == "server")
+def _kustomization() -> dict[str, Any]:
+    return yaml.safe_load((DEPLOY / "kustomization.yaml").read_text())
+
+
+def _all_objects() -> list[tuple[str, dict[str, Any]]]:
+    return [(name, d) for name in _kustomization()["resources"] for d in _docs(name)]
+
+
+def _one(kind: str, name: str | None = None) -> dict[str, Any]:
+    found = [d for _, d in _all_objects() if d["kind"] == kind and name in (None, d["metadata"]["name"])]
+    assert len(found) == 1, (kind, name, len(found))
+    return found[0]
+
+
+def _container(obj: dict[str, Any], name: str) -> dict[str, Any]:
+    return next(c for c in obj["spec"]["template"]["spec"]["containers"] if c["name"] == name)
+
+
+def _server() -> dict[str, Any]:
+    return _container(_one("StatefulSet", "tandem-unit"), "server")
+
+
+def _console_scripts() -> set[str]:
+    return {ep.name for ep in importlib.metadata.entry_points(group="console_scripts")}
+
+
+# --- schemas -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+def test_kubernetes_objects_validate_strictly(version):
+    checked = 0
+    for _name, obj in _all_objects():
+        if obj["apiVersion"].startswith("keda.sh/"):
+            continue
+        kubernetes_validate.validate(obj, version, strict=True)
+        checked += 1
+    assert checked >= 7, "namespace, StatefulSet, two Services, PVC, router Deployment, NetworkPolicy"
+
+
+def test_the_schema_check_catches_a_misspelled_field():
+    svc = json.loads(json.dumps(_one("Service", "tandem-unit")))
+    svc["spec"]["portz"] = svc["spec"].pop("ports")
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(svc, K8S_VERSIONS[-1], strict=True)
+
+
+def _keda_schema() -> dict[str, Any]:
+    return json.loads((DEPLOY / "schemas" / "keda-scaledobject.schema.json").read_text())
+
+
+def test_scaled_object_validates_against_the_keda_schema():
+    jsonschema.validate(_one("ScaledObject"), _keda_schema())
+    broken = json.loads(json.dumps(_one("ScaledObject")))
+    broken["spec"]["triggers"][0]["metadata"]["treshold"] = "35"
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(broken, _keda_schema())
+
+
+def _envoy_bootstrap(cfg: dict[str, Any]) -> Any:
+    # Each typed config is unpacked by the class registered for its type URL: import them first.
+    for url in set(re.findall(r"type\.googleapis\.com/([\w.]+)", json.dumps(cfg))):
+        importlib.import_module("envoy_data_plane." + url.rsplit(".", 1)[0])
+    from envoy_data_plane.envoy.config.bootstrap.v3 import Bootstrap
+
+    return Bootstrap.from_dict(cfg)
+
+
+def _envoy() -> dict[str, Any]:
+    return yaml.safe_load((DEPLOY / "router" / "envoy.yaml").read_text())
+
+
+def test_envoy_config_parses_against_the_v3_api():
+    boot = _envoy_bootstrap(_envoy())
+    assert [lst.name for lst in boot.static_resources.listeners] == ["grpc", "http"]
+    broken = _envoy()
+    hcm = broken["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    hcm["stat_prefixx"] = hcm.pop("stat_prefix")
+    with pytest.raises((KeyError, ValueError, TypeError)):
+        _envoy_bootstrap(broken)
+
+
+# --- kustomize: namespace, image, files ------------------------------------------------------------
+
+
+def test_namespace_and_image_are_set_once_in_kustomize():
+    k = _kustomization()
+    assert k["namespace"] == _one("Namespace")["metadata"]["name"]
+    for name, obj in _all_objects():
+        assert "namespace" not in obj["metadata"], f"{name}: {obj['kind']} hard-codes a namespace"
+    version = importlib.metadata.version("tandem-tts")
+    tags = {i["name"]: i["newTag"] for i in k["images"]}
+    assert tags["tandem-tts"] == version
+    for kind in ("StatefulSet", "Deployment"):
+        for c in _one(kind)["spec"]["template"]["spec"]["containers"]:
+            assert ":" not in c["image"], f"{c['name']}: the tag belongs in kustomization.yaml"
+            assert c["image"] in tags and tags[c["image"]] != "latest"
+            assert c["imagePullPolicy"] == "IfNotPresent"
+    for gen in k["configMapGenerator"]:
+        for f in gen["files"]:
+            assert (DEPLOY / f.split("=", 1)[-1]).is_file()
+    assert (DEPLOY / "Dockerfile").is_file()
+
+
+# --- the unit pod against the code ------------------------------------------------------------------
 
 
 def test_unit_pod_command_renders_a_repository(tmp_path, monkeypatch):
-    script = _server_container()["args"][0]
+    script = _server()["args"][0]
     repo_cmd = shlex.split(script.split("&&")[0].replace('"$(POD_NAME)"', "tandem-unit-0"))
     assert repo_cmd[0] == "tandem-repo"
     ckpt = tmp_path / "ckpt"
@@ -44,32 +161,100 @@ def test_unit_pod_command_renders_a_repository(tmp_path, monkeypatch):
     assert control_dir("tandem-unit-0").name.endswith("tandem-unit-0")  # pod names are valid unit names
 
 
-def test_ports_match_the_server_command():
-    c = _server_container()
+def test_scaling_is_keda_s_alone():
+    sts = _one("StatefulSet", "tandem-unit")
+    assert "replicas" not in sts["spec"], "KEDA owns the scale: a replicas field resets it on every apply"
+    ref = _one("ScaledObject")["spec"]["scaleTargetRef"]
+    assert (ref["apiVersion"], ref["kind"], ref["name"]) == ("apps/v1", "StatefulSet", "tandem-unit")
+
+
+def test_ports_match_the_server_command_and_the_makefile():
+    c = _server()
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
     script = c["args"][0]
-    for name, flag in (("grpc", "--grpc-port"), ("http", "--http-port"), ("metrics", "--metrics-port")):
+    for name, flag in (("grpc", "--grpc-port"), ("metrics", "--metrics-port")):
         assert f"{flag} {ports[name]}" in script
+    assert "--http-address 127.0.0.1" in script, "Triton's HTTP (control APIs) stays inside the pod"
     makefile = (ROOT / "Makefile").read_text()
     assert f"GRPC_PORT ?= {ports['grpc']}" in makefile and f"METRICS_PORT ?= {ports['metrics']}" in makefile
 
 
-def test_keda_queries_use_published_metrics_and_the_measured_capacity():
-    triggers = _docs("keda.yaml")[0]["spec"]["triggers"]
-    for t in triggers:
-        for name in re.findall(r"(tandem_\w+)", t["metadata"]["query"]):
-            assert name in BY_NAME, name
+def test_probes_use_real_console_scripts_and_the_metrics_port():
+    c = _server()
+    metrics_port = next(p["containerPort"] for p in c["ports"] if p["name"] == "metrics")
+    scripts = _console_scripts()
+    for probe in ("readinessProbe", "startupProbe"):
+        cmd = c[probe]["exec"]["command"]
+        assert cmd[0] in scripts
+        assert f"127.0.0.1:{metrics_port}/metrics" in cmd[cmd.index("--metrics-url") + 1]
+    assert "--allow-draining" not in c["readinessProbe"]["exec"]["command"], "a draining D is not ready"
+    gateway = _container(_one("StatefulSet", "tandem-unit"), "gateway")
+    assert gateway["command"][0] in scripts
+
+
+def test_services_policy_and_router_agree_on_ports():
+    sts = _one("StatefulSet", "tandem-unit")
+    pod_ports = {
+        p["name"]: p["containerPort"]
+        for c in sts["spec"]["template"]["spec"]["containers"]
+        for p in c["ports"]
+    }
+    svc = _one("Service", "tandem-unit")
+    assert svc["spec"]["clusterIP"] == "None"
+    assert {p["targetPort"] for p in svc["spec"]["ports"]} <= set(pod_ports)
+    policy = _one("NetworkPolicy")
+    from_router, from_monitoring = policy["spec"]["ingress"]
+    assert from_router["from"][0]["podSelector"]["matchLabels"] == _one("Deployment")["metadata"]["labels"]
+    assert {p["port"] for p in from_router["ports"]} == {pod_ports["grpc"], pod_ports["http-gateway"]}
+    assert {p["port"] for p in from_monitoring["ports"]} == {pod_ports["metrics"]}
+    envoy = _envoy()["static_resources"]
+    listen = {lst["name"]: lst["address"]["socket_address"]["port_value"] for lst in envoy["listeners"]}
+    router_svc = {p["name"]: p["port"] for p in _one("Service", "tandem-router")["spec"]["ports"]}
+    assert router_svc == listen
+    upstream = {
+        c["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]["socket_address"][
+            "port_value"
+        ]
+        for c in envoy["clusters"]
+    }
+    assert upstream == {pod_ports["grpc"], pod_ports["http-gateway"]}
+    assert envoy is not None and _envoy()["admin"]["address"]["socket_address"]["address"] == "127.0.0.1"
+
+
+def test_checkpoint_claim_is_defined():
+    volumes = _one("StatefulSet", "tandem-unit")["spec"]["template"]["spec"]["volumes"]
+    claim = next(v["persistentVolumeClaim"]["claimName"] for v in volumes if "persistentVolumeClaim" in v)
+    assert _one("PersistentVolumeClaim", claim)["spec"]["accessModes"] == ["ReadOnlyMany"]
+
+
+def test_keda_scales_on_one_query_that_counts_draining_units_as_full():
+    spec = _one("ScaledObject")["spec"]
+    triggers = spec["triggers"]
+    assert len(triggers) == 1, "KEDA takes the maximum over triggers: draining must be in the one query"
+    t = triggers[0]
+    assert t["metricType"] == "AverageValue"
+    query = t["metadata"]["query"]
+    for name in re.findall(r"(tandem_\w+)", query):
+        assert name in BY_NAME, name
+    assert set(re.findall(r'namespace="([^"]+)"', query)) == {_kustomization()["namespace"]}
     bench = json.loads((ROOT / "docs" / "benchmarks" / "capacity-h200x2.json").read_text())
     capacity = bench["models"]["tts"]["capacity"]
-    target = int(triggers[0]["metadata"]["threshold"])
+    target = int(t["metadata"]["threshold"])
     assert 0.5 * capacity <= target <= 0.6 * capacity
+    assert f"{target} * (count(tandem_draining" in query, "a draining unit counts one full target"
+    assert "cooldownPeriod" not in spec or spec["minReplicaCount"] == 0, "cooldown acts only at zero"
+    assert spec["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]["scaleDown"][
+        "stabilizationWindowSeconds"
+    ]
 
 
 def test_router_hashes_on_voice():
-    text = (ROOT / "deploy" / "router" / "envoy.yaml").read_text()
-    cfg = yaml.safe_load(text)
-    cluster = cfg["static_resources"]["clusters"][0]
-    assert cluster["lb_policy"] == "RING_HASH"
-    route = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
-    hashes = route["route_config"]["virtual_hosts"][0]["routes"][0]["route"]["hash_policy"]
-    assert hashes[0]["header"]["header_name"] == "voice-id"
+    envoy = _envoy()["static_resources"]
+    for cluster in envoy["clusters"]:
+        assert cluster["lb_policy"] == "RING_HASH"
+        address = cluster["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]
+        assert address["socket_address"]["address"] == _one("Service", "tandem-unit")["metadata"]["name"]
+    for listener in envoy["listeners"]:
+        hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
+        hashes = hcm["route_config"]["virtual_hosts"][0]["routes"][0]["route"]["hash_policy"]
+        assert hashes[0]["header"]["header_name"] == "voice-id"
