@@ -31,11 +31,14 @@ TOP_P = "TOP_P"
 TOP_K = "TOP_K"
 SEED = "SEED"
 VOICE_ID = "VOICE_ID"
+TEXT = "TEXT"
+VOICE = "VOICE"
 
 # Bounds and defaults of the sampling inputs. They are part of the request contract (clients rely
 # on them), not deployment tunables, so they live here rather than in `Limits`.
 MAX_TEMPERATURE = 10.0
 MAX_VOICE_ID_BYTES = 256
+MAX_VOICE_BYTES = 256
 DEFAULT_TEMPERATURE = 1.0
 DEFAULT_TOP_P = 1.0
 DEFAULT_TOP_K = 0  # 0 disables top-k
@@ -224,6 +227,47 @@ def check_text(name: str, value: np.ndarray | None, default: str, max_bytes: int
         return item.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise InvalidInput(f"{name} is not valid UTF-8 (byte {exc.start})") from exc
+
+
+@dataclass(frozen=True)
+class TextRequest:
+    """A request's TEXT and VOICE after validation: `text` has a non-blank character, `voice` is ""
+    for none. `backend/frontend.py` turns it into prompt rows."""
+
+    text: str
+    voice: str
+
+
+def check_text_request(
+    prompt: np.ndarray | None,
+    text: np.ndarray | None,
+    voice: np.ndarray | None,
+    max_text_bytes: int | None,
+) -> TextRequest | None:
+    """Which prompt a request carries: None for PROMPT (checked by `check_prompt`), else its text.
+
+    A request carries exactly one of PROMPT and TEXT; VOICE goes with TEXT only (a PROMPT's rows
+    already hold their voice). `max_text_bytes` None means the model takes no TEXT (it has no
+    tokenizer). Raises `InvalidInput` naming the problem: both or neither, VOICE without TEXT, TEXT
+    on a model without a tokenizer, TEXT or VOICE not one BYTES element, not UTF-8, over its limit,
+    or TEXT empty or blank.
+    """
+    if prompt is not None and text is not None:
+        raise InvalidInput("a request carries exactly one of PROMPT and TEXT, not both")
+    if prompt is None and text is None:
+        if voice is not None:
+            raise InvalidInput("VOICE needs TEXT, and the request has no TEXT (nor a PROMPT)")
+        raise InvalidInput("a request carries exactly one of PROMPT and TEXT; it has neither")
+    if text is None:
+        if voice is not None:
+            raise InvalidInput("VOICE goes with TEXT only; a PROMPT's rows already hold their voice")
+        return None
+    if max_text_bytes is None:
+        raise InvalidInput("TEXT is not accepted: this model has no tokenizer (tandem.frontend.tokenizer)")
+    value = check_text(TEXT, text, "", max_text_bytes)
+    if not value.strip():
+        raise InvalidInput("TEXT is empty" if not value else "TEXT is blank (only whitespace)")
+    return TextRequest(value, check_text(VOICE, voice, "", MAX_VOICE_BYTES))
 
 
 @dataclass(frozen=True)

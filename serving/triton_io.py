@@ -20,9 +20,18 @@ import numpy as np
 
 from tandem.backend.config import Limits, ModelConfig, VocoderConfig
 from tandem.backend.decoder import Decoder
-from tandem.backend.errors import ErrorCode, InvalidInput, TandemError
+from tandem.backend.errors import ErrorCode, TandemError
+from tandem.backend.frontend import TextFrontend, build_frontend, model_config
 from tandem.backend.metrics import METRICS, Kind
-from tandem.backend.prompt import RequestParams, check_prompt, parse_params
+from tandem.backend.prompt import (
+    PROMPT,
+    TEXT,
+    VOICE,
+    RequestParams,
+    check_prompt,
+    check_text_request,
+    parse_params,
+)
 from tandem.backend.runtime import build_decoder, resolve_device
 from tandem.backend.settings import EngineSettings, parse_settings, triton_parameters
 from tandem.backend.stream import Chunk
@@ -63,13 +72,47 @@ def _input(pb: Any, request: Any, name: str) -> np.ndarray | None:
     return None if tensor is None else tensor.as_numpy()
 
 
-def read_request(pb: Any, request: Any, cfg: ModelConfig, limits: Limits) -> tuple[np.ndarray, RequestParams]:
-    """PROMPT and the optional inputs of the client contract; raises InvalidInput naming the problem."""
-    prompt = _input(pb, request, "PROMPT")
-    if prompt is None:
-        raise InvalidInput("PROMPT is required")
+def _text_request(pb: Any, request: Any, frontend: TextFrontend | None) -> Any:
+    prompt = _input(pb, request, PROMPT)
+    limit = None if frontend is None else frontend.max_text_bytes
+    return prompt, check_text_request(prompt, _input(pb, request, TEXT), _input(pb, request, VOICE), limit)
+
+
+def read_request(
+    pb: Any, request: Any, cfg: ModelConfig, limits: Limits, frontend: TextFrontend | None = None
+) -> tuple[np.ndarray, RequestParams]:
+    """The prompt rows and the optional inputs of the client contract; raises InvalidInput naming
+    the problem. The rows are the checked PROMPT or, with a `frontend`, the rows of TEXT (+ VOICE)."""
+    prompt, text = _text_request(pb, request, frontend)
     params = parse_params({name: _input(pb, request, name) for name in OPTIONAL_INPUTS}, cfg, limits)
-    return check_prompt(prompt, cfg, limits), params
+    if text is None:
+        return check_prompt(prompt, cfg, limits), params
+    assert frontend is not None  # check_text_request refuses TEXT without one
+    return frontend.rows(text), params
+
+
+def text_frontend(args: Mapping[str, Any], settings: EngineSettings, cfg: ModelConfig) -> TextFrontend | None:
+    """The model's text front end (None: it refuses TEXT); a relative tokenizer path is relative to
+    the model's directory in the repository (`args["model_repository"]`)."""
+    return build_frontend(settings, cfg, args["model_repository"])
+
+
+def frontend_step(args: Mapping[str, Any]) -> TextFrontend | None:
+    """What the `frontend` step builds in `initialize`: logging, settings, the model's config (no
+    weights) and its text front end."""
+    setup_logging(args["model_name"])
+    settings, _ = load_settings(args)
+    return text_frontend(args, settings, model_config(settings))
+
+
+def read_frontend_request(pb: Any, request: Any, frontend: TextFrontend | None) -> np.ndarray:
+    """The `frontend` step's one output: a PROMPT exactly as it came (`prefill` checks it, so its
+    errors are those of a PROMPT request without the step) or the rows of TEXT (+ VOICE)."""
+    prompt, text = _text_request(pb, request, frontend)
+    if text is None:
+        return np.asarray(prompt)
+    assert frontend is not None
+    return frontend.rows(text)
 
 
 def stream_id(request: Any) -> int:

@@ -17,6 +17,7 @@ class TritonPythonModel:
         self.settings, self.decoder, self.metrics = ctx.settings, ctx.decoder, ctx.metrics
         self.cfg = self.decoder.cfg
         io.check_published(ctx.config, self.cfg, self.settings.vocoder)
+        self.frontend = io.text_frontend(args, self.settings, self.cfg)
         self.vocoder = ReferenceVocoder(self.settings.vocoder)
         self.engine = MonoEngine(self.decoder, self.settings, self.metrics)
         self.engine.start()
@@ -35,7 +36,9 @@ class TritonPythonModel:
             timings.mark("entry")
             sink = io.ResponseSink(pb_utils, request, self._render)
             try:
-                prompt, params = io.read_request(pb_utils, request, self.cfg, self.settings.limits)
+                prompt, params = io.read_request(
+                    pb_utils, request, self.cfg, self.settings.limits, self.frontend
+                )
                 req = EngineRequest(
                     stream_id=io.stream_id(request),
                     prompt=prompt,
