@@ -176,3 +176,20 @@ def test_build_frontend_finds_the_tokenizer(tmp_path: Path, orpheus_tok: TextTok
     assert fe is not None and fe.voices == ("a", "b")
     with pytest.raises(ValueError, match=r"unknown parameter 'frontend\.voice'"):
         parse_settings({"frontend.voice": "x"})
+
+
+def test_tandem_repo_points_the_frontend_at_the_checkpoint(tmp_path: Path) -> None:
+    from tandem.backend.checkpoint import save_checkpoint
+    from tandem.backend.decoder import Decoder
+    from tandem.cli.make_repository import main
+    from tandem.serving.repository import model_parameter
+
+    ckpt = tmp_path / "ckpt"
+    save_checkpoint(Decoder.random(TINY, seed=1), ckpt)
+    assert main(["--out", str(tmp_path / "repo"), "--checkpoint", str(ckpt)]) == 0
+    for model in ("frontend", "prefill", "tts_mono"):
+        assert model_parameter(tmp_path / "repo", model, "tandem.model.checkpoint") == str(ckpt.resolve())
+    for model in ("frontend", "tts_mono"):  # the checkpoint's own tokenizer.json
+        assert model_parameter(tmp_path / "repo", model, "tandem.frontend.tokenizer") == ""
+    assert main(["--out", str(tmp_path / "preset"), "--preset", "qwen3-4b-shape"]) == 0
+    assert model_parameter(tmp_path / "preset", "frontend", "tandem.model.preset") == "qwen3-4b-shape"
