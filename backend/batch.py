@@ -43,7 +43,7 @@ from tandem.backend.decoder import Decoder
 from tandem.backend.errors import Cancelled, StreamFailed
 from tandem.backend.kv_pool import KVPool
 from tandem.backend.metrics import MetricsSink
-from tandem.backend.sampling import sample_on_device
+from tandem.backend.sampling import mark_seen, sample_on_device
 from tandem.backend.stream import Chunk, Stream, StreamStatus
 from tandem.backend.uploads import upload
 from tandem.backend.vocoder import ChunkPolicy
@@ -138,6 +138,13 @@ class DecodeBatch:
         assert stream.slots is not None
         stream.status = StreamStatus.RUNNING
         stream.generated.append(np.asarray(first_row, dtype=np.int64).reshape(-1))
+        if stream.sampling.penalised:  # the repetition penalty's history starts with row 0
+            cfg = self.decoder.cfg
+            stream.seen = torch.zeros(
+                (1, cfg.row_width, cfg.vocab_size), dtype=torch.bool, device=self.pool.device
+            )
+            mark_seen(stream.seen, upload(stream.generated[-1][None], self.pool.device))
+            stream.seen = stream.seen[0]
         self.streams.append(stream)
         self._releases[id(stream)] = release
         self._after_rows(stream)
@@ -192,7 +199,12 @@ class DecodeBatch:
             logits = self._graphed.decode(rows, tables, pos)
         else:
             logits = self.decoder.decode(rows, self.pool, tables, pos)
-        rows_dev = sample_on_device(logits, [s.sampling for s in active], [p + 1 for p in positions])
+        seen = self._seen(active)
+        rows_dev = sample_on_device(logits, [s.sampling for s in active], [p + 1 for p in positions], seen)
+        if seen is not None:  # the next step's history, ordered on the device after this step's rows
+            mark_seen(seen, rows_dev)
+            for s, row in zip(active, seen, strict=True):
+                s.seen = row if s.seen is not None else None
         host_rows = rows_dev
         if events is not None:  # the rows come back behind this step, ahead of the next one
             host_rows = torch.empty(rows_dev.shape, dtype=rows_dev.dtype, pin_memory=True)
@@ -210,6 +222,25 @@ class DecodeBatch:
         )
         self._queued.append(queued)
         return queued
+
+    def _seen(self, active: list[Stream]) -> torch.Tensor | None:
+        """Bool [B, W, V]: the ids each active stream generated (a stream without a repetition
+        penalty contributes zeros), or None when no active stream has a penalty."""
+        if not any(s.seen is not None for s in active):
+            return None
+        zeros = None
+        rows = []
+        for s in active:
+            if s.seen is None:
+                cfg = self.decoder.cfg
+                if zeros is None:
+                    zeros = torch.zeros(
+                        (cfg.row_width, cfg.vocab_size), dtype=torch.bool, device=self.pool.device
+                    )
+                rows.append(zeros)
+            else:
+                rows.append(s.seen)
+        return torch.stack(rows)
 
     def _input_rows(
         self, active: list[Stream], prev: QueuedStep | None, ahead: dict[int, int]

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from tandem.backend.grammar import Grammar
 from tandem.backend.sampling import SamplingParams
 from tandem.transfer import Ticket
 
@@ -36,6 +37,10 @@ class Handoff:
                     self.sampling.top_p,
                     self.sampling.top_k,
                     self.sampling.seed,
+                    self.sampling.repetition_penalty,
+                    int(self.sampling.grammar),
+                    self.sampling.grammar_start,
+                    list(self.sampling.stop_token_ids),
                 ],
                 "max_new_rows": self.max_new_rows,
                 "timings": self.timings,
@@ -49,7 +54,7 @@ class Handoff:
         try:
             d = json.loads(text)
             ticket = None if d["ticket"] is None else Ticket.from_json(json.dumps(d["ticket"]))
-            t, p, k, seed = d["sampling"]
+            t, p, k, seed, penalty, grammar, grammar_start, stops = d["sampling"]
             prompt_len, max_new_rows = int(d["prompt_len"]), int(d["max_new_rows"])
             if prompt_len <= 0 or max_new_rows <= 0:
                 raise ValueError(f"prompt_len {prompt_len} and max_new_rows {max_new_rows} must be positive")
@@ -59,7 +64,16 @@ class Handoff:
                 ticket=ticket,
                 prompt_len=prompt_len,
                 first_row=tuple(int(x) for x in d["first_row"]),
-                sampling=SamplingParams(temperature=float(t), top_p=float(p), top_k=int(k), seed=int(seed)),
+                sampling=SamplingParams(
+                    temperature=float(t),
+                    top_p=float(p),
+                    top_k=int(k),
+                    seed=int(seed),
+                    repetition_penalty=float(penalty),
+                    grammar=Grammar(int(grammar)),
+                    grammar_start=int(grammar_start),
+                    stop_token_ids=tuple(int(x) for x in stops),
+                ),
                 max_new_rows=max_new_rows,
                 timings={str(a): int(b) for a, b in d["timings"].items()},
             )

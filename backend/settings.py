@@ -83,13 +83,15 @@ class FrontendSettings:
     repository; "" means `<tandem.model.checkpoint>/tokenizer.json`, and without a checkpoint the
     model takes no TEXT. `family` is auto (detected from the tokenizer and config), plain or orpheus.
     `voices` (comma-separated) lists the VOICEs a request may name; "" takes the checkpoint's list
-    (`tandem_voices` in its config.json) and, without one, any voice.
+    (`tandem_voices` in its config.json) and, without one, any voice. `family` and `grammar` are
+    also read by `prefill` and `tts_mono`, which sample under the family's grammar.
     """
 
     tokenizer: str = ""
     family: str = "auto"
     voices: str = ""
     max_text_bytes: int = 4096
+    grammar: str = "auto"  # the audio-token grammar (backend/grammar.py): auto (on for Orpheus), off, orpheus
 
 
 @dataclass(frozen=True)

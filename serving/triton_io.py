@@ -9,6 +9,7 @@ importable (and testable) outside Triton.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import sys
@@ -22,11 +23,14 @@ from tandem.backend.config import Limits, ModelConfig, VocoderConfig
 from tandem.backend.decoder import Decoder
 from tandem.backend.errors import ErrorCode, TandemError
 from tandem.backend.frontend import TextFrontend, build_frontend, model_config
+from tandem.backend.generation import load_generation_defaults
 from tandem.backend.metrics import METRICS, Kind
 from tandem.backend.prompt import (
+    CONTRACT_DEFAULTS,
     PROMPT,
     TEXT,
     VOICE,
+    GenerationDefaults,
     RequestParams,
     check_prompt,
     check_text_request,
@@ -37,7 +41,7 @@ from tandem.backend.settings import EngineSettings, parse_settings, triton_param
 from tandem.backend.stream import Chunk
 from tandem.backend.timing import Timings
 
-OPTIONAL_INPUTS = ("MAX_TOKENS", "TEMPERATURE", "TOP_P", "TOP_K", "SEED", "VOICE_ID")
+OPTIONAL_INPUTS = ("MAX_TOKENS", "TEMPERATURE", "TOP_P", "TOP_K", "SEED", "VOICE_ID", "REPETITION_PENALTY")
 
 
 def setup_logging(model_name: str) -> None:
@@ -79,22 +83,42 @@ def _text_request(pb: Any, request: Any, frontend: TextFrontend | None) -> Any:
 
 
 def read_request(
-    pb: Any, request: Any, cfg: ModelConfig, limits: Limits, frontend: TextFrontend | None = None
+    pb: Any,
+    request: Any,
+    cfg: ModelConfig,
+    limits: Limits,
+    frontend: TextFrontend | None = None,
+    defaults: GenerationDefaults = CONTRACT_DEFAULTS,
 ) -> tuple[np.ndarray, RequestParams]:
     """The prompt rows and the optional inputs of the client contract; raises InvalidInput naming
-    the problem. The rows are the checked PROMPT or, with a `frontend`, the rows of TEXT (+ VOICE)."""
+    the problem. The rows are the checked PROMPT or, with a `frontend`, the rows of TEXT (+ VOICE);
+    absent inputs take the model's `defaults` (`generation_defaults`)."""
     prompt, text = _text_request(pb, request, frontend)
-    params = parse_params({name: _input(pb, request, name) for name in OPTIONAL_INPUTS}, cfg, limits)
+    inputs = {name: _input(pb, request, name) for name in OPTIONAL_INPUTS}
+    params = parse_params(inputs, cfg, limits, defaults)
     if text is None:
-        return check_prompt(prompt, cfg, limits), params
-    assert frontend is not None  # check_text_request refuses TEXT without one
-    return frontend.rows(text), params
+        rows = check_prompt(prompt, cfg, limits)
+    else:
+        assert frontend is not None  # check_text_request refuses TEXT without one
+        rows = frontend.rows(text)
+    return rows, dataclasses.replace(params, grammar_start=int(rows.shape[0]))
 
 
 def text_frontend(args: Mapping[str, Any], settings: EngineSettings, cfg: ModelConfig) -> TextFrontend | None:
     """The model's text front end (None: it refuses TEXT); a relative tokenizer path is relative to
     the model's directory in the repository (`args["model_repository"]`)."""
     return build_frontend(settings, cfg, args["model_repository"])
+
+
+def generation_defaults(
+    args: Mapping[str, Any], settings: EngineSettings, cfg: ModelConfig, frontend: TextFrontend | None = None
+) -> GenerationDefaults:
+    """The model's sampling defaults, grammar and stop ids (`backend/generation.py`), for the models
+    that validate requests (`prefill`, `tts_mono`). Without a `frontend` one is built for the family
+    (from the checkpoint's tokenizer) and dropped."""
+    if frontend is None:
+        frontend = text_frontend(args, settings, cfg)
+    return load_generation_defaults(settings, cfg, frontend)
 
 
 def frontend_step(args: Mapping[str, Any]) -> TextFrontend | None:
@@ -248,7 +272,16 @@ def sampling_params(params: RequestParams) -> Any:
     from tandem.backend.sampling import SamplingParams
 
     seed = params.seed if params.seed is not None else int.from_bytes(np.random.bytes(7), "little")
-    return SamplingParams(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k, seed=seed)
+    return SamplingParams(
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=params.top_k,
+        seed=seed,
+        repetition_penalty=params.repetition_penalty,
+        grammar=params.grammar,
+        grammar_start=params.grammar_start,
+        stop_token_ids=params.stop_token_ids,
+    )
 
 
 class HandoffResponder(_DecoupledResponder):

@@ -97,11 +97,13 @@ def orpheus(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[TritonPr
     overrides = {
         "frontend": {**model, "tandem.frontend.tokenizer": ""},
         "prefill": model,
-        "decode": model,
+        # a 156,940-id head on a shared 2-core CPU: no start-up calibration of D's rate-floor model
+        # and no rate admission (both about GPU capacity, not what this module checks)
+        "decode": {**model, "tandem.batch.calibrate_steps": "0", "tandem.batch.rate_admission": "false"},
         "tts_mono": {**model, **published, "tandem.frontend.tokenizer": ""},
         "tts": published,
     }
-    proc = TritonProcess(tmp_path_factory.mktemp("triton-orpheus"), overrides).start()
+    proc = TritonProcess(tmp_path_factory.mktemp("triton-orpheus"), overrides).start(timeout_s=600)
     yield proc, ckpt
     proc.stop()
 
@@ -144,3 +146,34 @@ def test_orpheus_unknown_voice_refused(orpheus):
 def test_orpheus_checkpoint_shape():
     cfg = orpheus_config()
     assert cfg.vocab_size == 156940 and cfg.tie_word_embeddings and cfg.rope_scaling is not None
+
+
+def _obeys_grammar(tokens: np.ndarray) -> bool:
+    ids = tokens[:, 0].tolist()
+    for i, t in enumerate(ids):
+        lo = 128266 + (i % 7) * 4096
+        if not (lo <= t < lo + 4096 or (t == 128258 and i == len(ids) - 1)):
+            return False
+    return True
+
+
+def test_orpheus_samples_under_the_grammar_with_the_checkpoints_defaults(orpheus):
+    """No sampling input: generation_config.json's temperature 0.6, top_p 0.8, repetition penalty 1.1;
+    every token is an audio id of its slot (or the closing end-of-speech); tts equals tts_mono."""
+    proc, _ = orpheus
+    for extra in ({}, {"REPETITION_PENALTY": 1.3}, {"TEMPERATURE": 0.0}):
+        got = [run(proc.url, m, None, TEXT=TEXT, VOICE="leo", MAX_TOKENS=21, SEED=5, **extra) for m in MODELS]
+        for r in got:
+            assert r.error is None, r.error
+            assert _obeys_grammar(r.rows), r.rows[:, 0]
+        np.testing.assert_array_equal(got[0].rows, got[1].rows)
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_bad_repetition_penalty_refused(server, model):
+    bad = ((0.0, "REPETITION_PENALTY = 0.0 is outside (0, 10]"), (float("nan"), "not a finite"))
+    for value, needle in bad:
+        r = run(server.url, model, prompt(5), MAX_TOKENS=2, REPETITION_PENALTY=value)
+        assert r.error is not None and "[INVALID_ARG]" in r.error and needle in r.error, r.error
+    ok = run(server.url, model, prompt(5), MAX_TOKENS=3, REPETITION_PENALTY=1.2, SEED=1)
+    assert ok.error is None and ok.rows.shape == (3, TINY_W)

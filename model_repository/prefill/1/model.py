@@ -26,6 +26,7 @@ class TritonPythonModel:
         ctx = io.engine_context(pb_utils, args)
         self.settings, self.decoder, self.metrics = ctx.settings, ctx.decoder, ctx.metrics
         self.cfg = self.decoder.cfg
+        self.defaults = io.generation_defaults(args, self.settings, self.cfg)
         slot = args["model_instance_name"].replace(" ", "_")
         self.engine = PrefillEngine(self.decoder, self.settings, self.metrics, slot, _exit_for_proof)
         self.engine.start()
@@ -36,7 +37,9 @@ class TritonPythonModel:
             timings.mark("entry")
             sink = io.HandoffResponder(pb_utils, request)
             try:
-                prompt, params = io.read_request(pb_utils, request, self.cfg, self.settings.limits)
+                prompt, params = io.read_request(
+                    pb_utils, request, self.cfg, self.settings.limits, defaults=self.defaults
+                )
                 self.engine.submit(
                     PrefillRequest(
                         stream_id=io.stream_id(request),

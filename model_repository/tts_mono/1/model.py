@@ -18,6 +18,7 @@ class TritonPythonModel:
         self.cfg = self.decoder.cfg
         io.check_published(ctx.config, self.cfg, self.settings.vocoder)
         self.frontend = io.text_frontend(args, self.settings, self.cfg)
+        self.defaults = io.generation_defaults(args, self.settings, self.cfg, self.frontend)
         self.vocoder = ReferenceVocoder(self.settings.vocoder)
         self.engine = MonoEngine(self.decoder, self.settings, self.metrics)
         self.engine.start()
@@ -37,7 +38,7 @@ class TritonPythonModel:
             sink = io.ResponseSink(pb_utils, request, self._render)
             try:
                 prompt, params = io.read_request(
-                    pb_utils, request, self.cfg, self.settings.limits, self.frontend
+                    pb_utils, request, self.cfg, self.settings.limits, self.frontend, self.defaults
                 )
                 req = EngineRequest(
                     stream_id=io.stream_id(request),
