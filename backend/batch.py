@@ -139,12 +139,8 @@ class DecodeBatch:
         stream.status = StreamStatus.RUNNING
         stream.generated.append(np.asarray(first_row, dtype=np.int64).reshape(-1))
         if stream.sampling.penalised:  # the repetition penalty's history starts with row 0
-            cfg = self.decoder.cfg
-            stream.seen = torch.zeros(
-                (1, cfg.row_width, cfg.vocab_size), dtype=torch.bool, device=self.pool.device
-            )
-            mark_seen(stream.seen, upload(stream.generated[-1][None], self.pool.device))
-            stream.seen = stream.seen[0]
+            stream.seen = self._no_history()
+            mark_seen(stream.seen[None], upload(stream.generated[-1][None], self.pool.device))
         self.streams.append(stream)
         self._releases[id(stream)] = release
         self._after_rows(stream)
@@ -223,24 +219,18 @@ class DecodeBatch:
         self._queued.append(queued)
         return queued
 
+    def _no_history(self) -> torch.Tensor:
+        cfg = self.decoder.cfg
+        return torch.zeros((cfg.row_width, cfg.vocab_size), dtype=torch.bool, device=self.pool.device)
+
     def _seen(self, active: list[Stream]) -> torch.Tensor | None:
         """Bool [B, W, V]: the ids each active stream generated (a stream without a repetition
-        penalty contributes zeros), or None when no active stream has a penalty."""
-        if not any(s.seen is not None for s in active):
+        penalty contributes zeros), or None when no active stream has a penalty. Streams keep views
+        of it (`Stream.seen`), so the next step's history follows this step's on the device."""
+        if all(s.seen is None for s in active):
             return None
-        zeros = None
-        rows = []
-        for s in active:
-            if s.seen is None:
-                cfg = self.decoder.cfg
-                if zeros is None:
-                    zeros = torch.zeros(
-                        (cfg.row_width, cfg.vocab_size), dtype=torch.bool, device=self.pool.device
-                    )
-                rows.append(zeros)
-            else:
-                rows.append(s.seen)
-        return torch.stack(rows)
+        blank = self._no_history()  # one [W, V] row shared by the streams without a penalty
+        return torch.stack([blank if s.seen is None else s.seen for s in active])
 
     def _input_rows(
         self, active: list[Stream], prev: QueuedStep | None, ahead: dict[int, int]
