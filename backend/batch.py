@@ -43,7 +43,7 @@ from tandem.backend.decoder import Decoder
 from tandem.backend.errors import Cancelled, StreamFailed
 from tandem.backend.kv_pool import KVPool
 from tandem.backend.metrics import MetricsSink
-from tandem.backend.sampling import sample_on_device
+from tandem.backend.sampling import mark_seen, sample_on_device
 from tandem.backend.stream import Chunk, Stream, StreamStatus
 from tandem.backend.uploads import upload
 from tandem.backend.vocoder import ChunkPolicy
@@ -138,6 +138,9 @@ class DecodeBatch:
         assert stream.slots is not None
         stream.status = StreamStatus.RUNNING
         stream.generated.append(np.asarray(first_row, dtype=np.int64).reshape(-1))
+        if stream.sampling.penalised:  # the repetition penalty's history starts with row 0
+            stream.seen = self._no_history()
+            mark_seen(stream.seen[None], upload(stream.generated[-1][None], self.pool.device))
         self.streams.append(stream)
         self._releases[id(stream)] = release
         self._after_rows(stream)
@@ -192,7 +195,12 @@ class DecodeBatch:
             logits = self._graphed.decode(rows, tables, pos)
         else:
             logits = self.decoder.decode(rows, self.pool, tables, pos)
-        rows_dev = sample_on_device(logits, [s.sampling for s in active], [p + 1 for p in positions])
+        seen = self._seen(active)
+        rows_dev = sample_on_device(logits, [s.sampling for s in active], [p + 1 for p in positions], seen)
+        if seen is not None:  # the next step's history, ordered on the device after this step's rows
+            mark_seen(seen, rows_dev)
+            for s, row in zip(active, seen, strict=True):
+                s.seen = row if s.seen is not None else None
         host_rows = rows_dev
         if events is not None:  # the rows come back behind this step, ahead of the next one
             host_rows = torch.empty(rows_dev.shape, dtype=rows_dev.dtype, pin_memory=True)
@@ -210,6 +218,19 @@ class DecodeBatch:
         )
         self._queued.append(queued)
         return queued
+
+    def _no_history(self) -> torch.Tensor:
+        cfg = self.decoder.cfg
+        return torch.zeros((cfg.row_width, cfg.vocab_size), dtype=torch.bool, device=self.pool.device)
+
+    def _seen(self, active: list[Stream]) -> torch.Tensor | None:
+        """Bool [B, W, V]: the ids each active stream generated (a stream without a repetition
+        penalty contributes zeros), or None when no active stream has a penalty. Streams keep views
+        of it (`Stream.seen`), so the next step's history follows this step's on the device."""
+        if all(s.seen is None for s in active):
+            return None
+        blank = self._no_history()  # one [W, V] row shared by the streams without a penalty
+        return torch.stack([blank if s.seen is None else s.seen for s in active])
 
     def _input_rows(
         self, active: list[Stream], prev: QueuedStep | None, ahead: dict[int, int]

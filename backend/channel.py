@@ -95,7 +95,7 @@ class Submit(msgspec.Struct, frozen=True, tag=True):
     stream_id: int
     timings: dict[str, int]
     prompt: Array | None = None
-    sampling: tuple[float, float, int, int] = (0.0, 1.0, 0, 0)  # temperature, top_p, top_k, seed
+    sampling: list[Any] = msgspec.field(default_factory=list)  # SamplingParams.to_wire()
     max_new_rows: int = 0
     handoff: str = ""
 

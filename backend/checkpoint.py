@@ -5,8 +5,9 @@ names are HF's, so a checkpoint is loaded tensor by tensor with no renaming. Row
 codebook columns per step) is expressed by the extra config key "tandem_row_width" with embed_tokens and
 lm_head of shape [W*V, H]; with W=1 the files are plain HF checkpoints transformers can load.
 
-Anything the decoder does not implement (other architectures, rope scaling, sliding windows, o_proj or
-MLP biases, other activations) is rejected with a ValueError naming the field rather than loaded wrong.
+Anything the decoder does not implement (other architectures, RoPE scalings other than Llama 3's,
+sliding windows, o_proj or MLP biases, other activations) is rejected with a ValueError naming the
+field rather than loaded wrong.
 """
 
 from __future__ import annotations
@@ -22,30 +23,11 @@ from safetensors.torch import save_file
 
 from .config import ModelConfig, torch_dtype
 from .decoder import Decoder
+from .rope import parse_rope
 
 _SUPPORTED = ("llama", "qwen2", "qwen3")
 _ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
-
-
-def _rope_theta(hf: dict[str, Any]) -> float:
-    # transformers < 5: rope_theta + rope_scaling; transformers >= 5: rope_parameters {rope_type, rope_theta}.
-    params = hf.get("rope_parameters")
-    scaling = hf.get("rope_scaling")
-    for block, field in ((params, "rope_parameters"), (scaling, "rope_scaling")):
-        if block is None:
-            continue
-        if not isinstance(block, dict):
-            raise ValueError(f"unsupported {field}: {block!r}")
-        kind = block.get("rope_type", block.get("type", "default"))
-        if kind != "default":
-            raise ValueError(
-                f"unsupported {field} type {kind!r}: only unscaled ('default') RoPE is implemented"
-            )
-    theta = hf.get("rope_theta")
-    if theta is None and isinstance(params, dict):
-        theta = params.get("rope_theta")
-    return float(theta if theta is not None else 10000.0)
 
 
 def config_from_hf(hf_config: dict[str, Any]) -> ModelConfig:
@@ -76,6 +58,7 @@ def config_from_hf(hf_config: dict[str, Any]) -> ModelConfig:
     dtype = hf.get("dtype") or hf.get("torch_dtype") or "float32"
     if dtype not in ("float32", "bfloat16", "float16"):
         raise ValueError(f"unsupported dtype {dtype!r}")
+    rope_theta, rope_scaling = parse_rope(hf)
     eos = hf.get("eos_token_id")
     if isinstance(eos, list):
         eos = eos[0] if eos else None
@@ -88,7 +71,8 @@ def config_from_hf(hf_config: dict[str, Any]) -> ModelConfig:
         num_kv_heads=int(hf.get("num_key_value_heads") or heads),
         head_dim=int(head_dim),
         intermediate_size=int(hf["intermediate_size"]),
-        rope_theta=_rope_theta(hf),
+        rope_theta=rope_theta,
+        rope_scaling=rope_scaling,
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         qk_norm=model_type == "qwen3",
         attention_bias=attention_bias,
@@ -175,7 +159,7 @@ def _hf_config(cfg: ModelConfig) -> dict[str, Any]:
         "hidden_act": "silu",
         "rms_norm_eps": cfg.rms_norm_eps,
         "rope_theta": cfg.rope_theta,
-        "rope_scaling": None,
+        "rope_scaling": None if cfg.rope_scaling is None else cfg.rope_scaling.to_hf(),
         "max_position_embeddings": cfg.max_position_embeddings,
         "tie_word_embeddings": cfg.tie_word_embeddings,
         "attention_bias": False,

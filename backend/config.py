@@ -10,6 +10,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from .rope import RopeScaling
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -38,6 +40,7 @@ class ModelConfig:
     head_dim: int
     intermediate_size: int
     rope_theta: float = 1_000_000.0
+    rope_scaling: RopeScaling | None = None  # None: unscaled RoPE; else Llama 3's (backend/rope.py)
     rms_norm_eps: float = 1e-6
     qk_norm: bool = False
     attention_bias: bool = False

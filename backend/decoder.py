@@ -28,7 +28,8 @@ from tandem.csrc import kv_cuda, triton_ops
 
 from .config import ModelConfig
 from .kv_pool import KVLayout, KVPool
-from .layers import Body, DecoderLayer, rope_cos_sin, rope_inv_freq
+from .layers import Body, DecoderLayer, rope_cos_sin
+from .rope import inv_freq as rope_inv_freq
 from .uploads import upload
 
 # Prefill's SDPA backends: flash (causal, no cached prefix) and memory-efficient (masked) kernels have
@@ -101,7 +102,8 @@ class Decoder(nn.Module):
         # runs the torch modules one by one (the reference; the CPU always does). Read when a step runs.
         self.fused = True
         dev = self.model.embed_tokens.weight.device
-        self.register_buffer("inv_freq", rope_inv_freq(cfg.head_dim, cfg.rope_theta, dev), persistent=False)
+        inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, dev)  # backend/rope.py
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.register_buffer(
             "_col_offsets", torch.arange(cfg.row_width, device=dev) * cfg.vocab_size, persistent=False
         )

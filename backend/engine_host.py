@@ -249,11 +249,14 @@ class EngineHost:
             return DecodeRequest(msg.stream_id, handoff, sink, timings)
         if msg.prompt is None:
             raise InvalidInput("PROMPT is required")
-        t, p, k, seed = msg.sampling
+        try:
+            sampling = SamplingParams.from_wire(msg.sampling)
+        except (TypeError, ValueError) as exc:
+            raise InvalidInput(f"malformed sampling parameters: {exc}") from None
         fields = {
             "stream_id": msg.stream_id,
             "prompt": msg.prompt.numpy().copy(),
-            "sampling": SamplingParams(temperature=t, top_p=p, top_k=k, seed=seed),
+            "sampling": sampling,
             "max_new_rows": msg.max_new_rows,
             "sink": sink,
             "timings": timings,

@@ -31,12 +31,7 @@ class Handoff:
                 "ticket": None if self.ticket is None else json.loads(self.ticket.to_json()),
                 "prompt_len": self.prompt_len,
                 "first_row": list(self.first_row),
-                "sampling": [
-                    self.sampling.temperature,
-                    self.sampling.top_p,
-                    self.sampling.top_k,
-                    self.sampling.seed,
-                ],
+                "sampling": self.sampling.to_wire(),
                 "max_new_rows": self.max_new_rows,
                 "timings": self.timings,
             },
@@ -49,7 +44,6 @@ class Handoff:
         try:
             d = json.loads(text)
             ticket = None if d["ticket"] is None else Ticket.from_json(json.dumps(d["ticket"]))
-            t, p, k, seed = d["sampling"]
             prompt_len, max_new_rows = int(d["prompt_len"]), int(d["max_new_rows"])
             if prompt_len <= 0 or max_new_rows <= 0:
                 raise ValueError(f"prompt_len {prompt_len} and max_new_rows {max_new_rows} must be positive")
@@ -59,7 +53,7 @@ class Handoff:
                 ticket=ticket,
                 prompt_len=prompt_len,
                 first_row=tuple(int(x) for x in d["first_row"]),
-                sampling=SamplingParams(temperature=float(t), top_p=float(p), top_k=int(k), seed=int(seed)),
+                sampling=SamplingParams.from_wire(d["sampling"]),
                 max_new_rows=max_new_rows,
                 timings={str(a): int(b) for a, b in d["timings"].items()},
             )

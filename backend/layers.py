@@ -79,12 +79,6 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(x.dtype)
 
 
-def rope_inv_freq(head_dim: int, theta: float, device: torch.device) -> torch.Tensor:
-    """Inverse frequencies of the default (unscaled) RoPE, float32, same formula as HF."""
-    exps = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim
-    return 1.0 / (theta**exps)
-
-
 def rope_cos_sin(
     inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:

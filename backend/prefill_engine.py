@@ -218,7 +218,8 @@ class PrefillEngine:
         try:
             self.cache.commit(alloc, req.prompt)
             eos = self.decoder.cfg.eos_token_id
-            ends_now = req.max_new_rows <= 1 or (eos is not None and int(first[0]) == eos)
+            last = int(first[0])
+            ends_now = req.max_new_rows <= 1 or last == eos or req.sampling.stops(last)
             ticket = None
             if not ends_now:
                 ticket = self.sender.offer(

@@ -21,6 +21,7 @@ import numpy as np
 
 from tandem.backend.config import Limits, ModelConfig
 from tandem.backend.errors import InvalidInput
+from tandem.backend.grammar import Grammar
 from tandem.csrc import pack_rows, validate_rows
 
 # Request input names, as declared in the models' config.pbtxt.
@@ -31,14 +32,20 @@ TOP_P = "TOP_P"
 TOP_K = "TOP_K"
 SEED = "SEED"
 VOICE_ID = "VOICE_ID"
+TEXT = "TEXT"
+VOICE = "VOICE"
+REPETITION_PENALTY = "REPETITION_PENALTY"
 
 # Bounds and defaults of the sampling inputs. They are part of the request contract (clients rely
 # on them), not deployment tunables, so they live here rather than in `Limits`.
 MAX_TEMPERATURE = 10.0
+MAX_REPETITION_PENALTY = 10.0
 MAX_VOICE_ID_BYTES = 256
+MAX_VOICE_BYTES = 256
 DEFAULT_TEMPERATURE = 1.0
 DEFAULT_TOP_P = 1.0
 DEFAULT_TOP_K = 0  # 0 disables top-k
+DEFAULT_REPETITION_PENALTY = 1.0  # 1 disables it
 DEFAULT_VOICE_ID = ""  # the model's default voice
 
 _TRITON_NAMES = {
@@ -227,6 +234,63 @@ def check_text(name: str, value: np.ndarray | None, default: str, max_bytes: int
 
 
 @dataclass(frozen=True)
+class TextRequest:
+    """A request's TEXT and VOICE after validation: `text` has a non-blank character, `voice` is ""
+    for none. `backend/frontend.py` turns it into prompt rows."""
+
+    text: str
+    voice: str
+
+
+def check_text_request(
+    prompt: np.ndarray | None,
+    text: np.ndarray | None,
+    voice: np.ndarray | None,
+    max_text_bytes: int | None,
+) -> TextRequest | None:
+    """Which prompt a request carries: None for PROMPT (checked by `check_prompt`), else its text.
+
+    A request carries exactly one of PROMPT and TEXT; VOICE goes with TEXT only (a PROMPT's rows
+    already hold their voice). `max_text_bytes` None means the model takes no TEXT (it has no
+    tokenizer). Raises `InvalidInput` naming the problem: both or neither, VOICE without TEXT, TEXT
+    on a model without a tokenizer, TEXT or VOICE not one BYTES element, not UTF-8, over its limit,
+    or TEXT empty or blank.
+    """
+    if prompt is not None and text is not None:
+        raise InvalidInput("a request carries exactly one of PROMPT and TEXT, not both")
+    if prompt is None and text is None:
+        if voice is not None:
+            raise InvalidInput("VOICE needs TEXT, and the request has no TEXT (nor a PROMPT)")
+        raise InvalidInput("a request carries exactly one of PROMPT and TEXT; it has neither")
+    if text is None:
+        if voice is not None:
+            raise InvalidInput("VOICE goes with TEXT only; a PROMPT's rows already hold their voice")
+        return None
+    if max_text_bytes is None:
+        raise InvalidInput("TEXT is not accepted: this model has no tokenizer (tandem.frontend.tokenizer)")
+    value = check_text(TEXT, text, "", max_text_bytes)
+    if not value.strip():
+        raise InvalidInput("TEXT is empty" if not value else "TEXT is blank (only whitespace)")
+    return TextRequest(value, check_text(VOICE, voice, "", MAX_VOICE_BYTES))
+
+
+@dataclass(frozen=True)
+class GenerationDefaults:
+    """What a request that names no sampling input gets, and the model's stream policy (grammar,
+    stop ids). The request contract's values here; a checkpoint's from `backend/generation.py`."""
+
+    temperature: float = DEFAULT_TEMPERATURE
+    top_p: float = DEFAULT_TOP_P
+    top_k: int = DEFAULT_TOP_K
+    repetition_penalty: float = DEFAULT_REPETITION_PENALTY
+    grammar: Grammar = Grammar.NONE
+    stop_token_ids: tuple[int, ...] = ()
+
+
+CONTRACT_DEFAULTS = GenerationDefaults()  # a model without a checkpoint's generation config
+
+
+@dataclass(frozen=True)
 class RequestParams:
     """A request's generation parameters after validation; plain Python values only."""
 
@@ -236,13 +300,24 @@ class RequestParams:
     top_k: int  # 0 disables top-k
     seed: int | None  # None: the engine picks one
     voice_id: str  # "" means the model's default voice
+    repetition_penalty: float = DEFAULT_REPETITION_PENALTY  # in (0, 10]; 1 disables it
+    grammar: Grammar = Grammar.NONE  # the model's, not the request's
+    grammar_start: int = 0  # the prompt's length: position of the first generated row
+    stop_token_ids: tuple[int, ...] = ()  # the model's
 
 
-def parse_params(inputs: Mapping[str, np.ndarray | None], cfg: ModelConfig, limits: Limits) -> RequestParams:
-    """Validate every optional scalar input; an absent (or None) input takes its default.
+def parse_params(
+    inputs: Mapping[str, np.ndarray | None],
+    cfg: ModelConfig,
+    limits: Limits,
+    defaults: GenerationDefaults = CONTRACT_DEFAULTS,
+) -> RequestParams:
+    """Validate every optional scalar input; an absent (or None) input takes its default from
+    `defaults` (the model's generation defaults), as do the grammar and stop ids.
 
-    Inputs not named here (PROMPT among them) are ignored. Raises `InvalidInput` for the first bad
-    input, in the order of `RequestParams`' fields.
+    Inputs not named here (PROMPT among them) are ignored; `grammar_start` is left 0 for the caller,
+    who knows the prompt. Raises `InvalidInput` for the first bad input, in the order of
+    `RequestParams`' fields.
     """
     return RequestParams(
         max_new_rows=check_int(
@@ -254,10 +329,20 @@ def parse_params(inputs: Mapping[str, np.ndarray | None], cfg: ModelConfig, limi
             limits.max_new_rows,
         ),
         temperature=check_float(
-            TEMPERATURE, inputs.get(TEMPERATURE), DEFAULT_TEMPERATURE, 0.0, MAX_TEMPERATURE
+            TEMPERATURE, inputs.get(TEMPERATURE), defaults.temperature, 0.0, MAX_TEMPERATURE
         ),
-        top_p=check_float(TOP_P, inputs.get(TOP_P), DEFAULT_TOP_P, 0.0, 1.0, lo_open=True),
-        top_k=check_int(TOP_K, inputs.get(TOP_K), np.dtype(np.int32), DEFAULT_TOP_K, 0, cfg.vocab_size),
+        top_p=check_float(TOP_P, inputs.get(TOP_P), defaults.top_p, 0.0, 1.0, lo_open=True),
+        top_k=check_int(TOP_K, inputs.get(TOP_K), np.dtype(np.int32), defaults.top_k, 0, cfg.vocab_size),
         seed=check_int(SEED, inputs.get(SEED), np.dtype(np.int64), None),
         voice_id=check_text(VOICE_ID, inputs.get(VOICE_ID), DEFAULT_VOICE_ID, MAX_VOICE_ID_BYTES),
+        repetition_penalty=check_float(
+            REPETITION_PENALTY,
+            inputs.get(REPETITION_PENALTY),
+            defaults.repetition_penalty,
+            0.0,
+            MAX_REPETITION_PENALTY,
+            lo_open=True,
+        ),
+        grammar=defaults.grammar,
+        stop_token_ids=defaults.stop_token_ids,
     )

@@ -76,6 +76,25 @@ class TransferSettings:
 
 
 @dataclass(frozen=True)
+class FrontendSettings:
+    """The text front end (`backend/frontend.py`): TEXT/VOICE -> prompt rows, on `frontend` and `tts_mono`.
+
+    `tokenizer` is a `tokenizer.json`; a relative path is relative to the model's directory in the
+    repository; "" means `<tandem.model.checkpoint>/tokenizer.json`, and without a checkpoint the
+    model takes no TEXT. `family` is auto (detected from the tokenizer and config), plain or orpheus.
+    `voices` (comma-separated) lists the VOICEs a request may name; "" takes the checkpoint's list
+    (`tandem_voices` in its config.json) and, without one, any voice. `family` and `grammar` are
+    also read by `prefill` and `tts_mono`, which sample under the family's grammar.
+    """
+
+    tokenizer: str = ""
+    family: str = "auto"
+    voices: str = ""
+    max_text_bytes: int = 4096
+    grammar: str = "auto"  # the audio-token grammar (backend/grammar.py): auto (on for Orpheus), off, orpheus
+
+
+@dataclass(frozen=True)
 class FaultSettings:
     """Fault injection for the fault-matrix tests and drills; all off by default.
 
@@ -130,6 +149,7 @@ class EngineSettings:
     vocoder: VocoderConfig = field(default_factory=VocoderConfig)
     faults: FaultSettings = field(default_factory=FaultSettings)
     worker: WorkerSettings = field(default_factory=WorkerSettings)
+    frontend: FrontendSettings = field(default_factory=FrontendSettings)
     torch_threads: int = 0  # 0: torch's default
 
 
@@ -143,6 +163,7 @@ _SECTIONS = {
     "vocoder": "vocoder",
     "faults": "faults",
     "worker": "worker",
+    "frontend": "frontend",
 }
 
 

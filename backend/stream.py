@@ -76,6 +76,7 @@ class Stream:
     chunk_index: int = 0
     left: bool = False  # D: set once when the stream stopped counting as a member and gave pages back
     held_pages: list[int] | None = None  # D, direct mode: pages a failed transfer may still write
+    seen: torch.Tensor | None = None  # Bool [W, V] on the pool's device: ids generated (repetition penalty)
 
     @property
     def position(self) -> int:
@@ -86,11 +87,10 @@ class Stream:
     def done_generating(self) -> bool:
         if len(self.generated) >= self.max_new_rows:
             return True
-        return (
-            self.eos_token_id is not None
-            and bool(self.generated)
-            and int(self.generated[-1][0]) == (self.eos_token_id)
-        )
+        if not self.generated:
+            return False
+        last = int(self.generated[-1][0])
+        return last == self.eos_token_id or self.sampling.stops(last)
 
 
 @dataclass

@@ -58,13 +58,16 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     params: dict[str, dict[str, str]] = {m: {} for m in ENGINES}
+    params["frontend"] = {}  # the text front end reads the model's config (no weights) and its tokenizer
     if args.checkpoint:
         cfg = config_from_hf(json.loads((Path(args.checkpoint) / "config.json").read_text()))
-        for m in ENGINES:
+        for m in (*ENGINES, "frontend"):
             params[m]["tandem.model.checkpoint"] = str(Path(args.checkpoint).resolve())
+        for m in ("frontend", "tts_mono"):  # "": the checkpoint's own tokenizer.json (none: TEXT refused)
+            params[m]["tandem.frontend.tokenizer"] = ""
     else:
         cfg = preset(args.preset or "tiny")
-        for m in ENGINES:
+        for m in (*ENGINES, "frontend"):
             params[m]["tandem.model.preset"] = cfg.name
     for m in ENGINES:
         if args.dtype:

@@ -54,8 +54,9 @@ class StreamResult:
         return (n - first_rows) / span if span > 0 and n > first_rows else float("nan")
 
 
-def build_inputs(prompt: np.ndarray, **params: Any) -> list[grpcclient.InferInput]:
-    """PROMPT plus any of MAX_TOKENS, TEMPERATURE, TOP_P, TOP_K, SEED, VOICE_ID given as keywords."""
+def build_inputs(prompt: np.ndarray | None, **params: Any) -> list[grpcclient.InferInput]:
+    """PROMPT (None: the request carries TEXT instead) plus any of MAX_TOKENS, TEMPERATURE, TOP_P,
+    TOP_K, SEED, VOICE_ID, TEXT, VOICE, REPETITION_PENALTY given as keywords."""
     types = {
         "MAX_TOKENS": ("INT32", np.int32),
         "TEMPERATURE": ("FP32", np.float32),
@@ -63,14 +64,13 @@ def build_inputs(prompt: np.ndarray, **params: Any) -> list[grpcclient.InferInpu
         "TOP_K": ("INT32", np.int32),
         "SEED": ("INT64", np.int64),
         "VOICE_ID": ("BYTES", np.object_),
+        "TEXT": ("BYTES", np.object_),
+        "VOICE": ("BYTES", np.object_),
+        "REPETITION_PENALTY": ("FP32", np.float32),
     }
-    prompt_arr = np.asarray(prompt)
-    dtype = {np.dtype(np.int64): "INT64", np.dtype(np.int32): "INT32", np.dtype(np.float32): "FP32"}.get(
-        prompt_arr.dtype, "INT64"
-    )
-    p = grpcclient.InferInput("PROMPT", list(prompt_arr.shape), dtype)
-    p.set_data_from_numpy(prompt_arr)
-    inputs = [p]
+    inputs: list[grpcclient.InferInput] = []
+    if prompt is not None:
+        inputs.append(_prompt_input(prompt))
     for name, value in params.items():
         if value is None:
             continue
@@ -80,6 +80,16 @@ def build_inputs(prompt: np.ndarray, **params: Any) -> list[grpcclient.InferInpu
         t.set_data_from_numpy(arr)
         inputs.append(t)
     return inputs
+
+
+def _prompt_input(prompt: np.ndarray) -> grpcclient.InferInput:
+    prompt_arr = np.asarray(prompt)
+    dtype = {np.dtype(np.int64): "INT64", np.dtype(np.int32): "INT32", np.dtype(np.float32): "FP32"}.get(
+        prompt_arr.dtype, "INT64"
+    )
+    p = grpcclient.InferInput("PROMPT", list(prompt_arr.shape), dtype)
+    p.set_data_from_numpy(prompt_arr)
+    return p
 
 
 class TTSClient:
@@ -144,7 +154,7 @@ class TTSClient:
         if final:
             self._done.put(key)
 
-    def send(self, prompt: np.ndarray, stream_id: int | None = None, **params: Any) -> str:
+    def send(self, prompt: np.ndarray | None, stream_id: int | None = None, **params: Any) -> str:
         """Start one stream; returns its request id (a key for `wait`)."""
         sid = stream_id or next_stream_id()
         key = str(sid)
@@ -180,7 +190,7 @@ class TTSClient:
         with self._lock:
             return [self._results[k] for k in keys]
 
-    def run(self, prompt: np.ndarray, timeout_s: float = 120.0, **params: Any) -> StreamResult:
+    def run(self, prompt: np.ndarray | None, timeout_s: float = 120.0, **params: Any) -> StreamResult:
         return self.wait([self.send(prompt, **params)], timeout_s)[0]
 
     def close(self, cancel: bool = False) -> None:

@@ -107,6 +107,12 @@ class EngineStub:
         self.pool_tokens = ready.pool_tokens
         if kind == "mono":
             io.check_published(self.config, self.cfg, self.settings.vocoder)
+        # The text front end (tts_mono takes TEXT itself; in `tts` the frontend step did it) and the
+        # checkpoint's sampling defaults, grammar and stop ids: validation needs them, not the engine.
+        self.frontend = io.text_frontend(args, self.settings, self.cfg) if kind == "mono" else None
+        self.defaults = (
+            None if kind == "decode" else io.generation_defaults(args, self.settings, self.cfg, self.frontend)
+        )
 
     def execute(self, requests: list[Any]) -> None:
         for request in requests:
@@ -124,14 +130,16 @@ class EngineStub:
     def _prompt(self, request: Any) -> functools.partial[Submit]:
         timings = Timings()
         timings.mark("entry")
-        prompt, params = io.read_request(self._pb, request, self.cfg, self.settings.limits)
-        s = io.sampling_params(params)
+        assert self.defaults is not None  # built for every prompt kind
+        prompt, params = io.read_request(
+            self._pb, request, self.cfg, self.settings.limits, self.frontend, self.defaults
+        )
         return functools.partial(
             _submit,
             stream_id=io.stream_id(request),
             timings=timings.as_dict(),
             prompt=Array.of(np.ascontiguousarray(prompt)),
-            sampling=(float(s.temperature), float(s.top_p), int(s.top_k), int(s.seed)),
+            sampling=io.sampling_params(params).to_wire(),
             max_new_rows=params.max_new_rows,
         )
 

@@ -9,6 +9,7 @@ importable (and testable) outside Triton.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import sys
@@ -21,8 +22,20 @@ import numpy as np
 from tandem.backend.config import Limits, ModelConfig, VocoderConfig
 from tandem.backend.decoder import Decoder
 from tandem.backend.errors import ErrorCode, InvalidInput, TandemError
+from tandem.backend.frontend import TextFrontend, build_frontend, model_config
+from tandem.backend.generation import load_generation_defaults
 from tandem.backend.metrics import METRICS, Kind
-from tandem.backend.prompt import RequestParams, check_prompt, parse_params
+from tandem.backend.prompt import (
+    CONTRACT_DEFAULTS,
+    PROMPT,
+    TEXT,
+    VOICE,
+    GenerationDefaults,
+    RequestParams,
+    check_prompt,
+    check_text_request,
+    parse_params,
+)
 from tandem.backend.runtime import build_decoder, resolve_device
 from tandem.backend.settings import EngineSettings, parse_settings, triton_parameters
 from tandem.backend.stream import Chunk
@@ -31,7 +44,7 @@ from tandem.backend.timing import Timings
 # TRITONSERVER_REQUEST_FLAG_SEQUENCE_START (tritonserver.h): the request opens its sequence.
 SEQUENCE_START = 1
 
-OPTIONAL_INPUTS = ("MAX_TOKENS", "TEMPERATURE", "TOP_P", "TOP_K", "SEED", "VOICE_ID")
+OPTIONAL_INPUTS = ("MAX_TOKENS", "TEMPERATURE", "TOP_P", "TOP_K", "SEED", "VOICE_ID", "REPETITION_PENALTY")
 
 
 def setup_logging(model_name: str) -> None:
@@ -66,8 +79,23 @@ def _input(pb: Any, request: Any, name: str) -> np.ndarray | None:
     return None if tensor is None else tensor.as_numpy()
 
 
-def read_request(pb: Any, request: Any, cfg: ModelConfig, limits: Limits) -> tuple[np.ndarray, RequestParams]:
-    """PROMPT and the optional inputs of the client contract; raises InvalidInput naming the problem.
+def _text_request(pb: Any, request: Any, frontend: TextFrontend | None) -> Any:
+    prompt = _input(pb, request, PROMPT)
+    limit = None if frontend is None else frontend.max_text_bytes
+    return prompt, check_text_request(prompt, _input(pb, request, TEXT), _input(pb, request, VOICE), limit)
+
+
+def read_request(
+    pb: Any,
+    request: Any,
+    cfg: ModelConfig,
+    limits: Limits,
+    frontend: TextFrontend | None = None,
+    defaults: GenerationDefaults = CONTRACT_DEFAULTS,
+) -> tuple[np.ndarray, RequestParams]:
+    """The prompt rows and the optional inputs of the client contract; raises InvalidInput naming
+    the problem. The rows are the checked PROMPT or, with a `frontend`, the rows of TEXT (+ VOICE);
+    absent inputs take the model's `defaults` (`generation_defaults`).
 
     A request without a stream id, or one that does not start its stream, is refused first.
     `tts_mono`'s sequence batcher refuses both before this runs; inside `tts` nothing else stops them
@@ -80,11 +108,50 @@ def read_request(pb: Any, request: Any, cfg: ModelConfig, limits: Limits) -> tup
         )
     if not request.flags() & SEQUENCE_START:
         raise InvalidInput("a stream starts with sequence_start set (one request per stream: start and end)")
-    prompt = _input(pb, request, "PROMPT")
-    if prompt is None:
-        raise InvalidInput("PROMPT is required")
-    params = parse_params({name: _input(pb, request, name) for name in OPTIONAL_INPUTS}, cfg, limits)
-    return check_prompt(prompt, cfg, limits), params
+    prompt, text = _text_request(pb, request, frontend)
+    inputs = {name: _input(pb, request, name) for name in OPTIONAL_INPUTS}
+    params = parse_params(inputs, cfg, limits, defaults)
+    if text is None:
+        rows = check_prompt(prompt, cfg, limits)
+    else:
+        assert frontend is not None  # check_text_request refuses TEXT without one
+        rows = frontend.rows(text)
+    return rows, dataclasses.replace(params, grammar_start=int(rows.shape[0]))
+
+
+def text_frontend(args: Mapping[str, Any], settings: EngineSettings, cfg: ModelConfig) -> TextFrontend | None:
+    """The model's text front end (None: it refuses TEXT); a relative tokenizer path is relative to
+    the model's directory in the repository (`args["model_repository"]`)."""
+    return build_frontend(settings, cfg, args["model_repository"])
+
+
+def generation_defaults(
+    args: Mapping[str, Any], settings: EngineSettings, cfg: ModelConfig, frontend: TextFrontend | None = None
+) -> GenerationDefaults:
+    """The model's sampling defaults, grammar and stop ids (`backend/generation.py`), for the models
+    that validate requests (`prefill`, `tts_mono`). Without a `frontend` one is built for the family
+    (from the checkpoint's tokenizer) and dropped."""
+    if frontend is None:
+        frontend = text_frontend(args, settings, cfg)
+    return load_generation_defaults(settings, cfg, frontend)
+
+
+def frontend_step(args: Mapping[str, Any]) -> TextFrontend | None:
+    """What the `frontend` step builds in `initialize`: logging, settings, the model's config (no
+    weights) and its text front end."""
+    setup_logging(args["model_name"])
+    settings, _ = load_settings(args)
+    return text_frontend(args, settings, model_config(settings))
+
+
+def read_frontend_request(pb: Any, request: Any, frontend: TextFrontend | None) -> np.ndarray:
+    """The `frontend` step's one output: a PROMPT exactly as it came (`prefill` checks it, so its
+    errors are those of a PROMPT request without the step) or the rows of TEXT (+ VOICE)."""
+    prompt, text = _text_request(pb, request, frontend)
+    if text is None:
+        return np.asarray(prompt)
+    assert frontend is not None
+    return frontend.rows(text)
 
 
 def has_stream_id(request: Any) -> bool:
@@ -230,7 +297,16 @@ def sampling_params(params: RequestParams) -> Any:
     from tandem.backend.sampling import SamplingParams
 
     seed = params.seed if params.seed is not None else int.from_bytes(np.random.bytes(7), "little")
-    return SamplingParams(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k, seed=seed)
+    return SamplingParams(
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=params.top_k,
+        seed=seed,
+        repetition_penalty=params.repetition_penalty,
+        grammar=params.grammar,
+        grammar_start=params.grammar_start,
+        stop_token_ids=params.stop_token_ids,
+    )
 
 
 class HandoffResponder(_DecoupledResponder):

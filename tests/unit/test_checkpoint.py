@@ -194,7 +194,6 @@ def test_config_from_hf_defaults() -> None:
     [
         ({"model_type": "mistral"}, "mistral"),
         ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope_scaling"),
-        ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "llama3"),
         ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1.0}}, "yarn"),
         ({"hidden_act": "gelu"}, "hidden_act"),
         ({"attention_bias": True}, "attention_bias"),

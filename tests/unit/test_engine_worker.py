@@ -25,6 +25,7 @@ from tandem.backend.channel import Array, Beat, Cancel, Channel, Reply, Submit
 from tandem.backend.engine_host import WorkerMetrics
 from tandem.backend.errors import TandemError
 from tandem.backend.metrics import RecordingMetrics
+from tandem.backend.sampling import SamplingParams
 from tandem.backend.settings import WorkerSettings
 from tandem.serving.engine_worker import EngineWorker, WorkerState
 
@@ -79,7 +80,7 @@ def _submit(worker: EngineWorker, rows: int, seed: int = 0) -> Responder:
             stream_id=seed + 1,
             timings={},
             prompt=Array.of(prompt),
-            sampling=(0.0, 1.0, 0, seed),
+            sampling=SamplingParams(seed=seed).to_wire(),
             max_new_rows=rows,
         ),
         r,

@@ -1,0 +1,67 @@
+"""Audio-token grammars: which ids a stream may sample at each of its generated positions.
+
+Why: an audio-token LM with random or under-trained weights (and a trained one, now and then) can
+sample a text token or an audio id of the wrong codebook slot, and the codec cannot decode such a
+stream. A grammar masks every other id before sampling, so every stream decodes. It is a pure
+function of (grammar, audio position), the same on P, D and the monolithic engine, so `tts` and
+`tts_mono` sample identical tokens with it (both call `sampling.sample_on_device`, which applies it).
+
+Orpheus (canopyai/Orpheus-TTS; SNAC 24 kHz, three codebooks, seven ids per 2,048-sample frame): the
+i-th audio token of a stream (i = 0 for the first generated token, since the prompt ends with
+start-of-speech) is `128266 + (i mod 7) * 4096 + code`, code in [0, 4096); end-of-speech is 128258.
+So at audio position i exactly the 4,096 ids of slot `i mod 7` and end-of-speech may be sampled.
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+
+import torch
+
+ORPHEUS_AUDIO_BASE = 128266
+ORPHEUS_CODES = 4096  # ids per slot (one SNAC codebook)
+ORPHEUS_SLOTS = 7  # ids per SNAC frame: [L0, L1a, L2a, L2b, L1b, L2c, L2d]
+ORPHEUS_END_OF_SPEECH = 128258
+
+
+class Grammar(IntEnum):
+    NONE = 0  # every id of the vocabulary
+    ORPHEUS = 1  # slot (i mod 7)'s 4,096 audio ids, or end-of-speech
+
+
+GRAMMAR_NAMES = {"off": Grammar.NONE, "orpheus": Grammar.ORPHEUS}
+
+
+def orpheus_audio_id(position: int, code: int) -> int:
+    """The id of SNAC code `code` at audio position `position` (tests, codecs)."""
+    if not 0 <= code < ORPHEUS_CODES:
+        raise ValueError(f"SNAC code {code} is outside [0, {ORPHEUS_CODES})")
+    return ORPHEUS_AUDIO_BASE + (position % ORPHEUS_SLOTS) * ORPHEUS_CODES + code
+
+
+def check_vocab(grammar: Grammar, vocab_size: int) -> None:
+    """Raises ValueError when `grammar`'s ids do not fit a vocabulary of `vocab_size` (a model the
+    grammar does not belong to); called at load time."""
+    if grammar == Grammar.ORPHEUS and vocab_size < ORPHEUS_AUDIO_BASE + ORPHEUS_SLOTS * ORPHEUS_CODES:
+        raise ValueError(f"the orpheus grammar needs a vocabulary of >= 156938 ids, not {vocab_size}")
+
+
+def allowed(grammar: Grammar, audio_positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Bool [N, vocab_size] on `audio_positions`' device: True where row n (at audio position
+    audio_positions[n], int64 [N]) may sample that id. Nothing waits for the device.
+
+    Raises ValueError when the grammar's ids do not fit the vocabulary (a model the grammar does
+    not belong to)."""
+    ids = torch.arange(vocab_size, device=audio_positions.device)[None, :]
+    if grammar == Grammar.NONE:
+        return torch.ones((audio_positions.shape[0], vocab_size), dtype=torch.bool, device=ids.device)
+    if grammar == Grammar.ORPHEUS:
+        check_vocab(grammar, vocab_size)
+        lo = ORPHEUS_AUDIO_BASE + (audio_positions % ORPHEUS_SLOTS)[:, None] * ORPHEUS_CODES
+        return ((ids >= lo) & (ids < lo + ORPHEUS_CODES)) | (ids == ORPHEUS_END_OF_SPEECH)
+    raise ValueError(f"unknown grammar {grammar!r}")
+
+
+def stop_ids(grammar: Grammar) -> tuple[int, ...]:
+    """Ids that end a stream under `grammar` (on top of the checkpoint's eos ids)."""
+    return (ORPHEUS_END_OF_SPEECH,) if grammar == Grammar.ORPHEUS else ()
