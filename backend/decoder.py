@@ -6,6 +6,11 @@ K/V by slot index (fragmented pages, prefix-cache pages shared between prompts) 
 unrelated sequences. HF's cache classes assume one contiguous cache per batch. The maths is HF's, module
 for module (see `layers.py`), so real checkpoints load unchanged and logits match transformers.
 
+On a GPU the layers run fused (`Decoder._run_fused`, about ten kernels a layer): one QKV and one gate-up
+GEMM over weights concatenated at construction (`layers.fuse_linears`; the HF parameters view them),
+and the Triton kernels of `tandem.csrc.triton_ops`. The CPU runs the torch modules one by one, so its
+numbers (greedy tokens included) are the unfused ones.
+
 Rows: a prompt or generated step is a row of `row_width` (W) ids. Column c is embedded with rows
 c*V..c*V+V-1 of one [W*V, H] table and the W embeddings are summed; the head is one [W*V, H] matrix whose
 logits reshape to [W, V]. W=1 is exactly an HF causal LM.

@@ -30,8 +30,8 @@ def fuse_linears(linears: list[nn.Linear]) -> Fused:
 
     The parameters stay the same `nn.Parameter` objects (only their `.data` is re-pointed), so named
     parameters, `state_dict()` and in-place loads (`param.copy_`, `normal_`) see and fill the fused
-    storage. Called by the modules below at construction and again by `_fused_or_refuse` when something
-    replaced a parameter's storage (a `.to()`, an assigning load).
+    storage. Called by the modules below at construction, by `Decoder` after `to_empty`, and again by
+    `_kept_fused` when something replaced a parameter's storage (a `.to()`, an assigning load).
     """
     with torch.no_grad():
         weight = torch.cat([lin.weight for lin in linears])
@@ -61,7 +61,8 @@ def _still_fused(fused: Fused, linears: list[nn.Linear]) -> bool:
     return True
 
 
-def _fused_or_refuse(fused: Fused, linears: list[nn.Linear]) -> Fused:
+def _kept_fused(fused: Fused, linears: list[nn.Linear]) -> Fused:
+    """`fused` while the parameters still view it, else a new concatenation of their current values."""
     return fused if _still_fused(fused, linears) else fuse_linears(linears)
 
 
@@ -119,7 +120,7 @@ class Attention(nn.Module):
 
     def qkv_weight(self) -> Fused:
         """The fused [(nh + 2 kvh) * hd, H] weight (and bias) of q/k/v, in that order along the rows."""
-        self._qkv = _fused_or_refuse(self._qkv, [self.q_proj, self.k_proj, self.v_proj])
+        self._qkv = _kept_fused(self._qkv, [self.q_proj, self.k_proj, self.v_proj])
         return self._qkv
 
     def split_qkv(
@@ -162,7 +163,7 @@ class MLP(nn.Module):
 
     def gate_up_weight(self) -> torch.Tensor:
         """The fused [2 * I, H] weight: gate's rows, then up's."""
-        self._gate_up = _fused_or_refuse(self._gate_up, [self.gate_proj, self.up_proj])
+        self._gate_up = _kept_fused(self._gate_up, [self.gate_proj, self.up_proj])
         return self._gate_up[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
