@@ -22,6 +22,8 @@ server and the model still report ready. This supervisor:
   the server and for as long as it runs. A proxy that exits takes every P and D registration with it
   (D's arena, P's staging: they are not re-made), so the supervisor starts a new proxy and then
   restarts the server, whose P and D register again; every stream of the unit fails meanwhile.
+* sends the unit's API key (`serving/api_key.py`) on its own calls to the server: the launcher locks
+  Triton's model-repository API (and the other control APIs) with it, so the `prefill` load needs it.
 
 The lock probe and the control-dir path mirror `tandem.transfer.control` (`instance_gone`,
 `control_dir`) instead of importing it: importing `tandem.transfer` loads torch, and the supervisor must
@@ -48,6 +50,7 @@ from pathlib import Path
 from types import FrameType
 
 from tandem.cli.tritonserver import LauncherError, build_command
+from tandem.serving.api_key import ApiKeyError, resolve
 from tandem.serving.repository import model_parameter
 
 UNIT_PARAMETER = "tandem.transfer.unit"
@@ -160,6 +163,7 @@ class Supervisor:
         self.model: str = opts.prefill_model
         self.args = with_explicit_control(server_args)
         self.base = http_base(self.args)
+        self.api = resolve(self.args)  # the key the launcher locks the server with (serving/api_key.py)
         self.proc: subprocess.Popen[bytes] | None = None
         self.stopping = False
         self.stop_deadline = float("inf")
@@ -243,7 +247,7 @@ class Supervisor:
         self.dead_since = None
         self.failures = 0
         self.ready_since = None
-        log(f"started tritonserver (pid {self.proc.pid}): {' '.join(argv[1:])}")
+        log(f"started tritonserver (pid {self.proc.pid}): {self.api.redact(' '.join(argv[1:]))}")
 
     def stop_server(self, timeout_s: float) -> int:
         proc = self.proc
@@ -315,7 +319,10 @@ class Supervisor:
     def http(self, method: str, path: str, timeout_s: float) -> tuple[int, str]:
         """(status, body) of one request to the server's HTTP endpoint; status 0 if it did not answer."""
         req = urllib.request.Request(
-            self.base + path, method=method, data=b"{}" if method == "POST" else None
+            self.base + path,
+            method=method,
+            data=b"{}" if method == "POST" else None,
+            headers=self.api.http_headers(),  # repository calls are locked to the unit's key
         )
         try:
             with urllib.request.urlopen(req, timeout=timeout_s) as resp:
@@ -523,7 +530,12 @@ def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
 
 def main(argv: Sequence[str] | None = None) -> None:
     opts, server_args = parse(sys.argv[1:] if argv is None else argv)
-    raise SystemExit(Supervisor(opts, server_args).run())
+    try:
+        supervisor = Supervisor(opts, server_args)
+    except ApiKeyError as exc:
+        log(f"cannot lock the control APIs: {exc}")
+        raise SystemExit(2) from exc
+    raise SystemExit(supervisor.run())
 
 
 if __name__ == "__main__":

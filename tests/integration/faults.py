@@ -252,7 +252,7 @@ class FaultUnit:
         t0 = time.monotonic()
         client = grpcclient.InferenceServerClient(self.url)
         try:
-            client.load_model(model)
+            client.load_model(model, headers=self.proc.api_lock().grpc_headers())
         finally:
             client.close()
         return time.monotonic() - t0
