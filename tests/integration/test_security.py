@@ -31,6 +31,7 @@ from tritonclient.utils import InferenceServerException
 from tandem.serving.api_key import GRPC_HEADER, HEADER, resolve
 from tests.integration.helpers import prompt, run
 from tests.integration.server import REPO, TritonProcess, free_port
+from tests.integration.test_tts_faults import decode, handoff
 
 HTTP_REFUSED = f"This API is restricted, expecting header '{HEADER}'"
 GRPC_REFUSED = f"This protocol is restricted, expecting header '{GRPC_HEADER}'"
@@ -237,6 +238,26 @@ def test_the_key_is_in_no_log(unit: TritonProcess, key: str) -> None:
     text = unit.log_path.read_text(errors="replace")
     assert "started tritonserver" in text and "tandem-api-key=<api-key>" in text
     assert key not in text
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "says"),
+    [
+        ("/tmp/elsewhere/p-prefill_0_0.sock", "is not in this unit's"),
+        ("tcp://192.0.2.1:9", "only a path where D writes every byte"),
+    ],
+)
+def test_a_handoff_that_points_d_elsewhere_is_refused(unit: TritonProcess, endpoint: str, says: str) -> None:
+    """Any inference client can call `decode` with a HANDOFF of its own: D follows only endpoints of
+    its own unit (a socket in its 0700 directory; a tcp:// one only in a ticket signed with the unit
+    secret, on the tcp path), so a forged one makes D connect nowhere. Replays, unknown transfers and
+    tampered fields are refused in test_tts_faults.py."""
+    forged = json.loads(handoff(unit.url))
+    forged["ticket"]["endpoint"] = endpoint
+    _, err = decode(unit.url, json.dumps(forged))
+    assert err is not None and says in err, err
+    out, err = decode(unit.url, handoff(unit.url))  # D keeps serving
+    assert err is None and sum(o["TOKENS"].shape[0] for o in out) == 8, err
 
 
 def _outward_address() -> str | None:
