@@ -14,6 +14,7 @@ from typing import ClassVar
 
 import pytest
 
+from tandem.cli import tritonserver
 from tandem.cli.tritonserver import LauncherError, build_command
 from tandem.cli.unit import Supervisor
 from tandem.serving.api_key import (
@@ -134,15 +135,25 @@ def test_the_opt_out_is_explicit_and_warns_at_every_start(
         build_command([])
 
 
-def test_every_binary_gets_the_lock(env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
-    """The explicit binary (the NGC image's path takes the same branch of build_command) and the
-    pytriton wheel's binary both start with both lock flags, keyed on the unit's key."""
+def test_every_binary_gets_the_lock(
+    env: dict[str, str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """`TANDEM_TRITONSERVER_BINARY`, the NGC image's binary and the pytriton wheel's binary all start
+    with both lock flags, keyed on the unit's key."""
     key = resolve(["--model-repository", str(REPO)], env).key
-    monkeypatch.setenv("TANDEM_TRITONSERVER_BINARY", "/opt/tritonserver/bin/tritonserver")
+    monkeypatch.setenv("TANDEM_TRITONSERVER_BINARY", "/elsewhere/tritonserver")
     _, explicit, _ = build_command(["--model-repository", str(REPO)])
     monkeypatch.delenv("TANDEM_TRITONSERVER_BINARY")
+    ngc = tmp_path / "opt" / "tritonserver"
+    ngc.parent.mkdir()
+    ngc.write_text("")
+    monkeypatch.setattr(tritonserver, "NGC_BINARY", ngc)
+    ngc_binary, image, _ = build_command(["--model-repository", str(REPO)])
+    assert ngc_binary == str(ngc)
+    monkeypatch.setattr(tritonserver, "NGC_BINARY", tmp_path / "absent")
     _, wheel, _ = build_command(["--model-repository", str(REPO)])
-    for argv in (explicit, wheel):
+    assert wheel[0].endswith("pytriton/tritonserver/bin/tritonserver")
+    for argv in (explicit, image, wheel):
         flags = [a for a in argv if a.startswith(LOCK_FLAGS)]
         assert len(flags) == 2 and all(f.endswith(f":tandem-api-key={key}") for f in flags), argv
 
