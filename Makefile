@@ -7,6 +7,13 @@ TORCH_SPEC ?= torch==2.13.0
 GRPC_PORT ?= 8001
 HTTP_PORT ?= 8000
 METRICS_PORT ?= 8002
+# Where `make serve` listens: loopback unless told otherwise, so a development server is not reachable
+# from the network (inference is open to whoever reaches it; docs/security.md). BIND_ADDRESS=0.0.0.0
+# serves other machines (and a container's published ports); each port can also be set on its own.
+BIND_ADDRESS ?= 127.0.0.1
+GRPC_ADDRESS ?= $(BIND_ADDRESS)
+HTTP_ADDRESS ?= $(BIND_ADDRESS)
+METRICS_ADDRESS ?= $(BIND_ADDRESS)
 
 .PHONY: setup serve test lint typecheck unit integration cuda clean
 
@@ -21,7 +28,9 @@ $(VENV)/.installed: pyproject.toml setup.py $(wildcard csrc/*.cpp csrc/*.h)
 
 serve: setup
 	$(VENV)/bin/tandem-unit -- --model-repository model_repository \
-		--grpc-port $(GRPC_PORT) --http-port $(HTTP_PORT) --metrics-port $(METRICS_PORT)
+		--grpc-address $(GRPC_ADDRESS) --grpc-port $(GRPC_PORT) \
+		--http-address $(HTTP_ADDRESS) --http-port $(HTTP_PORT) \
+		--metrics-address $(METRICS_ADDRESS) --metrics-port $(METRICS_PORT)
 
 # CUDA kernels and GPU transfer paths (GPU hosts; CPU CI skips their tests honestly).
 cuda: setup

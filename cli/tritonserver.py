@@ -10,6 +10,12 @@ Two places carry a real binary:
 
 This launcher prepares those and `exec`s the binary, so signals and the exit status are the
 server's own. It never falls back to anything that is not a real tritonserver.
+
+Whichever binary runs, the launcher locks Triton's control APIs (model repository, shared memory,
+logging, trace, statistics) with the unit's API key (`serving/api_key.py`, docs/security.md): it adds
+`--http-restricted-api` and `--grpc-restricted-protocol` to the caller's arguments. `TANDEM_API_LOCK=off`
+leaves them open and prints a warning at every start; `TANDEM_API_KEY_FILE` takes the key from a file
+(a mounted Secret) instead of the one generated in the unit's directory.
 """
 
 from __future__ import annotations
@@ -18,7 +24,10 @@ import importlib.util
 import os
 import shutil
 import sys
+from collections.abc import Mapping
 from pathlib import Path
+
+from tandem.serving.api_key import UNLOCKED_WARNING, ApiKeyError, resolve
 
 NGC_BINARY = Path("/opt/tritonserver/bin/tritonserver")
 
@@ -64,9 +73,23 @@ def prepare_backend_dir(root: Path, prefix: Path) -> Path:
     return backends
 
 
+def locked(argv: list[str], env: Mapping[str, str]) -> list[str]:
+    """`argv` plus the flags that lock the control APIs with the unit's key (generated on first start),
+    or `argv` as it is, with a warning on stderr, under `TANDEM_API_LOCK=off`."""
+    try:
+        lock = resolve(argv, env)
+    except ApiKeyError as exc:
+        raise LauncherError(f"cannot lock the control APIs: {exc}") from exc
+    if not lock.locked:
+        print(f"tritonserver launcher: WARNING: {UNLOCKED_WARNING}", file=sys.stderr, flush=True)
+    return [*argv, *lock.server_args()]
+
+
 def build_command(argv: list[str]) -> tuple[str, list[str], dict[str, str]]:
-    """Return (binary, argv, env) for the real server."""
+    """Return (binary, argv, env) for the real server; the argv carries the API lock (see `locked`),
+    so the returned argv holds the key: never print it unredacted (`ApiLock.redact`)."""
     env = dict(os.environ)
+    argv = locked(argv, env)
     bin_dir = str(Path(sys.executable).parent)
     env["PATH"] = bin_dir + os.pathsep + env.get("PATH", "")
     explicit = env.get("TANDEM_TRITONSERVER_BINARY")

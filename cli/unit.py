@@ -17,6 +17,8 @@ own"): a dead or stalled engine never needs this supervisor. What is left here i
   the server and for as long as it runs. A proxy that exits takes every P and D registration with it
   (D's arena, P's staging: they are not re-made), so the supervisor starts a new proxy and then
   restarts the server, whose P and D register again; every stream of the unit fails meanwhile.
+* sends the unit's API key (`serving/api_key.py`) on its own calls to the server: the launcher locks
+  Triton's model-repository API (and the other control APIs) with it, so the `prefill` load needs it.
 
 It imports neither torch nor Triton, and keeps running when the model code cannot import.
 """
@@ -39,6 +41,7 @@ from types import FrameType
 
 from tandem.cli.tritonserver import LauncherError, build_command
 from tandem.serving.health import HealthUnavailable, UnitHealth, fetch_health
+from tandem.serving.api_key import ApiKeyError, resolve
 from tandem.serving.repository import model_parameter
 
 UNIT_PARAMETER = "tandem.transfer.unit"
@@ -134,6 +137,7 @@ class Supervisor:
         self.opts = opts
         self.model: str = opts.prefill_model
         self.args = with_explicit_control(server_args)
+        self.api = resolve(self.args)  # the key the launcher locks the server with (serving/api_key.py)
         self.proc: subprocess.Popen[bytes] | None = None
         self.stopping = False
         self.stop_deadline = float("inf")
@@ -202,7 +206,7 @@ class Supervisor:
         self.starts += 1
         self.health = None
         self.down_since = None
-        log(f"started tritonserver (pid {self.proc.pid}): {' '.join(argv[1:])}")
+        log(f"started tritonserver (pid {self.proc.pid}): {self.api.redact(' '.join(argv[1:]))}")
 
     def stop_server(self, timeout_s: float) -> int:
         proc = self.proc
@@ -387,7 +391,12 @@ def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
 
 def main(argv: Sequence[str] | None = None) -> None:
     opts, server_args = parse(sys.argv[1:] if argv is None else argv)
-    raise SystemExit(Supervisor(opts, server_args).run())
+    try:
+        supervisor = Supervisor(opts, server_args)
+    except ApiKeyError as exc:
+        log(f"cannot lock the control APIs: {exc}")
+        raise SystemExit(2) from exc
+    raise SystemExit(supervisor.run())
 
 
 if __name__ == "__main__":

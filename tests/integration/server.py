@@ -2,6 +2,8 @@
 
 `TritonProcess` copies the checked-in `model_repository/` into a temporary directory, optionally
 overriding `tandem.*` parameters per model, starts the server, and waits until every model is ready.
+The launcher locks the server's control APIs with its unit's key (serving/api_key.py): a test that
+loads, unloads or reconfigures passes `api_lock()`'s headers.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from pathlib import Path
 
 import tritonclient.grpc as grpcclient
 
+from tandem.serving.api_key import ApiLock, resolve
 from tandem.serving.repository import render
 
 REPO = Path(__file__).resolve().parents[2]
@@ -100,6 +103,12 @@ class TritonProcess:
             time.sleep(0.5)
         self.stop()
         raise RuntimeError(f"tritonserver not ready after {timeout_s} s:\n{self.log_tail()}")
+
+    def api_lock(self) -> ApiLock:
+        """The lock the launcher put on this server: the same key, read from the same unit directory
+        (the server's XDG_RUNTIME_DIR, see `start`) or TANDEM_API_KEY_FILE."""
+        env = {**os.environ, "XDG_RUNTIME_DIR": str(self.workdir / "run")}
+        return resolve([f"--model-repository={self.repo}"], env)
 
     def log_tail(self, lines: int = 60) -> str:
         try:
