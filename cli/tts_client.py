@@ -35,7 +35,8 @@ class StreamResult:
     timings: dict[str, int] = field(default_factory=dict)
     error: str | None = None
     sent_ns: int = 0
-    first_response_ns: int = 0
+    first_response_ns: int = 0  # the first response with rows
+    first_audio_ns: int = 0  # the first response with audio samples (later with a codec's lookahead)
     done_ns: int = 0
     responses: int = 0
     response_ns: list[int] = field(default_factory=list)
@@ -43,7 +44,10 @@ class StreamResult:
 
     @property
     def ttfa_ms(self) -> float:
-        return (self.first_response_ns - self.sent_ns) / 1e6 if self.first_response_ns else float("nan")
+        """Time to first audio: send -> the first response carrying audio samples (the first one with
+        rows when the responses carry no audio at all)."""
+        first = self.first_audio_ns or self.first_response_ns
+        return (first - self.sent_ns) / 1e6 if first else float("nan")
 
     @property
     def tokens_per_s(self) -> float:
@@ -54,8 +58,9 @@ class StreamResult:
         return (n - first_rows) / span if span > 0 and n > first_rows else float("nan")
 
 
-def build_inputs(prompt: np.ndarray, **params: Any) -> list[grpcclient.InferInput]:
-    """PROMPT plus any of MAX_TOKENS, TEMPERATURE, TOP_P, TOP_K, SEED, VOICE_ID given as keywords."""
+def build_inputs(prompt: np.ndarray | None, **params: Any) -> list[grpcclient.InferInput]:
+    """PROMPT (None: a text request, the server builds the prompt) plus any of MAX_TOKENS,
+    TEMPERATURE, TOP_P, TOP_K, SEED, VOICE_ID, TEXT (UTF-8), VOICE given as keywords."""
     types = {
         "MAX_TOKENS": ("INT32", np.int32),
         "TEMPERATURE": ("FP32", np.float32),
@@ -63,14 +68,18 @@ def build_inputs(prompt: np.ndarray, **params: Any) -> list[grpcclient.InferInpu
         "TOP_K": ("INT32", np.int32),
         "SEED": ("INT64", np.int64),
         "VOICE_ID": ("BYTES", np.object_),
+        "TEXT": ("BYTES", np.object_),
+        "VOICE": ("BYTES", np.object_),
     }
-    prompt_arr = np.asarray(prompt)
-    dtype = {np.dtype(np.int64): "INT64", np.dtype(np.int32): "INT32", np.dtype(np.float32): "FP32"}.get(
-        prompt_arr.dtype, "INT64"
-    )
-    p = grpcclient.InferInput("PROMPT", list(prompt_arr.shape), dtype)
-    p.set_data_from_numpy(prompt_arr)
-    inputs = [p]
+    inputs = []
+    if prompt is not None:
+        prompt_arr = np.asarray(prompt)
+        dtype = {np.dtype(np.int64): "INT64", np.dtype(np.int32): "INT32", np.dtype(np.float32): "FP32"}.get(
+            prompt_arr.dtype, "INT64"
+        )
+        p = grpcclient.InferInput("PROMPT", list(prompt_arr.shape), dtype)
+        p.set_data_from_numpy(prompt_arr)
+        inputs.append(p)
     for name, value in params.items():
         if value is None:
             continue
@@ -134,6 +143,8 @@ class TTSClient:
                 r.response_ns.append(now)
                 r.response_rows.append(int(tokens.shape[0]))
                 r.rows = tokens if r.rows is None else np.concatenate([r.rows, tokens])
+                if audio is not None and audio.size and not r.first_audio_ns:
+                    r.first_audio_ns = now
                 if audio is not None:
                     r.audio = audio if r.audio is None else np.concatenate([r.audio, audio])
             timings = result.as_numpy("TIMINGS")
@@ -144,8 +155,9 @@ class TTSClient:
         if final:
             self._done.put(key)
 
-    def send(self, prompt: np.ndarray, stream_id: int | None = None, **params: Any) -> str:
-        """Start one stream; returns its request id (a key for `wait`)."""
+    def send(self, prompt: np.ndarray | None, stream_id: int | None = None, **params: Any) -> str:
+        """Start one stream; returns its request id (a key for `wait`). `prompt` None: a text
+        request (TEXT, optionally VOICE, in `params`)."""
         sid = stream_id or next_stream_id()
         key = str(sid)
         with self._lock:
@@ -180,7 +192,7 @@ class TTSClient:
         with self._lock:
             return [self._results[k] for k in keys]
 
-    def run(self, prompt: np.ndarray, timeout_s: float = 120.0, **params: Any) -> StreamResult:
+    def run(self, prompt: np.ndarray | None, timeout_s: float = 120.0, **params: Any) -> StreamResult:
         return self.wait([self.send(prompt, **params)], timeout_s)[0]
 
     def close(self, cancel: bool = False) -> None:

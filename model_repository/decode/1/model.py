@@ -1,12 +1,12 @@
 """decode (D): thin Triton adapter over tandem.backend.decode_engine."""
 
-import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from tandem.backend.decode_engine import DecodeEngine, DecodeRequest
 from tandem.backend.errors import InvalidInput, TandemError
 from tandem.backend.handoff import Handoff
 from tandem.backend.timing import Timings
+from tandem.serving import chunk_render
 from tandem.serving import triton_io as io
 
 
@@ -19,11 +19,7 @@ class TritonPythonModel:
 
     @staticmethod
     def _render(chunk):
-        return [
-            pb_utils.Tensor("TOKENS", chunk.rows),
-            pb_utils.Tensor("FIRST_ROW", np.array([chunk.first_row], dtype=np.int64)),
-            io.bytes_tensor(pb_utils, "TIMINGS", io.timings_text(chunk) if chunk.final else ""),
-        ]
+        return chunk_render.decode_outputs(pb_utils, chunk)
 
     def execute(self, requests):
         for request in requests:

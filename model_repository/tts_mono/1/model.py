@@ -1,13 +1,13 @@
 """tts_mono: thin Triton adapter over tandem.backend.mono_engine (prefill + decode on one device)."""
 
-import numpy as np
 import triton_python_backend_utils as pb_utils
 
+from tandem.backend.codec_builder import build_codec, codec_spec
 from tandem.backend.errors import TandemError
 from tandem.backend.mono_engine import MonoEngine
 from tandem.backend.stream import EngineRequest
 from tandem.backend.timing import Timings
-from tandem.backend.vocoder import ReferenceVocoder
+from tandem.serving import chunk_render
 from tandem.serving import triton_io as io
 
 
@@ -16,18 +16,10 @@ class TritonPythonModel:
         ctx = io.engine_context(pb_utils, args)
         self.settings, self.decoder, self.metrics = ctx.settings, ctx.decoder, ctx.metrics
         self.cfg = self.decoder.cfg
-        io.check_published(ctx.config, self.cfg, self.settings.vocoder)
-        self.vocoder = ReferenceVocoder(self.settings.vocoder)
+        io.check_published(ctx.config, self.cfg, codec_spec(self.settings))
+        self._render = chunk_render.MonoRender(pb_utils, build_codec(self.settings, self.decoder.device))
         self.engine = MonoEngine(self.decoder, self.settings, self.metrics)
         self.engine.start()
-
-    def _render(self, chunk):
-        audio = self.vocoder.synthesize(chunk.rows, chunk.first_row)
-        return [
-            pb_utils.Tensor("TOKENS", chunk.rows),
-            pb_utils.Tensor("AUDIO", audio.astype(np.float32)),
-            io.bytes_tensor(pb_utils, "TIMINGS", io.timings_text(chunk) if chunk.final else ""),
-        ]
 
     def execute(self, requests):
         for request in requests:
