@@ -30,6 +30,36 @@ from tandem.backend.codec import CodecSpec, CodecWindow
 
 CONFIG = "config.json"
 WEIGHTS = "pytorch_model.bin"
+# hubertsiuzdak/snac_24khz config.json: the codec Orpheus was trained with (19.5 M parameters).
+SNAC_24KHZ: dict[str, Any] = {
+    "sampling_rate": 24000,
+    "encoder_dim": 48,
+    "encoder_rates": [2, 4, 8, 8],
+    "decoder_dim": 1024,
+    "decoder_rates": [8, 8, 4, 2],
+    "attn_window_size": None,
+    "codebook_size": 4096,
+    "codebook_dim": 8,
+    "vq_strides": [4, 2, 1],
+    "noise": True,
+    "depthwise": True,
+}
+
+
+def write_random(path: str | Path, *, noise: bool = True, seed: int = 0) -> Path:
+    """A SNAC directory as hubertsiuzdak/snac_24khz ships it (the real 24 kHz config, `noise` as
+    given) with random weights (seeded): what tests and benchmarks use where no weights can be
+    downloaded. Writes config.json + pytorch_model.bin (~78 MB) into `path`; returns it."""
+    from snac import SNAC
+
+    directory = Path(path)
+    directory.mkdir(parents=True, exist_ok=True)
+    config = {**SNAC_24KHZ, "noise": noise}
+    torch.manual_seed(seed)
+    model = SNAC(**config)
+    (directory / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+    torch.save(model.state_dict(), directory / WEIGHTS)
+    return directory
 
 
 def read_config(path: str | Path) -> dict[str, Any]:
