@@ -118,6 +118,7 @@ class SnacCodec:
         self._width = sum(self._counts)
         self._codebook = int(self._config.get("codebook_size", 4096))
         self.device = device
+        self.noise = bool(self._config.get("noise", True))  # SNAC's own default
         self._model = SNAC.from_pretrained(str(path)).to(device).eval()
 
     @property

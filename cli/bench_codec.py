@@ -69,6 +69,20 @@ def _time_call(codec: SnacCodec, windows: list[CodecWindow], warmup: int, reps: 
     return out
 
 
+def streaming_snr(codec: SnacCodec, frames: int, lookback: int, lookahead: int) -> float:
+    """SNR (dB) of a stream decoded one frame per chunk with this context, against SNAC's offline
+    decode of the whole sequence (the worst chunking: every frame is next to a chunk edge)."""
+    rng = np.random.default_rng(1)
+    codes = rng.integers(0, 4096, size=(frames, 7))
+    ref = codec.decode([CodecWindow(codes, 0, 0, frames)])[0].astype(np.float64)
+    parts = []
+    for f in range(frames):
+        lo, hi = max(0, f - lookback), min(frames, f + 1 + lookahead)
+        parts.append(codec.decode([CodecWindow(codes[lo:hi], lo, f, f + 1)])[0])
+    err = np.concatenate(parts).astype(np.float64) - ref
+    return float(10 * np.log10(np.sum(ref**2) / max(np.sum(err**2), 1e-30)))
+
+
 def run(args: argparse.Namespace, snac_dir: Path) -> dict[str, Any]:
     device = torch.device(args.device)
     spec = snac_spec(snac_dir, "orpheus", args.lookback, args.lookahead, 7)
@@ -104,8 +118,19 @@ def run(args: argparse.Namespace, snac_dir: Path) -> dict[str, Any]:
             f"streams {streams}: {lv['call_ms']['p50']:.1f} ms, {lv['audio_s_per_s']:.1f} audio s/s",
             file=sys.stderr,
         )
+    snr = []
+    for lookback, lookahead in ((0, 0), (2, 0), (2, 1), (2, 2), (3, 3)) if args.snr_frames else ():
+        db = streaming_snr(codec, args.snr_frames, lookback, lookahead)
+        snr.append({"lookback": lookback, "lookahead": lookahead, "snr_db": db})
+        print(
+            f"lookback {lookback}, lookahead {lookahead}: {db:.1f} dB against the offline decode",
+            file=sys.stderr,
+        )
     return {
         **benchutil.provenance(device, "tandem-bench-codec", args.argv),
+        "snr_frames": args.snr_frames,
+        "decoder_noise": bool(codec.noise),
+        "streaming_snr": snr,
         "codec": "snac",
         "snac_dir": str(snac_dir),
         "random_weights": args.random,
@@ -143,6 +168,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rtf", type=float, default=0.5)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument(
+        "--snr-frames", type=int, default=12, help="frames of the streamed-vs-offline SNR check (0: skip)"
+    )
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
     args.argv = argv
@@ -168,6 +196,13 @@ def main(argv: list[str] | None = None) -> int:
         for lv in result["levels"]
     ]
     print(benchutil.format_table(HEADERS, rows))
+    if result["streaming_snr"]:
+        snr_rows = [[r["lookback"], r["lookahead"], r["snr_db"]] for r in result["streaming_snr"]]
+        print(
+            benchutil.format_table(["lookback", "lookahead", "SNR dB vs offline (1-frame chunks)"], snr_rows)
+        )
+        if result["decoder_noise"]:
+            print("(decoder noise is on in this SNAC's config: fresh noise per call bounds the SNR)")
     gen_ms, floor = result["chunk_generation_s"] * 1e3, result["floor_tok_s"]
     print(f"device {result['device']}; a chunk = {args.chunk_frames} frames, {gen_ms:.0f} ms to generate")
     print(f"at the {floor:.1f} tok/s floor; audio s/s = how many real-time streams the codec keeps up with")

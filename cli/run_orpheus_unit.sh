@@ -74,6 +74,11 @@ grep -E "seeded|captured [0-9]+ decode graphs|decode: transfer path" "$out/serve
 python3 -m tandem.cli.bench --url localhost:$grpc --metrics-url http://localhost:$metrics/metrics --models tts \
   --levels $levels --trace "$out/trace.jsonl" "${bench_args[@]}" --out "$out/bench" "$@" > "$out/bench.log" 2>&1
 tail -8 "$out/bench.log"
-python3 -m tandem.cli.bench_codec --snac "$work/snac" "${codec_args[@]}" --out "$out/codec" > "$out/codec.log" 2>&1
+# The served SNAC (noise on, as shipped) at scale; then streamed-vs-offline SNR with noise off.
+python3 -m tandem.cli.bench_codec --snac "$work/snac" "${codec_args[@]}" --snr-frames 0 --out "$out/codec" \
+  > "$out/codec.log" 2>&1
 tail -10 "$out/codec.log"
+python3 -m tandem.cli.bench_codec --random "${codec_args[@]}" --streams 1 --snr-frames 12 --out "$out/codec-snr" \
+  > "$out/codec-snr.log" 2>&1
+tail -9 "$out/codec-snr.log"
 echo "server log tracebacks: $(grep -c Traceback "$out/server.log" || true)"
