@@ -138,6 +138,7 @@ class DecodeBatch:
         assert stream.slots is not None
         stream.status = StreamStatus.RUNNING
         stream.generated.append(np.asarray(first_row, dtype=np.int64).reshape(-1))
+        stream.frames = self.chunking.framing.track(stream.generated[0].shape[0])
         if stream.sampling.penalised:  # the repetition penalty's history starts with row 0
             stream.seen = self._no_history()
             mark_seen(stream.seen[None], upload(stream.generated[-1][None], self.pool.device))
@@ -320,7 +321,11 @@ class DecodeBatch:
             s.timings.mark("first_chunk")
         if done:
             s.timings.mark("last_chunk")
-        chunk = Chunk(rows=rows, first_row=s.emitted_rows, final=done, timings=s.timings if done else None)
+        assert s.frames is not None
+        s.frames.push(rows)  # the codec frames these rows complete, and the context they need
+        window = s.frames.window(final=done)
+        timings = s.timings if done else None
+        chunk = Chunk(rows=rows, first_row=s.emitted_rows, final=done, timings=timings, window=window)
         s.emitted_rows = len(s.generated)
         s.chunk_index += 1
         s.sink.emit(chunk)

@@ -29,6 +29,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from tandem.backend.channel import Array, Beat, Cancel, Channel, Fail, Init, Ready, Reply, Stop, Submit
+from tandem.backend.codec import Codec, CodecWindow
 from tandem.backend.errors import InvalidInput, TandemError
 from tandem.backend.handoff import Handoff
 from tandem.backend.sampling import SamplingParams
@@ -172,12 +173,12 @@ class EngineHost:
             self.engine = DecodeEngine(decoder, self.settings, self.metrics)
             self._render = _render_decode
         else:
+            from tandem.backend.codec_builder import build_codec
             from tandem.backend.mono_engine import MonoEngine
-            from tandem.backend.vocoder import ReferenceVocoder
 
-            vocoder = ReferenceVocoder(self.settings.vocoder)
+            codec = build_codec(self.settings, decoder.device)
             self.engine = MonoEngine(decoder, self.settings, self.metrics)
-            self._render = lambda chunk: _render_mono(chunk, vocoder)
+            self._render = lambda chunk: _render_mono(chunk, codec)
         self.engine.start()
         p = self.settings.pool
         return Ready(
@@ -276,23 +277,34 @@ class EngineHost:
             self.channel.send(self.metrics.beat(age))
 
 
+def _window(chunk: Chunk) -> CodecWindow:
+    assert chunk.window is not None, "chunks of a decode batch always carry their codec window"
+    return chunk.window
+
+
 def _render_decode(chunk: Chunk) -> dict[str, Array]:
+    """D's chunk as the `decode` step emits it into the `tts` ensemble: `TOKENS` (the new rows, passed
+    through to the client), `CODES` INT64 [N, K] and `WINDOW` INT64 [3] (the codec window of
+    backend/codec.py: frames with their context, and which of them this chunk sounds), `TIMINGS`."""
     import numpy as np
 
+    w = _window(chunk)
     return {
         "TOKENS": Array.of(chunk.rows),
-        "FIRST_ROW": Array.of(np.array([chunk.first_row], dtype=np.int64)),
+        "CODES": Array.of(np.ascontiguousarray(w.frames, dtype=np.int64)),
+        "WINDOW": Array.of(w.as_array()),
         "TIMINGS": Array.text(_timings_text(chunk) if chunk.final else ""),
     }
 
 
-def _render_mono(chunk: Chunk, vocoder: Any) -> dict[str, Array]:
+def _render_mono(chunk: Chunk, codec: Codec) -> dict[str, Array]:
+    """`tts_mono`'s chunk: the engine thread decodes the chunk's window with the model's own codec."""
     import numpy as np
 
-    audio = vocoder.synthesize(chunk.rows, chunk.first_row).astype(np.float32)
+    audio = codec.decode([_window(chunk)])[0]
     return {
         "TOKENS": Array.of(chunk.rows),
-        "AUDIO": Array.of(audio),
+        "AUDIO": Array.of(np.asarray(audio, dtype=np.float32)),
         "TIMINGS": Array.text(_timings_text(chunk) if chunk.final else ""),
     }
 

@@ -14,6 +14,7 @@ from typing import TypeVar
 import torch
 
 from tandem.backend.batch import DecodeBatch
+from tandem.backend.codec_builder import framing
 from tandem.backend.decoder import Decoder
 from tandem.backend.kv_pool import KVPool
 from tandem.backend.metrics import MetricsSink
@@ -37,7 +38,7 @@ def make_pool(decoder: Decoder, settings: EngineSettings, storage: torch.Tensor 
 
 def chunk_policy(settings: EngineSettings) -> ChunkPolicy:
     b = settings.batch
-    return ChunkPolicy(first_rows=b.first_chunk_rows, growth=b.chunk_growth, max_rows=b.max_chunk_rows)
+    return ChunkPolicy(b.first_chunk_rows, b.chunk_growth, b.max_chunk_rows, framing(settings))
 
 
 def make_batch(decoder: Decoder, pool: KVPool, settings: EngineSettings, metrics: MetricsSink) -> DecodeBatch:

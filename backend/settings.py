@@ -8,6 +8,7 @@ in a deployment is a load failure, not a silently ignored setting.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,6 +39,9 @@ class BatchSettings:
     first_chunk_rows: int = 4
     chunk_growth: float = 2.0
     max_chunk_rows: int = 32
+    # The rate floor in tok/s. Left out of the parameters (or 0): the codec's real time over the RTF
+    # target `rate.rtf` (42 for the reference codec's 21 rows/s, 164.06 for Orpheus' 82.03), resolved
+    # by `parse_settings`; a value > 0 overrides it. It always holds the floor in force.
     rate_floor_tok_s: float = 42.0
     rate_margin: float = 0.2  # admit only if predicted step time <= (1 - margin) / floor
     rate_admission: bool = True
@@ -50,6 +54,31 @@ class BatchSettings:
     calibrate_context: int = 2048
     prefill_batch_max: int = 16  # prompts that queued while a prefill ran go through one forward, up to this
     prefill_batch_rows: int = 8192  # ...and up to this many rows to compute (a longer prompt runs alone)
+
+
+@dataclass(frozen=True)
+class RateSettings:
+    """Real time as an RTF target: every stream must generate audio at least 1/rtf times faster than
+    it plays (0.5: twice real time). `batch.rate_floor_tok_s` > 0 overrides it in tok/s."""
+
+    rtf: float = 0.5
+
+
+@dataclass(frozen=True)
+class CodecSettings:
+    """The codec behind the vocoder seam (backend/codec.py, docs/codecs.md). D, the vocoder and the
+    monolithic engine must agree on it: D frames the rows, the vocoder decodes the frames.
+
+    kind: "reference" (ReferenceVocoder, no weights; `tandem.vocoder.*` sets its clock) or "snac"
+    (`path`: a directory with SNAC's config.json + pytorch_model.bin). layout: how the LM's rows carry
+    the codes ("" = the kind's own: reference -> rows, snac -> orpheus). lookback/lookahead_frames:
+    context decoded around each chunk (-1 = the kind's default: reference 0/0, snac 2/1)."""
+
+    kind: str = "reference"
+    path: str = ""
+    layout: str = ""
+    lookback_frames: int = -1
+    lookahead_frames: int = -1
 
 
 @dataclass(frozen=True)
@@ -150,6 +179,8 @@ class EngineSettings:
     faults: FaultSettings = field(default_factory=FaultSettings)
     worker: WorkerSettings = field(default_factory=WorkerSettings)
     frontend: FrontendSettings = field(default_factory=FrontendSettings)
+    codec: CodecSettings = field(default_factory=CodecSettings)
+    rate: RateSettings = field(default_factory=RateSettings)
     torch_threads: int = 0  # 0: torch's default
 
 
@@ -164,6 +195,8 @@ _SECTIONS = {
     "faults": "faults",
     "worker": "worker",
     "frontend": "frontend",
+    "codec": "codec",
+    "rate": "rate",
 }
 
 
@@ -199,7 +232,26 @@ def parse_settings(params: Mapping[str, str]) -> EngineSettings:
         value = _convert(fields[name].type, raw, key)
         (sections[section] if section else top)[name] = value
     built = {name: dataclasses.replace(getattr(base, name), **values) for name, values in sections.items()}
-    return dataclasses.replace(base, **built, **top)
+    explicit_floor = "batch.rate_floor_tok_s" in params
+    return _with_rate_floor(dataclasses.replace(base, **built, **top), explicit_floor)
+
+
+def _with_rate_floor(settings: EngineSettings, explicit: bool) -> EngineSettings:
+    """`batch.rate_floor_tok_s`, unless given (> 0), is the codec's real time over `rate.rtf`."""
+    from tandem.backend.codec_builder import codec_spec  # reads the codec's config; imports settings
+
+    b = settings.batch
+    if b.rate_floor_tok_s < 0 or not math.isfinite(b.rate_floor_tok_s):
+        raise ValueError(
+            f"parameter 'batch.rate_floor_tok_s': must be >= 0 (0: from rate.rtf), got {b.rate_floor_tok_s}"
+        )
+    rtf = settings.rate.rtf
+    if not (math.isfinite(rtf) and rtf > 0):
+        raise ValueError(f"parameter 'rate.rtf': must be a positive number, got {rtf}")
+    if explicit and b.rate_floor_tok_s > 0:
+        return settings
+    floor = codec_spec(settings).rows_per_second / rtf
+    return dataclasses.replace(settings, batch=dataclasses.replace(b, rate_floor_tok_s=floor))
 
 
 def triton_parameters(model_config: Mapping[str, Any]) -> dict[str, str]:

@@ -19,6 +19,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from tandem.backend.codec import CodecWindow, FrameTrack
 from tandem.backend.errors import TandemError
 from tandem.backend.sampling import SamplingParams
 from tandem.backend.timing import Timings
@@ -37,15 +38,17 @@ class StreamStatus(IntEnum):
 class Chunk:
     """Rows generated since the previous chunk of the same stream.
 
-    rows: int64 [N, W]; first_row: index of rows[0] among the stream's generated rows (the vocoder
-    needs it to keep audio seamless); final: the stream ends with this chunk; timings: the stream's
-    per-stage timestamps, attached to the final chunk.
+    rows: int64 [N, W]; first_row: index of rows[0] among the stream's generated rows; final: the
+    stream ends with this chunk; timings: the stream's per-stage timestamps, attached to the final
+    chunk; window: the codec frames (with their context) whose audio this chunk carries
+    (backend/codec.py): the vocoder decodes it and nothing else, so it stays stateless.
     """
 
     rows: np.ndarray
     first_row: int
     final: bool
     timings: Timings | None = None
+    window: CodecWindow | None = None
 
 
 class ChunkSink(Protocol):
@@ -77,6 +80,7 @@ class Stream:
     left: bool = False  # D: set once when the stream stopped counting as a member and gave pages back
     held_pages: list[int] | None = None  # D, direct mode: pages a failed transfer may still write
     seen: torch.Tensor | None = None  # Bool [W, V] on the pool's device: ids generated (repetition penalty)
+    frames: FrameTrack | None = None  # the stream's codec frames, set when it joins a decode batch
 
     @property
     def position(self) -> int:

@@ -1,9 +1,10 @@
 """Rows of codec ids -> PCM audio, and how a stream is cut into chunks.
 
 The decode engine emits one row of `row_width` ids per step; the vocoder turns finished rows into
-audio in chunks as they arrive. `Vocoder` is the seam: a neural codec decoder (SNAC, BiCodec, a
-CosyVoice flow) and the `ReferenceVocoder` below sit behind the same interface, so the streaming
-path, its tests and its benchmarks run without model weights.
+audio in chunks as they arrive. The seam is `backend/codec.py` (`Codec`: windows of frames -> audio,
+with context frames sent by D); `ReferenceVocoder` below is the CPU default's codec: one frame per
+row and no context needed, so the streaming path, its tests and its benchmarks run without model
+weights. SNAC (backend/snac_codec.py) sits behind the same seam.
 
 Chunking contract: `synthesize` is a pure function of (rows, first_row). Audio for rows a..b-1
 followed by audio for rows b..c-1 is the audio for rows a..c-1, so chunk sizes (`ChunkPolicy`) are a
@@ -15,11 +16,12 @@ from __future__ import annotations
 import math
 import os
 import wave
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
 
+from tandem.backend.codec import CodecSpec, CodecWindow, Framing, RowLayout
 from tandem.backend.config import VocoderConfig
 
 
@@ -93,6 +95,19 @@ class ReferenceVocoder:
     def samples_per_row(self) -> int:
         return self._cfg.samples_per_row
 
+    @property
+    def spec(self) -> CodecSpec:
+        """As a `Codec`: one frame per row, no context (each row's audio depends on it alone)."""
+        return CodecSpec("reference", "rows", self.sample_rate, self.samples_per_row, 1, 0, 0)
+
+    def decode(self, windows: list[CodecWindow]) -> list[np.ndarray]:
+        """`Codec.decode`: each window's emitted frames are rows; their audio is `synthesize`'s."""
+        out = []
+        for w in windows:
+            lo = w.emit_from - w.first_frame
+            out.append(self.synthesize(w.frames[lo : lo + w.emitted], w.emit_from))
+        return out
+
     def synthesize(self, rows: np.ndarray, first_row: int) -> np.ndarray:
         """See `Vocoder.synthesize`. Raises ValueError for non-2-D or non-integer rows, or first_row < 0."""
         if rows.ndim != 2 or rows.dtype.kind not in "iu":
@@ -128,6 +143,8 @@ class ChunkPolicy:
     first_rows: int = 4
     growth: float = 2.0
     max_rows: int = 32
+    # How rows become codec frames and the context each chunk carries (backend/codec.py).
+    framing: Framing = field(default_factory=lambda: Framing(RowLayout()))
 
     def __post_init__(self) -> None:
         if self.first_rows < 1:

@@ -107,8 +107,8 @@ def stalls(result: StreamResult, rows_per_second: float) -> tuple[int, float]:
 def stream_record(r: StreamResult, rows_per_second: float, floor: float) -> dict[str, Any]:
     n_stalls, stalled_s = stalls(r, rows_per_second)
     stamps = dict(r.timings)
-    if r.first_response_ns:
-        stamps["client_first_audio"] = r.first_response_ns
+    if r.first_audio_ns or r.first_response_ns:
+        stamps["client_first_audio"] = r.first_audio_ns or r.first_response_ns
     rate = r.tokens_per_s
     return {
         "error": r.error,
@@ -298,7 +298,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--trace", type=Path, help="JSON-lines trace; default: a generated seed-like trace")
     ap.add_argument("--trace-requests", type=int, default=256)
-    ap.add_argument("--floor", type=float, default=42.0)
+    ap.add_argument(
+        "--rtf", type=float, default=0.5, help="RTF target: the floor is rows_per_second / rtf (default 0.5)"
+    )
+    ap.add_argument(
+        "--floor",
+        type=float,
+        default=None,
+        help="floor in tok/s (default: published rows_per_second / --rtf)",
+    )
     ap.add_argument(
         "--start-bound-ms",
         type=float,
@@ -338,10 +346,15 @@ def main(argv: list[str] | None = None) -> int:
         published = c.model_parameters()
     width, vocab = int(published["row_width"]), int(published["vocab_size"])
     rps = float(published["rows_per_second"])
+    if args.floor is None:  # the server's own rule (tandem.rate.rtf): real time over the RTF target
+        if not args.rtf > 0:
+            ap.error("--rtf must be > 0")
+        args.floor = rps / args.rtf
 
     result: dict[str, Any] = {
         **benchutil.provenance(torch.device("cpu"), "tandem-bench", argv),
         "floor_tok_s": args.floor,
+        "rtf": rps / args.floor,
         "rows_per_second": rps,
         "warmup_requests": args.warmup,
         "trace_requests": len(trace),

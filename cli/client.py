@@ -1,10 +1,13 @@
 """`tandem-client`: stream one request to `tts` or `tts_mono`, write a WAV, print what it took.
 
     tandem-client --url localhost:8001 --model tts --rows 200 --max-tokens 128 --out hello.wav
+    tandem-client --text "Hello there." --voice tara --max-tokens 1200 --out tara.wav   # Orpheus
 
-The prompt is random ids of the model's published row width (a stand-in for a real voice reference
-and text), or `--prompt FILE.npy` with an int64 [N, W] array. Prints time to first audio, tokens/s
-after the first response, and the per-stage waterfall from the server's TIMINGS.
+With `--text` (and optionally `--voice`) the server builds the prompt with the checkpoint's own
+tokenizer and the family's template (the `TEXT` and `VOICE` inputs). Otherwise the prompt is random
+ids of the model's published row width (a stand-in for a real voice reference and text), or
+`--prompt FILE.npy` with an int64 [N, W] array. Prints time to first audio, tokens/s after the first
+response, and the per-stage waterfall from the server's TIMINGS.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="tandem-client", description=__doc__.split("\n")[0])
     ap.add_argument("--url", default="localhost:8001", help="Triton gRPC address")
     ap.add_argument("--model", default="tts", help="tts (PD split) or tts_mono (monolithic)")
+    ap.add_argument("--text", help="text to speak (the server tokenizes it; excludes --prompt)")
+    ap.add_argument("--voice", help="with --text: the speaker, e.g. tara (the checkpoint's voices)")
     ap.add_argument("--prompt", help="int64 [N, W] .npy file; default: random rows")
     ap.add_argument("--rows", type=int, default=200, help="random prompt rows when --prompt is absent")
     ap.add_argument("--max-tokens", type=int, default=128)
@@ -34,18 +39,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="out.wav", help="WAV file to write")
     ap.add_argument("--timeout", type=float, default=120.0)
     args = ap.parse_args(argv)
+    if args.text is not None and args.prompt:
+        ap.error("--text and --prompt are exclusive: a request carries exactly one of TEXT and PROMPT")
+    if args.voice is not None and args.text is None:
+        ap.error("--voice needs --text")
 
     with TTSClient(args.url, args.model) as client:
         published = client.model_parameters()
         width, vocab = int(published["row_width"]), int(published["vocab_size"])
         rate = int(published["sample_rate"])
+        prompt: np.ndarray | None = None
         if args.prompt:
             prompt = np.load(args.prompt).astype(np.int64)
-        else:
+        elif args.text is None:
             prompt = np.random.default_rng(0).integers(0, vocab, size=(args.rows, width), dtype=np.int64)
         result = client.run(
             prompt,
             timeout_s=args.timeout,
+            TEXT=args.text,
+            VOICE=args.voice,
             MAX_TOKENS=args.max_tokens,
             TEMPERATURE=args.temperature,
             TOP_P=args.top_p,
@@ -64,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"tokens/s after first response: {result.tokens_per_s:.1f}")
     print(f"audio: {result.audio.shape[0] / rate:.2f} s at {rate} Hz -> {args.out}")
     stamps = dict(result.timings)
-    stamps["client_first_audio"] = result.first_response_ns
+    stamps["client_first_audio"] = result.first_audio_ns or result.first_response_ns
     print("waterfall (ms):")
     total = 0.0
     for name, ms in waterfall(stamps, FIRST_AUDIO_STAGES):

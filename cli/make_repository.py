@@ -7,8 +7,14 @@
     tandem-repo --out /srv/repo --checkpoint /models/orpheus-3b --dtype bfloat16 \\
         --prefill-gpus 0 --decode-gpus 1
 
-The published `row_width`/`vocab_size` of `tts` and `tts_mono` are rewritten to the model's, since
-the models refuse to load when they disagree.
+    # Orpheus (family detected from the checkpoint, or --family orpheus) with its SNAC 24 kHz codec:
+    tandem-repo --out /srv/repo --checkpoint /models/orpheus-3b --codec /models/snac_24khz \
+        --dtype bfloat16 --prefill-gpus 0 --decode-gpus 1 --vocoder-gpus 1
+
+The published `row_width`/`vocab_size` of `tts` and `tts_mono` are rewritten to the model's, and
+`sample_rate`/`rows_per_second` to the codec's, since the models refuse to load when they disagree.
+`--codec DIR` puts SNAC (config.json + pytorch_model.bin) behind D, the vocoder and `tts_mono`, and
+cuts chunks in whole frames: the first one (1 + lookahead) frames, so it already sounds.
 """
 
 from __future__ import annotations
@@ -18,11 +24,51 @@ import json
 from pathlib import Path
 
 from tandem.backend.checkpoint import config_from_hf
-from tandem.backend.config import preset
+from tandem.backend.codec import format_rate
+from tandem.backend.codec_builder import codec_spec
+from tandem.backend.config import ModelConfig, preset
+from tandem.backend.settings import parse_settings
+from tandem.cli.families import FAMILIES, detect_family
 from tandem.serving.repository import gpu_group, render
 
 SOURCE = Path(__file__).resolve().parent.parent / "model_repository"
 ENGINES = ("prefill", "decode", "tts_mono")
+CODEC_USERS = ("decode", "vocoder", "tts_mono")  # D frames rows, the vocoder and tts_mono decode them
+CHUNK_FRAMES_MAX = 16  # frames per chunk once grown (1.37 s of Orpheus audio)
+
+
+def _codec_parameters(args: argparse.Namespace, cfg: ModelConfig, params: dict[str, dict[str, str]]) -> str:
+    """Codec settings for every codec user, published rates, frame-aligned chunks; returns a summary.
+    Exits with a message naming the problem for a family without its codec or a bad codec directory."""
+    family = args.family or (detect_family(Path(args.checkpoint)) if args.checkpoint else None)
+    if family and not args.codec:
+        need = FAMILIES[family]
+        raise SystemExit(f"tandem-repo: the {family} family needs its codec: --codec DIR ({need})")
+    if family == "orpheus" and cfg.row_width != 1:
+        raise SystemExit(f"tandem-repo: Orpheus emits one id per row, but the model has W={cfg.row_width}")
+    codec: dict[str, str] = {}
+    if args.codec:
+        codec = {"tandem.codec.kind": "snac", "tandem.codec.path": str(Path(args.codec).resolve())}
+        codec["tandem.codec.layout"] = "orpheus"
+    try:
+        settings = parse_settings({k.removeprefix("tandem."): v for k, v in codec.items()})
+    except ValueError as exc:
+        raise SystemExit(f"tandem-repo: --codec: {exc}") from None
+    spec = codec_spec(settings)
+    for m in CODEC_USERS:
+        params.setdefault(m, {}).update(codec)
+    if args.codec:
+        first = spec.rows_per_frame * (1 + spec.lookahead)
+        for m in ("decode", "tts_mono"):
+            params[m]["tandem.batch.first_chunk_rows"] = str(first)
+            params[m]["tandem.batch.max_chunk_rows"] = str(max(first, spec.rows_per_frame * CHUNK_FRAMES_MAX))
+    for published in ("tts", "tts_mono"):
+        params.setdefault(published, {})
+        params[published]["sample_rate"] = str(spec.sample_rate)
+        params[published]["rows_per_second"] = format_rate(spec.rows_per_second)
+    floor = settings.batch.rate_floor_tok_s
+    rate = spec.rows_per_second
+    return f"codec {spec.kind} ({spec.layout}): real time {rate:g} rows/s, floor {floor:g} tok/s"
 
 
 def _gpus(text: str | None) -> list[int] | None:
@@ -36,6 +82,11 @@ def main(argv: list[str] | None = None) -> int:
     src = ap.add_mutually_exclusive_group()
     src.add_argument("--preset", default=None)
     src.add_argument("--checkpoint", default=None)
+    ap.add_argument("--codec", help="SNAC directory (config.json + pytorch_model.bin) for the vocoder seam")
+    ap.add_argument(
+        "--family", choices=sorted(FAMILIES), help="the model family; default: detected from --checkpoint"
+    )
+    ap.add_argument("--vocoder-gpus", help="one vocoder instance per listed GPU (the codec decodes there)")
     ap.add_argument("--dtype", default=None)
     ap.add_argument("--prefill-gpus")
     ap.add_argument("--decode-gpus")
@@ -89,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         params.setdefault(published, {})
         params[published]["row_width"] = str(cfg.row_width)
         params[published]["vocab_size"] = str(cfg.vocab_size)
+    summary = _codec_parameters(args, cfg, params)
     for item in args.set:
         model, _, kv = item.partition(":")
         key, _, value = kv.partition("=")
@@ -101,12 +153,15 @@ def main(argv: list[str] | None = None) -> int:
         gpus = _gpus(spec)
         if gpus:
             groups[model] = gpu_group(gpus)
+    vocoder = _gpus(args.vocoder_gpus)
+    if vocoder:
+        groups["vocoder"] = ", ".join(gpu_group([g]) for g in vocoder)
     mono = _gpus(args.mono_gpus)
     if mono:
         groups["tts_mono"] = ", ".join(gpu_group([g]) for g in mono)
     render(args.source, args.out, params, groups)
     dtype = args.dtype or cfg.dtype
-    print(f"wrote {args.out} ({cfg.name}: W={cfg.row_width}, V={cfg.vocab_size}, dtype {dtype})")
+    print(f"wrote {args.out} ({cfg.name}: W={cfg.row_width}, V={cfg.vocab_size}, dtype {dtype}; {summary})")
     return 0
 
 

@@ -35,7 +35,8 @@ class StreamResult:
     timings: dict[str, int] = field(default_factory=dict)
     error: str | None = None
     sent_ns: int = 0
-    first_response_ns: int = 0
+    first_response_ns: int = 0  # the first response with rows
+    first_audio_ns: int = 0  # the first response with audio samples (later with a codec's lookahead)
     done_ns: int = 0
     responses: int = 0
     response_ns: list[int] = field(default_factory=list)
@@ -43,7 +44,10 @@ class StreamResult:
 
     @property
     def ttfa_ms(self) -> float:
-        return (self.first_response_ns - self.sent_ns) / 1e6 if self.first_response_ns else float("nan")
+        """Time to first audio: send -> the first response carrying audio samples (the first one with
+        rows when the responses carry no audio at all)."""
+        first = self.first_audio_ns or self.first_response_ns
+        return (first - self.sent_ns) / 1e6 if first else float("nan")
 
     @property
     def tokens_per_s(self) -> float:
@@ -144,6 +148,8 @@ class TTSClient:
                 r.response_ns.append(now)
                 r.response_rows.append(int(tokens.shape[0]))
                 r.rows = tokens if r.rows is None else np.concatenate([r.rows, tokens])
+                if audio is not None and audio.size and not r.first_audio_ns:
+                    r.first_audio_ns = now
                 if audio is not None:
                     r.audio = audio if r.audio is None else np.concatenate([r.audio, audio])
             timings = result.as_numpy("TIMINGS")

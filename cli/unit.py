@@ -40,8 +40,8 @@ from pathlib import Path
 from types import FrameType
 
 from tandem.cli.tritonserver import LauncherError, build_command
-from tandem.serving.health import HealthUnavailable, UnitHealth, fetch_health
 from tandem.serving.api_key import ApiKeyError, resolve
+from tandem.serving.health import HealthUnavailable, UnitHealth, fetch_health
 from tandem.serving.repository import model_parameter
 
 UNIT_PARAMETER = "tandem.transfer.unit"

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from tandem.backend.channel import Array, Submit
+from tandem.backend.codec_builder import codec_spec
 from tandem.backend.config import ModelConfig
 from tandem.backend.errors import InvalidInput, TandemError
 from tandem.backend.handoff import Handoff
@@ -106,7 +107,7 @@ class EngineStub:
         self.cfg = ModelConfig(**ready.cfg)
         self.pool_tokens = ready.pool_tokens
         if kind == "mono":
-            io.check_published(self.config, self.cfg, self.settings.vocoder)
+            io.check_published(self.config, self.cfg, codec_spec(self.settings))
         # The text front end (tts_mono takes TEXT itself; in `tts` the frontend step did it) and the
         # checkpoint's sampling defaults, grammar and stop ids: validation needs them, not the engine.
         self.frontend = io.text_frontend(args, self.settings, self.cfg) if kind == "mono" else None

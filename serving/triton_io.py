@@ -19,7 +19,8 @@ from typing import Any
 
 import numpy as np
 
-from tandem.backend.config import Limits, ModelConfig, VocoderConfig
+from tandem.backend.codec import CodecSpec, format_rate
+from tandem.backend.config import Limits, ModelConfig
 from tandem.backend.decoder import Decoder
 from tandem.backend.errors import ErrorCode, InvalidInput, TandemError
 from tandem.backend.frontend import TextFrontend, build_frontend, model_config
@@ -166,13 +167,14 @@ def stream_id(request: Any) -> int:
     return int(corr) if isinstance(corr, int) else 0
 
 
-def publish_parameters(cfg: ModelConfig, voc: VocoderConfig) -> dict[str, str]:
-    """What `tts`/`tts_mono` publish in their config so clients need not read code."""
+def publish_parameters(cfg: ModelConfig, codec: CodecSpec) -> dict[str, str]:
+    """What `tts`/`tts_mono` publish in their config so clients need not read code; the audio clock
+    is the codec's (backend/codec_builder.py `codec_spec`)."""
     return {
         "row_width": str(cfg.row_width),
         "vocab_size": str(cfg.vocab_size),
-        "sample_rate": str(voc.sample_rate),
-        "rows_per_second": str(voc.rows_per_second),
+        "sample_rate": str(codec.sample_rate),
+        "rows_per_second": format_rate(codec.rows_per_second),
     }
 
 
@@ -281,10 +283,10 @@ class TritonMetrics:
         self._metric(name, labels).observe(float(value))
 
 
-def check_published(model_config: Mapping[str, Any], cfg: ModelConfig, voc: VocoderConfig) -> None:
+def check_published(model_config: Mapping[str, Any], cfg: ModelConfig, codec: CodecSpec) -> None:
     """Refuse to load when the config's published parameters disagree with the loaded model."""
     published = {k: v.get("string_value") for k, v in (model_config.get("parameters") or {}).items()}
-    for key, actual in publish_parameters(cfg, voc).items():
+    for key, actual in publish_parameters(cfg, codec).items():
         if key in published and published[key] != actual:
             raise ValueError(
                 f"config.pbtxt publishes {key}={published[key]} but the loaded model has {key}={actual}; "

@@ -1,0 +1,113 @@
+"""`tandem-repo --codec` / `--family orpheus`: the family is recognised from the checkpoint's files,
+the codec goes to every process that frames or decodes audio, the codec's clock is published, chunks
+are whole frames; and the client's text request carries TEXT/VOICE instead of PROMPT."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tandem.backend.checkpoint import save_checkpoint
+from tandem.backend.config import ModelConfig, preset
+from tandem.backend.decoder import Decoder
+from tandem.backend.snac_codec import SNAC_24KHZ
+from tandem.cli.families import detect_family
+from tandem.cli.make_repository import main
+from tandem.cli.tts_client import build_inputs
+from tandem.serving.repository import model_parameter
+
+_ORPHEUS_LIKE = ModelConfig(
+    name="orpheus-like",
+    vocab_size=156940,
+    row_width=1,
+    hidden_size=16,
+    num_layers=1,
+    num_heads=2,
+    num_kv_heads=1,
+    head_dim=8,
+    intermediate_size=32,
+)
+
+
+def _codec_dir(path: Path) -> Path:
+    """config.json + an (empty) pytorch_model.bin: rendering reads the config only."""
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(SNAC_24KHZ))
+    (path / "pytorch_model.bin").write_bytes(b"")
+    return path
+
+
+def _checkpoint(path: Path, cfg: ModelConfig = _ORPHEUS_LIKE) -> Path:
+    save_checkpoint(Decoder.random(cfg), path)
+    return path
+
+
+def _tokenizer(path: Path, name_128266: str) -> None:
+    added = [{"id": 128266, "content": name_128266, "special": True}]
+    (path / "tokenizer.json").write_text(json.dumps({"added_tokens": added, "model": {"vocab": {}}}))
+
+
+def test_orpheus_is_detected_from_its_vocabulary_and_tokenizer(tmp_path: Path) -> None:
+    ckpt = _checkpoint(tmp_path / "ckpt")
+    assert detect_family(ckpt) == "orpheus"  # a Llama with 156,940 ids and no tokenizer shipped
+    _tokenizer(ckpt, "<custom_token_10>")
+    assert detect_family(ckpt) == "orpheus"
+    _tokenizer(ckpt, "<|reserved_special_token_10|>")
+    assert detect_family(ckpt) is None  # that vocabulary is not Orpheus' audio
+    assert detect_family(_checkpoint(tmp_path / "tiny", preset("tiny"))) is None
+    assert detect_family(tmp_path / "nowhere") is None
+
+
+def test_an_orpheus_repository_gets_snac_everywhere_and_publishes_its_clock(tmp_path: Path) -> None:
+    ckpt, snac, out = _checkpoint(tmp_path / "ckpt"), _codec_dir(tmp_path / "snac"), tmp_path / "repo"
+    assert (
+        main(["--out", str(out), "--checkpoint", str(ckpt), "--codec", str(snac), "--vocoder-gpus", "0"]) == 0
+    )
+    for model in ("decode", "vocoder", "tts_mono"):
+        assert model_parameter(out, model, "tandem.codec.kind") == "snac"
+        assert model_parameter(out, model, "tandem.codec.path") == str(snac.resolve())
+        assert model_parameter(out, model, "tandem.codec.layout") == "orpheus"
+    assert model_parameter(out, "prefill", "tandem.codec.kind") is None  # P makes no audio
+    for model in ("tts", "tts_mono"):
+        assert model_parameter(out, model, "sample_rate") == "24000"
+        assert model_parameter(out, model, "rows_per_second") == "82.03125"
+        assert model_parameter(out, model, "row_width") == "1"
+        assert model_parameter(out, model, "vocab_size") == "156940"
+    for model in ("decode", "tts_mono"):  # first chunk: 1 + lookahead frames; grown: 16 frames
+        assert model_parameter(out, model, "tandem.batch.first_chunk_rows") == "14"
+        assert model_parameter(out, model, "tandem.batch.max_chunk_rows") == "112"
+    assert "KIND_GPU" in (out / "vocoder" / "config.pbtxt").read_text()
+
+
+def test_the_default_repository_keeps_the_reference_codec(tmp_path: Path) -> None:
+    out = tmp_path / "repo"
+    assert main(["--out", str(out)]) == 0
+    assert model_parameter(out, "vocoder", "tandem.codec.kind") == "reference"
+    assert model_parameter(out, "tts", "rows_per_second") == "21"
+    assert model_parameter(out, "tts", "sample_rate") == "22050"
+
+
+def test_a_family_without_its_codec_or_with_a_bad_one_is_refused(tmp_path: Path) -> None:
+    ckpt = _checkpoint(tmp_path / "ckpt")
+    with pytest.raises(SystemExit, match="needs its codec"):
+        main(["--out", str(tmp_path / "a"), "--checkpoint", str(ckpt)])
+    with pytest.raises(SystemExit, match="needs its codec"):
+        main(["--out", str(tmp_path / "b"), "--preset", "tiny", "--family", "orpheus"])
+    with pytest.raises(SystemExit, match=r"codec\.path"):
+        main(["--out", str(tmp_path / "c"), "--checkpoint", str(ckpt), "--codec", str(tmp_path / "none")])
+    bad = _codec_dir(tmp_path / "snac")
+    with pytest.raises(SystemExit, match="W=4"):
+        main(["--out", str(tmp_path / "d"), "--preset", "tiny", "--family", "orpheus", "--codec", str(bad)])
+
+
+def test_a_text_request_carries_text_and_voice_and_no_prompt() -> None:
+    inputs = build_inputs(None, TEXT="Hello there.", VOICE="tara", MAX_TOKENS=1200)
+    by_name = {i.name(): i for i in inputs}
+    assert set(by_name) == {"TEXT", "VOICE", "MAX_TOKENS"}
+    assert (by_name["TEXT"].datatype(), by_name["TEXT"].shape()) == ("BYTES", [1])
+    assert by_name["VOICE"].datatype() == "BYTES"
+    with_prompt = build_inputs(np.zeros((3, 1), dtype=np.int64), VOICE_ID="v1")
+    assert [i.name() for i in with_prompt] == ["PROMPT", "VOICE_ID"]
