@@ -114,8 +114,9 @@ class TTSClient:
         self._client.start_stream(callback=self._on_response)
 
     def model_parameters(self) -> dict[str, str]:
+        """The model config's parameters (protobuf JSON leaves out empty strings: they read as "")."""
         cfg = self._client.get_model_config(self.model, as_json=True)["config"]
-        return {k: v["string_value"] for k, v in cfg.get("parameters", {}).items()}
+        return {k: v.get("string_value", "") for k, v in cfg.get("parameters", {}).items()}
 
     def _on_response(self, result: Any = None, error: Any = None) -> None:
         now = time.time_ns()

@@ -68,7 +68,7 @@ class Contract:
             )
             for i in meta["inputs"]
         )
-        pub = {k: v["string_value"] for k, v in cfg.get("parameters", {}).items()}
+        pub = {k: v.get("string_value", "") for k, v in cfg.get("parameters", {}).items()}
         engine = "prefill" if cfg.get("platform") == "ensemble" else model
         ecfg = client.get_model_config(engine, as_json=True)["config"]
         limits = parse_settings(triton_parameters(ecfg)).limits
