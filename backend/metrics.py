@@ -28,7 +28,7 @@ class MetricDef:
     buckets: tuple[float, ...] = ()
 
 
-_MS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 50, 100, 250, 500, 1000, 2500)
+_SECONDS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 _BYTES = (2**16, 2**20, 2**22, 2**24, 2**26, 2**28, 2**30)
 _PROMPTS = (1, 2, 4, 8, 16, 32, 64)
 
@@ -39,9 +39,11 @@ METRICS: tuple[MetricDef, ...] = (
     MetricDef("tandem_free_pages", Kind.GAUGE, "Free KV pages in the engine's pool"),
     MetricDef("tandem_held_pages", Kind.GAUGE, "KV pages quarantined after a failed transfer"),
     MetricDef("tandem_draining", Kind.GAUGE, "1 while decode admits nothing new (held pages over limit)"),
-    MetricDef("tandem_transfer_path", Kind.GAUGE, "Chosen KV transfer path (info gauge, label path)"),
+    MetricDef("tandem_transfer_path_info", Kind.GAUGE, "Chosen KV transfer path (info gauge, label path)"),
     MetricDef("tandem_transfer_bytes", Kind.HISTOGRAM, "Bytes per KV transfer", _BYTES),
-    MetricDef("tandem_transfer_latency_ms", Kind.HISTOGRAM, "KV transfer time, request to verified", _MS),
+    MetricDef(
+        "tandem_transfer_latency_seconds", Kind.HISTOGRAM, "KV transfer time, request to verified", _SECONDS
+    ),
     MetricDef("tandem_transfers_total", Kind.COUNTER, "KV transfers by outcome (label outcome)"),
     MetricDef("tandem_kv_verifications_total", Kind.COUNTER, "KV checksum verifications (label result)"),
     MetricDef(
@@ -56,7 +58,7 @@ METRICS: tuple[MetricDef, ...] = (
     ),
     MetricDef("tandem_streams_below_floor_total", Kind.COUNTER, "Streams that finished below the rate floor"),
     MetricDef("tandem_streams_total", Kind.COUNTER, "Streams by outcome (label outcome)"),
-    MetricDef("tandem_step_ms", Kind.HISTOGRAM, "Decode step time", _MS),
+    MetricDef("tandem_step_seconds", Kind.HISTOGRAM, "Decode step time", _SECONDS),
     MetricDef(
         "tandem_decode_eager",
         Kind.GAUGE,
@@ -67,9 +69,9 @@ METRICS: tuple[MetricDef, ...] = (
         Kind.COUNTER,
         "Time the device spent running decode steps (CUDA: event span of each step; CPU: the step's compute)",
     ),
-    MetricDef("tandem_prefill_ms", Kind.HISTOGRAM, "Prefill forward time", _MS),
+    MetricDef("tandem_prefill_seconds", Kind.HISTOGRAM, "Prefill forward time", _SECONDS),
     MetricDef("tandem_prefill_batch", Kind.HISTOGRAM, "Prompts per prefill forward", _PROMPTS),
-    MetricDef("tandem_admission_ms", Kind.HISTOGRAM, "Time from engine receipt to admission", _MS),
+    MetricDef("tandem_admission_seconds", Kind.HISTOGRAM, "Time from engine receipt to admission", _SECONDS),
     MetricDef(
         "tandem_prefix_cache_hit_tokens_total", Kind.COUNTER, "Prompt tokens served by the prefix cache"
     ),

@@ -234,5 +234,5 @@ def engine_context(pb: Any, args: Mapping[str, Any]) -> EngineContext:
         settings.device, args["model_instance_kind"], int(args["model_instance_device_id"])
     )
     decoder = build_decoder(settings, device)
-    metrics = TritonMetrics(pb, {"model": args["model_name"], "instance": args["model_instance_name"]})
+    metrics = TritonMetrics(pb, {"model": args["model_name"], "model_instance": args["model_instance_name"]})
     return EngineContext(settings, config, decoder, metrics)

@@ -123,9 +123,9 @@ def test_thousand_verified_transfers_no_mismatch(server):
 def test_metrics_published(server):
     run(server.url, "tts", prompt(30), MAX_TOKENS=5)
     text = metrics_text(server.metrics_url)
-    assert metric_value(text, "tandem_transfer_path", model="decode", path="host_shm") == 1
+    assert metric_value(text, "tandem_transfer_path_info", model="decode", path="host_shm") == 1
     assert metric_value(text, "tandem_transfer_bytes_count", model="decode") >= 1
-    assert metric_value(text, "tandem_transfer_latency_ms_count", model="decode") >= 1
+    assert metric_value(text, "tandem_transfer_latency_seconds_count", model="decode") >= 1
     assert metric_value(text, "tandem_transfers_total", model="decode", outcome="ok") >= 1
     for name in (
         "tandem_inflight_streams",
