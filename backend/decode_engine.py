@@ -169,6 +169,7 @@ class DecodeEngine:
         self._calibrate()
         self._thread.start()
         self._admission.start()
+        self.metrics.set("tandem_engine_up", 1.0)
         log.info(
             "decode: transfer path %s (%s), pool %d pages of %d",
             self.path.name,
@@ -219,6 +220,7 @@ class DecodeEngine:
         if self._closed:
             return
         self._closed = True
+        self.metrics.set("tandem_engine_up", 0.0)
         self._stop_admission.set()
         if self._admission.ident is not None:  # started (a start that failed never got there)
             self._admission.join(10.0)

@@ -40,8 +40,10 @@ class MonoEngine:
 
     def start(self) -> None:
         self._thread.start()
+        self.metrics.set("tandem_engine_up", 1.0)
 
     def close(self) -> None:
+        self.metrics.set("tandem_engine_up", 0.0)
         self._thread.stop()
 
     def submit(self, req: EngineRequest) -> None:

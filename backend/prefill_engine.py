@@ -160,6 +160,7 @@ class PrefillEngine:
     def start(self) -> None:
         self.sender.start()
         self._thread.start()
+        self.metrics.set("tandem_engine_up", 1.0)
         log.info(
             "prefill: transfer path %s, endpoint %s, instance %s",
             self.path.name,
@@ -168,6 +169,7 @@ class PrefillEngine:
         )
 
     def close(self) -> None:
+        self.metrics.set("tandem_engine_up", 0.0)
         self._thread.stop()
         self.sender.close()
 

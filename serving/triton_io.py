@@ -21,7 +21,7 @@ import numpy as np
 from tandem.backend.config import Limits, ModelConfig, VocoderConfig
 from tandem.backend.decoder import Decoder
 from tandem.backend.errors import ErrorCode, InvalidInput, TandemError
-from tandem.backend.metrics import METRICS, Kind
+from tandem.backend.metrics import METRICS, Engine, Kind, zero_series
 from tandem.backend.prompt import RequestParams, check_prompt, parse_params
 from tandem.backend.runtime import build_decoder, resolve_device
 from tandem.backend.settings import EngineSettings, parse_settings, triton_parameters
@@ -145,13 +145,14 @@ def timings_text(chunk: Chunk, extra: Mapping[str, int] | None = None) -> str:
 
 
 class TritonMetrics:
-    """MetricsSink publishing on Triton's /metrics endpoint.
+    """MetricsSink publishing on Triton's /metrics endpoint, one per model instance.
 
     Families must outlive their metrics (the backend refuses to update a metric whose family was
-    collected), so this object keeps both for the model's lifetime.
+    collected), so this object keeps both for the model's lifetime. Every series `engine` declares in
+    `zero_labels` is created here, at 0, so alerts see 0 rather than no data before the first event.
     """
 
-    def __init__(self, pb: Any, const_labels: Mapping[str, str]) -> None:
+    def __init__(self, pb: Any, const_labels: Mapping[str, str], engine: Engine) -> None:
         self._pb = pb
         self._const = dict(const_labels)
         kinds = {
@@ -165,6 +166,8 @@ class TritonMetrics:
         }
         self._defs = {m.name: m for m in METRICS}
         self._metrics: dict[tuple[str, tuple[tuple[str, str], ...]], Any] = {}
+        for name, labels in zero_series(engine):
+            self._metric(name, labels)
 
     def _metric(self, name: str, labels: Mapping[str, str]) -> Any:
         merged = {**self._const, **labels}
@@ -225,14 +228,15 @@ class EngineContext:
     metrics: TritonMetrics
 
 
-def engine_context(pb: Any, args: Mapping[str, Any]) -> EngineContext:
-    """Logging, typed settings, the decoder on the instance's device, and metrics labelled with the
-    model and instance — the common start of the `prefill`, `decode` and `tts_mono` adapters."""
+def engine_context(pb: Any, args: Mapping[str, Any], engine: Engine) -> EngineContext:
+    """Logging, typed settings, the decoder on the instance's device, and `engine`'s metrics labelled
+    `model` and `model_instance` — the common start of the `prefill`, `decode` and `tts_mono` adapters."""
     setup_logging(args["model_name"])
     settings, config = load_settings(args)
     device = resolve_device(
         settings.device, args["model_instance_kind"], int(args["model_instance_device_id"])
     )
     decoder = build_decoder(settings, device)
-    metrics = TritonMetrics(pb, {"model": args["model_name"], "model_instance": args["model_instance_name"]})
+    labels = {"model": args["model_name"], "model_instance": args["model_instance_name"]}
+    metrics = TritonMetrics(pb, labels, engine)
     return EngineContext(settings, config, decoder, metrics)

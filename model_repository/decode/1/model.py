@@ -12,7 +12,7 @@ from tandem.serving import triton_io as io
 
 class TritonPythonModel:
     def initialize(self, args):
-        ctx = io.engine_context(pb_utils, args)
+        ctx = io.engine_context(pb_utils, args, io.Engine.DECODE)
         self.settings, self.decoder, self.metrics = ctx.settings, ctx.decoder, ctx.metrics
         self.engine = DecodeEngine(self.decoder, self.settings, self.metrics)
         self.engine.start()

@@ -23,7 +23,7 @@ def _exit_for_proof(reason):
 
 class TritonPythonModel:
     def initialize(self, args):
-        ctx = io.engine_context(pb_utils, args)
+        ctx = io.engine_context(pb_utils, args, io.Engine.PREFILL)
         self.settings, self.decoder, self.metrics = ctx.settings, ctx.decoder, ctx.metrics
         self.cfg = self.decoder.cfg
         slot = args["model_instance_name"].replace(" ", "_")

@@ -13,7 +13,7 @@ from tandem.serving import triton_io as io
 
 class TritonPythonModel:
     def initialize(self, args):
-        ctx = io.engine_context(pb_utils, args)
+        ctx = io.engine_context(pb_utils, args, io.Engine.MONO)
         self.settings, self.decoder, self.metrics = ctx.settings, ctx.decoder, ctx.metrics
         self.cfg = self.decoder.cfg
         io.check_published(ctx.config, self.cfg, self.settings.vocoder)
