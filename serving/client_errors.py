@@ -61,7 +61,10 @@ _CORE: tuple[tuple[re.Pattern[str], ClientCode], ...] = (
     ),
     (re.compile(r"unexpected explicit tensor data|unable to parse|Unable to parse"), ClientCode.INVALID_ARG),
     (re.compile(r"Request for unknown model|is not found|unknown model"), ClientCode.NOT_FOUND),
-    (re.compile(r"is not ready|Server is stopping|exceeds maximum queue size", re.I), ClientCode.UNAVAILABLE),
+    (
+        re.compile(r"is not ready|is not healthy|Server is stopping|exceeds maximum queue size", re.I),
+        ClientCode.UNAVAILABLE,
+    ),
 )
 
 _GRPC = {

@@ -87,7 +87,7 @@ def test_bad_input_rejected_like_mono(server, case):
     a = run(server.url, "tts", x, **params)
     b = run(server.url, "tts_mono", x, **params)
     assert a.error is not None and "[INVALID_ARG]" in a.error and needle in a.error, a.error
-    assert b.error is not None and a.error.split("[INVALID_ARG]")[1] == b.error.split("[INVALID_ARG]")[1]
+    assert b.error is not None and a.error == b.error  # tts_client strips Triton's ensemble prefix
 
 
 def test_thousand_verified_transfers_no_mismatch(server):

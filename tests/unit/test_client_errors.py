@@ -53,6 +53,7 @@ from tandem.serving.client_errors import HTTP_STATUS, ClientCode, classify
         ("unexpected inference input 'FOO' for model 'tts'", None, "INVALID_ARG", None),
         ("expected 1 inputs but got 0 inputs for model 'tts'", None, "INVALID_ARG", None),
         ("Request for unknown model: 'tts-1' is not found", None, "NOT_FOUND", None),
+        ("in ensemble 'tts', Stub process 'prefill_0_0' is not healthy.", None, "UNAVAILABLE", None),
         ("failed to connect to all addresses", "StatusCode.UNAVAILABLE", "UNAVAILABLE", None),
         ("Deadline Exceeded", "StatusCode.DEADLINE_EXCEEDED", "UNAVAILABLE", None),
         ("Locally cancelled by application!", "StatusCode.CANCELLED", "CANCELLED", None),
