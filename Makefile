@@ -7,6 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 GRPC_PORT ?= 8001
 HTTP_PORT ?= 8000
 METRICS_PORT ?= 8002
+GATEWAY_PORT ?= 8080
 
 .PHONY: setup serve test lint typecheck unit integration cuda clean
 
@@ -19,7 +20,10 @@ $(VENV)/.installed: pyproject.toml setup.py $(wildcard csrc/*.cpp csrc/*.h)
 	$(PY) -m pip install -q --no-build-isolation -e ".[server,dev]"
 	touch $@
 
+# The unit under tandem-unit, and tandem-gateway (OpenAI's speech API) beside it on GATEWAY_PORT.
 serve: setup
+	$(VENV)/bin/tandem-gateway --triton 127.0.0.1:$(GRPC_PORT) --port $(GATEWAY_PORT) \
+		--metrics-url http://127.0.0.1:$(METRICS_PORT)/metrics & gw=$$!; trap 'kill $$gw' EXIT; \
 	$(VENV)/bin/tandem-unit -- --model-repository model_repository \
 		--grpc-port $(GRPC_PORT) --http-port $(HTTP_PORT) --metrics-port $(METRICS_PORT)
 

@@ -54,6 +54,15 @@ from tandem.serving.health import HealthUnavailable, fetch_health
 
 log = logging.getLogger("tandem.gateway")
 
+# Triton may still be starting or be restarted by tandem-unit: reconnect within ~2 s, not after gRPC's
+# default backoff (up to 120 s, during which every call fails at once); no message size limit.
+CHANNEL_ARGS = [
+    ("grpc.max_send_message_length", 2**31 - 1),
+    ("grpc.max_receive_message_length", 2**31 - 1),
+    ("grpc.initial_reconnect_backoff_ms", 250),
+    ("grpc.max_reconnect_backoff_ms", 2000),
+]
+
 
 @dataclass(frozen=True)
 class GatewaySettings:
@@ -104,17 +113,20 @@ class Gateway:
         self._discovery: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
-        self.client = aio.InferenceServerClient(self.settings.triton_url)
+        self.client = aio.InferenceServerClient(self.settings.triton_url, channel_args=CHANNEL_ARGS)
         self._discovery = asyncio.create_task(self._discover())
 
     async def _discover(self) -> None:
         assert self.client is not None
+        waiting = False
         while self.models is None:
             try:
                 self.models = await discover(self.client, self.settings.models)
                 log.info("gateway: serving %s from %s", ", ".join(self.models), self.settings.triton_url)
-            except Exception as exc:  # Triton still starting: ask again
-                log.info("gateway: waiting for Triton at %s (%s)", self.settings.triton_url, exc)
+            except Exception as exc:  # Triton still starting: ask again (said once, not every second)
+                if not waiting:
+                    log.info("gateway: waiting for Triton at %s (%s)", self.settings.triton_url, exc)
+                waiting = True
                 await asyncio.sleep(self.settings.retry_s)
 
     async def stop(self) -> None:
