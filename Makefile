@@ -14,6 +14,7 @@ BIND_ADDRESS ?= 127.0.0.1
 GRPC_ADDRESS ?= $(BIND_ADDRESS)
 HTTP_ADDRESS ?= $(BIND_ADDRESS)
 METRICS_ADDRESS ?= $(BIND_ADDRESS)
+GATEWAY_PORT ?= 8080
 
 .PHONY: setup serve test lint typecheck unit integration cuda clean
 
@@ -26,7 +27,10 @@ $(VENV)/.installed: pyproject.toml setup.py $(wildcard csrc/*.cpp csrc/*.h)
 	$(PY) -m pip install -q --no-build-isolation -e ".[server,dev]"
 	touch $@
 
+# The unit under tandem-unit, and tandem-gateway (OpenAI's speech API) beside it on GATEWAY_PORT.
 serve: setup
+	$(VENV)/bin/tandem-gateway --triton 127.0.0.1:$(GRPC_PORT) --host $(BIND_ADDRESS) --port $(GATEWAY_PORT) \
+		--metrics-url http://127.0.0.1:$(METRICS_PORT)/metrics & gw=$$!; trap 'kill $$gw' EXIT; \
 	$(VENV)/bin/tandem-unit -- --model-repository model_repository \
 		--grpc-address $(GRPC_ADDRESS) --grpc-port $(GRPC_PORT) \
 		--http-address $(HTTP_ADDRESS) --http-port $(HTTP_PORT) \

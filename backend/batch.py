@@ -283,7 +283,7 @@ class DecodeBatch:
                 continue
             s.generated.append(row)
             self._after_rows(s)
-        self.metrics.observe("tandem_step_ms", elapsed * 1e3)
+        self.metrics.observe("tandem_step_seconds", elapsed)
         return FinishedStep(len(queued.streams), queued.context, elapsed, device_s)
 
     def fail_all(self, reason: str) -> None:

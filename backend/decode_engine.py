@@ -163,7 +163,7 @@ class DecodeEngine:
         self._released = dict.fromkeys(_PROOFS, 0)
         self._busy_published = 0.0
         self._thread = EngineThread("tandem-decode", self._iterate, self._fault)
-        metrics.set("tandem_transfer_path", 1, path=self.path.name)
+        metrics.set("tandem_transfer_path_info", 1, path=self.path.name)
 
     def start(self) -> None:
         self._calibrate()
@@ -440,7 +440,7 @@ class DecodeEngine:
             except queue.Empty:
                 return
             block_s = 0.0
-            self.metrics.observe("tandem_admission_ms", a.admission_ms)
+            self.metrics.observe("tandem_admission_seconds", a.admission_ms / 1e3)
             s = a.stream
             hold = False  # direct mode: a transfer still in flight may write the prompt's pages
             if a.error is None:
@@ -579,7 +579,7 @@ class DecodeEngine:
                 self.metrics.observe("tandem_transfer_bytes", e.nbytes)
                 if e.verified_ns and e.request_sent_ns:
                     self.metrics.observe(
-                        "tandem_transfer_latency_ms", (e.verified_ns - e.request_sent_ns) / 1e6
+                        "tandem_transfer_latency_seconds", (e.verified_ns - e.request_sent_ns) / 1e9
                     )
 
     def _publish(self) -> None:
@@ -607,7 +607,7 @@ class DecodeEngine:
             else max(0, b.max_batch - n)
         )
         m.set("tandem_admittable_streams", 0 if draining else free_streams)
-        m.set("tandem_transfer_path", 1, path=self.path.name)
+        m.set("tandem_transfer_path_info", 1, path=self.path.name)
 
     def _fault(self, reason: str) -> None:
         """Engine thread, after an iteration raised: every stream it owns fails now, their pages come

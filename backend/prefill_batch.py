@@ -83,7 +83,7 @@ class PrefillBatch(Generic[R]):
             self._computing.add(first)
         self._rows += req.prompt.shape[0] - alloc.cached_tokens
         req.timings.mark("admit")
-        self.metrics.observe("tandem_admission_ms", (now_s - req.received_s) * 1e3)
+        self.metrics.observe("tandem_admission_seconds", now_s - req.received_s)
         self.members.append((req, alloc))
         return True
 
@@ -119,7 +119,8 @@ class PrefillBatch(Generic[R]):
         for req, alloc in self.members:
             req.timings.mark("forward_end")
             self.metrics.observe(
-                "tandem_prefill_ms", (req.timings.get("forward_end") - req.timings.get("forward_start")) / 1e6
+                "tandem_prefill_seconds",
+                (req.timings.get("forward_end") - req.timings.get("forward_start")) / 1e9,
             )
             self.metrics.inc("tandem_prefix_cache_hit_tokens_total", alloc.cached_tokens)
         self.metrics.observe("tandem_prefill_batch", len(self.members))

@@ -1,8 +1,14 @@
 """A client helper for the `tts` / `tts_mono` contract over gRPC streaming.
 
 Sets the stream id (Triton `sequence_id`) for the user, sends one request per stream, and collects
-every response: generated rows, audio, the final response's TIMINGS, and client-side times (first
-audio, tokens/s after the first response). Used by the CLI, the tests and the benchmark.
+every response: generated rows, audio, the TIMINGS stamps, and client-side times (first audio,
+tokens/s after the first response). Used by the CLI, the tests and the benchmark.
+
+Errors: a stream's error reaches the callback as a message only (gRPC streaming drops the status of
+an in-stream error). `StreamResult.error_code` is its code by `serving.client_errors.classify` (tandem's
+bracketed code behind Triton's `in ensemble 'tts', ` prefix, Triton core's known messages, the gRPC
+status of a broken stream) and `StreamResult.error` the message as `[CODE] detail` without Triton's
+prefixes, the same for `tts` and `tts_mono`.
 """
 
 from __future__ import annotations
@@ -19,6 +25,8 @@ from typing import Any
 import numpy as np
 import tritonclient.grpc as grpcclient
 
+from tandem.serving.client_errors import ClientCode, classify
+
 _ids = itertools.count(1)
 
 
@@ -33,7 +41,8 @@ class StreamResult:
     rows: np.ndarray | None = None  # int64 [N, W]
     audio: np.ndarray | None = None  # float32 [S]
     timings: dict[str, int] = field(default_factory=dict)
-    error: str | None = None
+    error: str | None = None  # "[CODE] detail" (module docstring)
+    error_code: ClientCode | None = None
     sent_ns: int = 0
     first_response_ns: int = 0  # the first response with rows
     first_audio_ns: int = 0  # the first response with audio samples (later with a codec's lookahead)
@@ -127,7 +136,8 @@ class TTSClient:
                     return
                 key = pending[0]
                 r = self._results[key]
-                r.error = str(error.message() if hasattr(error, "message") else error)
+                err = classify(str(error.message()), error.status())
+                r.error, r.error_code = str(err), err.code
                 r.done_ns = now
             self._done.put(key)
             return

@@ -25,12 +25,13 @@ from tandem.backend.codec_builder import codec_spec
 from tandem.backend.config import ModelConfig
 from tandem.backend.errors import InvalidInput, TandemError
 from tandem.backend.handoff import Handoff
-from tandem.backend.metrics import METRICS, WORKER_METRICS
+from tandem.backend.metrics import METRICS, WORKER_METRICS, Engine
 from tandem.backend.timing import Timings
 from tandem.serving import triton_io as io
 from tandem.serving.engine_worker import EngineWorker
 
 KINDS = ("prefill", "decode", "mono")
+ENGINES = {"prefill": Engine.PREFILL, "decode": Engine.DECODE, "mono": Engine.MONO}  # zero_labels owner
 
 
 class TritonResponder:
@@ -100,8 +101,9 @@ class EngineStub:
         self.settings, self.config = io.load_settings(args)
         model, instance = str(args["model_name"]), str(args["model_instance_name"])
         engine_metrics = [m.name for m in METRICS if m.name not in WORKER_METRICS]
-        metrics = io.TritonMetrics(pb, {"model": model, "instance": instance}, names=engine_metrics)
-        health = io.TritonMetrics(pb, {"model": model, "model_instance": instance}, names=WORKER_METRICS)
+        labels = {"model": model, "model_instance": instance}
+        metrics = io.TritonMetrics(pb, labels, names=engine_metrics, engine=ENGINES[kind])
+        health = io.TritonMetrics(pb, labels, names=WORKER_METRICS)
         self.worker = EngineWorker(args, kind, self.settings.worker, metrics, health)
         ready = self.worker.start()
         self.cfg = ModelConfig(**ready.cfg)

@@ -14,18 +14,16 @@ import json
 import logging
 import sys
 from collections.abc import Callable, Collection, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from tandem.backend.codec import CodecSpec, format_rate
 from tandem.backend.config import Limits, ModelConfig
-from tandem.backend.decoder import Decoder
 from tandem.backend.errors import ErrorCode, InvalidInput, TandemError
 from tandem.backend.frontend import TextFrontend, build_frontend, model_config
 from tandem.backend.generation import load_generation_defaults
-from tandem.backend.metrics import METRICS, Kind
+from tandem.backend.metrics import METRICS, Engine, Kind, zero_series
 from tandem.backend.prompt import (
     CONTRACT_DEFAULTS,
     PROMPT,
@@ -37,7 +35,6 @@ from tandem.backend.prompt import (
     check_text_request,
     parse_params,
 )
-from tandem.backend.runtime import build_decoder, resolve_device
 from tandem.backend.settings import EngineSettings, parse_settings, triton_parameters
 from tandem.backend.stream import Chunk
 from tandem.backend.timing import Timings
@@ -235,16 +232,22 @@ def timings_text(chunk: Chunk, extra: Mapping[str, int] | None = None) -> str:
 
 
 class TritonMetrics:
-    """MetricsSink publishing on Triton's /metrics endpoint.
+    """MetricsSink publishing on Triton's /metrics endpoint, one per model instance.
 
     Families must outlive their metrics (the backend refuses to update a metric whose family was
-    collected), so this object keeps both for the model's lifetime.
+    collected), so this object keeps both for the model's lifetime. Every series `engine` declares in
+    `zero_labels` is created here, at 0, so alerts see 0 rather than no data before the first event.
     """
 
     def __init__(
-        self, pb: Any, const_labels: Mapping[str, str], names: Collection[str] | None = None
+        self,
+        pb: Any,
+        const_labels: Mapping[str, str],
+        names: Collection[str] | None = None,
+        engine: Engine | None = None,
     ) -> None:
-        """`names`: the families this sink creates and publishes (default: every one in METRICS)."""
+        """`names`: the families this sink creates and publishes (default: every one in METRICS);
+        `engine`: whose `zero_labels` series it creates at 0 (those of its families)."""
         self._pb = pb
         self._const = dict(const_labels)
         kinds = {
@@ -259,6 +262,9 @@ class TritonMetrics:
         }
         self._defs = {m.name: m for m in METRICS}
         self._metrics: dict[tuple[str, tuple[tuple[str, str], ...]], Any] = {}
+        for name, labels in zero_series(engine) if engine is not None else ():
+            if name in self._families:
+                self._metric(name, labels)
 
     def _metric(self, name: str, labels: Mapping[str, str]) -> Any:
         merged = {**self._const, **labels}
@@ -316,26 +322,3 @@ class HandoffResponder(_DecoupledResponder):
 
     def send(self, handoff: Any) -> None:
         self._send([bytes_tensor(self._pb, "HANDOFF", handoff.to_json())], final=True)
-
-
-@dataclass(frozen=True)
-class EngineContext:
-    """What every engine model builds in `initialize`: settings, its config, decoder and metrics."""
-
-    settings: EngineSettings
-    config: dict[str, Any]
-    decoder: Decoder
-    metrics: TritonMetrics
-
-
-def engine_context(pb: Any, args: Mapping[str, Any]) -> EngineContext:
-    """Logging, typed settings, the decoder on the instance's device, and metrics labelled with the
-    model and instance — the common start of the `prefill`, `decode` and `tts_mono` adapters."""
-    setup_logging(args["model_name"])
-    settings, config = load_settings(args)
-    device = resolve_device(
-        settings.device, args["model_instance_kind"], int(args["model_instance_device_id"])
-    )
-    decoder = build_decoder(settings, device)
-    metrics = TritonMetrics(pb, {"model": args["model_name"], "instance": args["model_instance_name"]})
-    return EngineContext(settings, config, decoder, metrics)

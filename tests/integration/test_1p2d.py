@@ -39,7 +39,7 @@ def test_one_prefill_feeds_two_decoders_with_identical_tokens(unit_1p2d):
     )
     text = metrics_text(unit_1p2d.metrics_url)
     served = [
-        metric_value(text, "tandem_streams_total", model="decode", instance=name, outcome="finished")
+        metric_value(text, "tandem_streams_total", model="decode", model_instance=name, outcome="finished")
         for name in ("decode_0_0", "decode_0_1")
     ]
     assert sum(served) == len(jobs)

@@ -9,12 +9,19 @@ only learn from steps it runs), so the next stream after that is served.
 
 from __future__ import annotations
 
+import asyncio
+import json
 import shutil
+import time
 from collections.abc import Iterator
 
 import pytest
 
 from tandem.cli.tts_client import TTSClient
+from tandem.serving.client_errors import ClientCode, ClientError
+from tandem.serving.gateway import Gateway, GatewaySettings, error_response
+from tandem.serving.gateway_audio import AudioFormat, Framer, StreamFormat
+from tandem.serving.gateway_stream import GatewayError, StreamRequest, new_stream_id, prompt_inputs
 from tests.integration.helpers import TINY_W, prompt, run, wait_metric
 from tests.integration.server import TritonProcess
 
@@ -55,3 +62,35 @@ def test_second_stream_waits_then_unavailable_and_the_first_keeps_going(unit):
     wait_metric(
         unit.metrics_url, "tandem_streams_total", lambda v: v == 3, 5, model="decode", outcome="finished"
     )
+
+
+def test_over_capacity_is_503_at_the_gateway(unit):
+    """The same refusal through the gateway's stream path: UNAVAILABLE before the first audio, so
+    the caller gets OpenAI's error JSON with status 503 (the gateway's HTTP routes send exactly
+    `error_response`; over HTTP itself a stream needs text, which this repository does not take)."""
+    warm = run(unit.url, "tts", prompt(20, seed=4), MAX_TOKENS=40, TEMPERATURE=0.0)
+    assert warm.error is None
+
+    async def refused() -> ClientError:
+        gw = Gateway(GatewaySettings(unit.url, unit.metrics_url))
+        await gw.start()
+        try:
+            inputs = prompt_inputs(prompt(30, seed=6), MAX_TOKENS=10, TEMPERATURE=0.0)
+            framer = Framer(AudioFormat.WAV, StreamFormat.AUDIO, 22050)
+            with pytest.raises(GatewayError) as e:
+                await gw.respond(StreamRequest("tts", inputs, new_stream_id()), framer, time.monotonic())
+            return e.value.error
+        finally:
+            await gw.stop()
+
+    with TTSClient(unit.url, "tts") as ca:
+        a = ca.send(prompt(30, seed=5), MAX_TOKENS=2000, TEMPERATURE=0.0)
+        wait_metric(unit.metrics_url, "tandem_inflight_streams", lambda v: v >= 1, model="decode")
+        wait_metric(unit.metrics_url, "tandem_admittable_streams", lambda v: v == 0, model="decode")
+        err = asyncio.run(refused())
+        (ra,) = ca.wait([a], timeout_s=120)
+    assert err.code is ClientCode.UNAVAILABLE and "no capacity within the admission wait" in err.detail, err
+    resp = error_response(err)
+    assert resp.status_code == 503
+    assert json.loads(bytes(resp.body))["error"]["code"] == "UNAVAILABLE"
+    assert ra.error is None and ra.rows is not None and ra.rows.shape == (2000, TINY_W)

@@ -118,4 +118,4 @@ def test_metrics_published(server):
     run(server.url, MODEL, prompt(10), MAX_TOKENS=4)
     text = metrics_text(server.metrics_url)
     assert metric_value(text, "tandem_streams_total", model=MODEL, outcome="finished") >= 1
-    assert metric_value(text, "tandem_step_ms_count", model=MODEL) >= 1
+    assert metric_value(text, "tandem_step_seconds_count", model=MODEL) >= 1

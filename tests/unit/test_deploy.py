@@ -221,6 +221,20 @@ def test_services_policy_and_router_agree_on_ports():
     assert envoy is not None and _envoy()["admin"]["address"]["socket_address"]["address"] == "127.0.0.1"
 
 
+def test_the_api_key_comes_from_the_mounted_secret():
+    """The launcher locks Triton's control APIs with TANDEM_API_KEY_FILE (serving/api_key.py): it must
+    point into the mount of the tandem-api-key Secret, or each pod would generate a key of its own."""
+    c = _server()
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    volumes = _one("StatefulSet", "tandem-unit")["spec"]["template"]["spec"]["volumes"]
+    secret = next(v for v in volumes if "secret" in v)
+    mount = next(m for m in c["volumeMounts"] if m["name"] == secret["name"])
+    assert secret["secret"]["secretName"] == "tandem-api-key" and mount["readOnly"]
+    assert env["TANDEM_API_KEY_FILE"] == mount["mountPath"] + "/key"
+    assert "TANDEM_API_LOCK" not in env, "the lock stays on in a deployment"
+    assert not _one("StatefulSet", "tandem-unit")["spec"]["template"]["spec"].get("shareProcessNamespace")
+
+
 def test_checkpoint_claim_is_defined():
     volumes = _one("StatefulSet", "tandem-unit")["spec"]["template"]["spec"]["volumes"]
     claim = next(v["persistentVolumeClaim"]["claimName"] for v in volumes if "persistentVolumeClaim" in v)

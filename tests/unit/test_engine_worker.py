@@ -174,10 +174,10 @@ def test_worker_metrics_aggregate_until_the_next_beat() -> None:
     m.set("tandem_free_pages", 7)
     m.inc("tandem_streams_total", outcome="finished")
     m.inc("tandem_streams_total", 2, outcome="finished")
-    m.observe("tandem_step_ms", 1.5)
+    m.observe("tandem_step_seconds", 0.0015)
     beat = m.beat(0.25)
     assert isinstance(beat, Beat) and beat.loop_age_s == 0.25
     assert beat.sets == [("tandem_free_pages", {}, 7.0)]
     assert beat.incs == [("tandem_streams_total", {"outcome": "finished"}, 3.0)]
-    assert beat.observes == [("tandem_step_ms", {}, 1.5)]
+    assert beat.observes == [("tandem_step_seconds", {}, 0.0015)]
     assert m.beat(0.0) == Beat(0.0)  # nothing new

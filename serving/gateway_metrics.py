@@ -1,0 +1,37 @@
+"""The gateway's own metrics, on its `/metrics` (Prometheus' conventions, like backend/metrics.py).
+
+One registry per gateway app (not prometheus_client's global one), so several apps in one process
+(tests) do not collide. Every `status` a caller can get exists at 0 from start-up.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+REQUESTS = "tandem_gateway_requests_total"
+FIRST_AUDIO = "tandem_gateway_first_audio_seconds"
+STREAMS = "tandem_gateway_streams"
+NAMES = (REQUESTS, FIRST_AUDIO, STREAMS)
+STATUSES = ("200", "400", "404", "499", "500", "503")
+
+_SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+
+
+class GatewayMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            REQUESTS.removesuffix("_total"),
+            "Speech requests by HTTP status (499: the caller hung up mid-stream)",
+            ["status"],
+            registry=self.registry,
+        )
+        for status in STATUSES:
+            self.requests.labels(status=status)
+        self.first_audio = Histogram(
+            FIRST_AUDIO,
+            "Request received to its first audio bytes handed to the HTTP server",
+            buckets=_SECONDS,
+            registry=self.registry,
+        )
+        self.streams = Gauge(STREAMS, "Speech responses streaming now", registry=self.registry)
