@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tandem.backend.layers import rope_cos_sin, rope_inv_freq
+from tandem.backend.layers import rope_cos_sin
+from tandem.backend.rope import inv_freq
 from tandem.csrc import triton_ops
 
 # One rounding of the dtype (the kernels round where torch rounds; only the norm's sum order differs).
@@ -33,7 +34,7 @@ def _rope_case(
 ) -> dict[str, object]:
     qkv = _randn(n, (nh + 2 * kvh) * hd, dtype=dtype, device=device, seed=seed)
     positions = torch.randint(0, 4000, (n,), generator=torch.Generator().manual_seed(seed)).to(device)
-    cos, sin = rope_cos_sin(rope_inv_freq(hd, 1e6, torch.device(device)), positions, dtype)
+    cos, sin = rope_cos_sin(inv_freq(hd, 1e6, None, torch.device(device)), positions, dtype)
     qn = (1 + 0.1 * _randn(hd, dtype=torch.float32, device=device, seed=seed + 1)).to(dtype) if norm else None
     kn = (1 + 0.1 * _randn(hd, dtype=torch.float32, device=device, seed=seed + 2)).to(dtype) if norm else None
     pool_rows = 4 * n + 7
