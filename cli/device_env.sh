@@ -13,7 +13,8 @@ if [ "$carry" != "-" ] && [ ! -d /tmp/carry/pytriton ]; then
   tar -C /tmp/carry -xJf "$carry"
   # pytriton 0.7's python-backend stub is built against NumPy 1.x: with NumPy 2 its BYTES tensors are
   # garbled and the stub aborts. Install a NumPy 1.x wheel carried beside the tarball, if there is one.
-  for whl in "$(dirname "$carry")"/numpy-1.*.whl; do
+  # tritonclient's grpc module imports rapidjson, which the device image lacks: carry its wheel too.
+  for whl in "$(dirname "$carry")"/numpy-1.*.whl "$(dirname "$carry")"/python_rapidjson-*.whl; do
     [ -e "$whl" ] && python3 -m pip install -q --no-index --no-deps --force-reinstall "$whl"
   done
 fi
@@ -23,7 +24,7 @@ for d in backend transfer cli csrc serving; do ln -sfn "$PWD/$d" "/tmp/pkg/tande
 export PYTHONPATH=/tmp/pkg:/tmp/carry:$PWD
 # Triton's python stubs ignore PYTHONPATH but read the interpreter's site-packages: a .pth puts tandem there.
 python3 -c 'import site; open(site.getsitepackages()[0] + "/tandem-run.pth", "w").write("/tmp/pkg\n")'
-built=$(ls csrc/_cuda_kernels*.so 2>/dev/null | head -1)
+built=$(ls csrc/_cuda_kernels*.so 2>/dev/null | head -1 || true)  # none yet: ls fails, and set -e callers would exit
 if [ -z "$built" ] || [ -n "$(find csrc -newer "$built" \( -name '*.cu' -o -name '*.cuh' -o -name '*.cpp' -o -name '*.h' \))" ]; then
   python3 csrc/build_cuda.py > "$out/build_cuda.log" 2>&1 || { tail -20 "$out/build_cuda.log"; exit 1; }
 fi
