@@ -99,8 +99,12 @@ def test_unit_leaves_a_killed_p_to_its_stub(tmp_path: Path) -> None:
         assert old_stub is not None and old_worker is not None
         assert " ".join(stub_argv(old_worker)).startswith("tandem-engine prefill prefill_0_0 ")
 
-        # A long stream whose KV has reached D (verified) before P dies: D keeps decoding it.
-        verified = _verified(proc.metrics_url)
+        # A long stream whose KV has reached D (verified) before P dies: D keeps decoding it. The
+        # baseline waits out the metrics' relay (a worker's counters arrive with its next heartbeat).
+        verified = -1.0
+        while verified != _verified(proc.metrics_url):
+            verified = _verified(proc.metrics_url)
+            time.sleep(0.5)
         long = Background(lambda: _long_stream(url))
         deadline = time.monotonic() + 20
         while _verified(proc.metrics_url) <= verified:
