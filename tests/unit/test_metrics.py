@@ -111,7 +111,7 @@ def test_release_proofs_are_the_ones_decode_counts() -> None:
 def test_triton_sink_creates_the_alerted_series_at_zero(engine: Engine) -> None:
     _Family.created = []
     const = {"model": "decode", "model_instance": "decode_0_0"}
-    TritonMetrics(_Pb(), const, engine)
+    TritonMetrics(_Pb(), const, engine=engine)
     series = _series(_Family.created)
     expected = {(n, tuple(sorted({**const, **labels}.items()))) for n, labels in zero_series(engine)}
     assert set(series) == expected
@@ -131,7 +131,9 @@ def test_decode_zero_series_cover_what_alerts_read() -> None:
 
 def test_triton_sink_merges_const_labels_and_reuses_series() -> None:
     _Family.created = []
-    sink: Any = TritonMetrics(_Pb(), {"model": "decode", "model_instance": "decode_0_0"}, Engine.DECODE)
+    sink: Any = TritonMetrics(
+        _Pb(), {"model": "decode", "model_instance": "decode_0_0"}, engine=Engine.DECODE
+    )
     sink.inc("tandem_streams_total", outcome="failed")
     sink.inc("tandem_streams_total", 2, outcome="failed")
     sink.observe("tandem_step_seconds", 0.012)
