@@ -360,9 +360,12 @@ def cases(draw: st.DrawFn, c: Contract, table: Mapping[str, Table]) -> Case:
     notes: list[str] = []
     rows = c.default_new_rows
     for spec in c.inputs:
-        present = draw(st.booleans()) if spec.optional else (clean or draw(st.integers(0, 19)) > 0)
+        # PROMPT is optional in the config only because TEXT may stand in for it: a request carries
+        # exactly one of the two (docs/protocol.md), settled after the loop.
+        required = not spec.optional or spec.name == "PROMPT"
+        present = draw(st.booleans()) if not required else (clean or draw(st.integers(0, 19)) > 0)
         if not present:
-            if not spec.optional:
+            if required:
                 bad.add(spec.name)
                 notes.append(f"no {spec.name}")
             continue
@@ -383,6 +386,13 @@ def cases(draw: st.DrawFn, c: Contract, table: Mapping[str, Table]) -> Case:
         if spec.name == "MAX_TOKENS" and value.verdict == VALID:
             rows = int(value.scalar)
         tensors.append(tensor)
+    names = {tensor.name for tensor in tensors}
+    if "TEXT" in names and "PROMPT" in names:
+        bad.add("TEXT")
+        notes.append("PROMPT and TEXT")
+    elif "TEXT" in names and "PROMPT" in bad and "no PROMPT" in notes:
+        bad.discard("PROMPT")  # TEXT stands in for the prompt; whether it is valid text is unsure
+        unsure.add("TEXT")
     extra = 2 if clean else draw(st.integers(0, 15))
     if extra == 0 and tensors:
         tensors.append(tensors[0])
