@@ -97,6 +97,26 @@ class Responder(Protocol):
     def cancelled(self) -> bool: ...
 
 
+Metric = tuple[str, dict[str, str], float]
+
+
+def merge_beats(beats: list[Beat]) -> tuple[list[Metric], list[Metric], list[Metric]]:
+    """The metrics of several Beats as one: each gauge's last value, each counter's summed
+    increments, every histogram sample in order."""
+    sets: dict[tuple[str, tuple[tuple[str, str], ...]], Metric] = {}
+    incs: dict[tuple[str, tuple[tuple[str, str], ...]], Metric] = {}
+    observes: list[Metric] = []
+    for b in beats:
+        for name, labels, value in b.sets:
+            sets[(name, tuple(sorted(labels.items())))] = (name, labels, value)
+        for name, labels, value in b.incs:
+            key = (name, tuple(sorted(labels.items())))
+            prev = incs.get(key)
+            incs[key] = (name, labels, value + (prev[2] if prev else 0.0))
+        observes.extend(b.observes)
+    return list(sets.values()), list(incs.values()), observes
+
+
 @dataclass
 class _Pending:
     responder: Responder
@@ -335,21 +355,30 @@ class EngineWorker:
 
     def _publish_loop(self) -> None:
         """Publisher thread: the worker's metrics through Triton. Each update is a round trip to the
-        server process, so this runs apart from the relay (a reply never waits behind a histogram)."""
+        server process, so this runs apart from the relay (a reply never waits behind a histogram).
+        Beats that queued while a publish ran are merged first (`merge_beats`): under load the
+        gauges show the newest reading, never one that lags further behind with every beat."""
         m = self._metrics
         while True:
-            beat = self._beats.get()
-            if beat is None:
-                return
+            beats = [self._beats.get()]
+            while True:
+                try:
+                    beats.append(self._beats.get_nowait())
+                except queue.Empty:
+                    break
+            stop = None in beats
+            sets, incs, observes = merge_beats([b for b in beats if b is not None])
             try:
-                for name, labels, value in beat.sets:
+                for name, labels, value in sets:
                     m.set(name, value, **labels)
-                for name, labels, value in beat.incs:
+                for name, labels, value in incs:
                     m.inc(name, value, **labels)
-                for name, labels, value in beat.observes:
+                for name, labels, value in observes:
                     m.observe(name, value, **labels)
             except Exception:
                 log.exception("%s: publishing the worker's metrics failed", self.instance)
+            if stop:
+                return
 
     def _on_exit(self, p: _Process) -> None:
         """End of stream: the worker is gone. Its pending requests fail now; the watchdog restarts it."""

@@ -299,27 +299,42 @@ class FaultUnit:
     def snapshot(self) -> Snapshot:
         return Snapshot.take(self.metrics_url)
 
-    def wait_for(self, predicate: Callable[[Snapshot], bool], timeout_s: float, what: str) -> Snapshot:
+    def wait_for(
+        self, predicate: Callable[[Snapshot], bool], timeout_s: float, what: str, *, stable_s: float = 0.0
+    ) -> Snapshot:
+        """The first snapshot for which `predicate` holds; with `stable_s`, it must still hold in a
+        snapshot taken that long later (the gauges publish every ~0.1 s, one at a time: one reading
+        can mix two publications)."""
         deadline = time.monotonic() + timeout_s
         snap = self.snapshot()
-        while not predicate(snap):
+        while True:
+            if predicate(snap):
+                if stable_s <= 0:
+                    return snap
+                time.sleep(stable_s)
+                again = self.snapshot()
+                if predicate(again):
+                    return again
+                snap = again
             if time.monotonic() > deadline:
                 raise AssertionError(f"{what}: not reached in {timeout_s} s; last {snap}")
             time.sleep(0.1)
             snap = self.snapshot()
-        return snap
 
-    def settle(self, baseline: Snapshot, timeout_s: float = 15.0) -> Snapshot:
-        """Wait until no stream is in flight and D's pages (free and held) are back to `baseline`."""
+    def settle(self, baseline: Snapshot, timeout_s: float = 15.0, *, p_pages: bool = False) -> Snapshot:
+        """Wait until no stream is in flight and D's pages (free and held) are back to `baseline`,
+        in two readings 0.3 s apart; with `p_pages`, P's free pages too."""
         return self.wait_for(
             lambda s: (
                 s.inflight == 0
                 and s.d_held_pages == 0
                 and s.d_free_pages == baseline.d_free_pages
                 and s.draining == 0
+                and (not p_pages or s.p_free_pages >= baseline.p_free_pages)
             ),
             timeout_s,
-            "D back to baseline",
+            "D back to baseline" + (" and P pages back" if p_pages else ""),
+            stable_s=0.3,
         )
 
     def matrix(self) -> dict[str, Any]:

@@ -202,9 +202,8 @@ def finish(
 ) -> Row:
     """Checks common to every row, then records it: settle, no leak, errors prompt, others complete.
     `proofs`: the proofs that may free this row's failed regions (at least one must have)."""
-    end = unit.settle(base, timeout_s=20)
     # P's pages of an offer nobody pulled (D stalled or dead) come back at the ticket's TTL (10 s).
-    end = unit.wait_for(lambda s: s.p_free_pages >= base.p_free_pages, 15, "P pages back")
+    end = unit.settle(base, timeout_s=35, p_pages=True)
     wants = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(results)
     failed = [r for r in results if r.error is not None]
     for r, want in zip(results, wants, strict=True):

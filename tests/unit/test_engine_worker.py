@@ -27,7 +27,7 @@ from tandem.backend.errors import TandemError
 from tandem.backend.metrics import RecordingMetrics
 from tandem.backend.sampling import SamplingParams
 from tandem.backend.settings import WorkerSettings
-from tandem.serving.engine_worker import EngineWorker, WorkerState
+from tandem.serving.engine_worker import EngineWorker, WorkerState, merge_beats
 
 STALL_S = 1.0
 
@@ -181,3 +181,34 @@ def test_worker_metrics_aggregate_until_the_next_beat() -> None:
     assert beat.incs == [("tandem_streams_total", {"outcome": "finished"}, 3.0)]
     assert beat.observes == [("tandem_step_seconds", {}, 0.0015)]
     assert m.beat(0.0) == Beat(0.0)  # nothing new
+
+
+def test_beats_queued_behind_a_slow_publish_merge_to_the_newest_gauges() -> None:
+    """The publisher merges what queued while it published: gauges last value, counters summed,
+    histogram samples all kept (a lagging gauge once showed a fault row pages that had come back)."""
+    first = Beat(
+        0.1,
+        sets=[("tandem_free_pages", {}, 90.0), ("tandem_inflight_streams", {}, 2.0)],
+        incs=[("tandem_streams_total", {"outcome": "finished"}, 1.0)],
+        observes=[("tandem_step_seconds", {}, 0.001)],
+    )
+    second = Beat(
+        0.1,
+        sets=[("tandem_free_pages", {}, 100.0)],
+        incs=[
+            ("tandem_streams_total", {"outcome": "finished"}, 2.0),
+            ("tandem_streams_total", {"outcome": "failed"}, 1.0),
+        ],
+        observes=[("tandem_step_seconds", {}, 0.002)],
+    )
+    sets, incs, observes = merge_beats([first, second])
+    assert sorted(sets) == [("tandem_free_pages", {}, 100.0), ("tandem_inflight_streams", {}, 2.0)]
+    assert sorted(incs, key=str) == sorted(
+        [
+            ("tandem_streams_total", {"outcome": "finished"}, 3.0),
+            ("tandem_streams_total", {"outcome": "failed"}, 1.0),
+        ],
+        key=str,
+    )
+    assert observes == [("tandem_step_seconds", {}, 0.001), ("tandem_step_seconds", {}, 0.002)]
+    assert merge_beats([]) == ([], [], [])
