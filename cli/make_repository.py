@@ -12,7 +12,9 @@
         --dtype bfloat16 --prefill-gpus 0 --decode-gpus 1 --vocoder-gpus 1
 
 The published `row_width`/`vocab_size` of `tts` and `tts_mono` are rewritten to the model's, and
-`sample_rate`/`rows_per_second` to the codec's, since the models refuse to load when they disagree.
+`sample_rate`/`rows_per_second` to the codec's, since the models refuse to load when they disagree;
+so are the dims of every row tensor ([-1, W]) and codec-frame tensor ([-1, K]): one variable
+dimension each, or Triton lets a negative dimension through to the stub (serving/repository.py).
 `--codec DIR` puts SNAC (config.json + pytorch_model.bin) behind D, the vocoder and `tts_mono`, and
 cuts chunks in whole frames: the first one (1 + lookahead) frames, so it already sounds.
 """
@@ -25,11 +27,11 @@ from pathlib import Path
 
 from tandem.backend.checkpoint import config_from_hf
 from tandem.backend.codec import format_rate
-from tandem.backend.codec_builder import codec_spec
+from tandem.backend.codec_builder import codec_spec, layout
 from tandem.backend.config import ModelConfig, preset
 from tandem.backend.settings import parse_settings
 from tandem.cli.families import FAMILIES, detect_family
-from tandem.serving.repository import gpu_group, render
+from tandem.serving.repository import gpu_group, render, tensor_dims
 
 SOURCE = Path(__file__).resolve().parent.parent / "model_repository"
 ENGINES = ("prefill", "decode", "tts_mono")
@@ -159,7 +161,9 @@ def main(argv: list[str] | None = None) -> int:
     mono = _gpus(args.mono_gpus)
     if mono:
         groups["tts_mono"] = ", ".join(gpu_group([g]) for g in mono)
-    render(args.source, args.out, params, groups)
+    codec_layout = params["decode"].get("tandem.codec.layout", "rows")
+    dims = tensor_dims(cfg.row_width, layout(codec_layout).frame_width(cfg.row_width))
+    render(args.source, args.out, params, groups, dims)
     dtype = args.dtype or cfg.dtype
     print(f"wrote {args.out} ({cfg.name}: W={cfg.row_width}, V={cfg.vocab_size}, dtype {dtype}; {summary})")
     return 0

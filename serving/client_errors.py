@@ -52,7 +52,10 @@ _CORE: tuple[tuple[re.Pattern[str], ClientCode], ...] = (
     (re.compile(r"must specify a non-zero or non-empty correlation ID"), ClientCode.INVALID_ARG),
     (re.compile(r"unexpected datatype|inference input '[^']*' data-type is"), ClientCode.INVALID_ARG),
     (
-        re.compile(r"unexpected shape for input|unexpected number of dims|Shape does not match"),
+        re.compile(
+            r"unexpected shape for input|unexpected number of dims|Shape does not match"
+            r"|input byte size mismatch|All input dimensions should be specified"
+        ),
         ClientCode.INVALID_ARG,
     ),
     (

@@ -108,6 +108,7 @@ class EngineStub:
         ready = self.worker.start()
         self.cfg = ModelConfig(**ready.cfg)
         self.pool_tokens = ready.pool_tokens
+        io.check_dims(self.config, self.cfg.row_width)
         if kind == "mono":
             io.check_published(self.config, self.cfg, codec_spec(self.settings))
         # The text front end (tts_mono takes TEXT itself; in `tts` the frontend step did it) and the

@@ -14,6 +14,20 @@ from pathlib import Path
 
 _GROUP = re.compile(r"^instance_group \[.*\]\s*$", re.MULTILINE)
 
+# Which tensors carry rows of the model's width W, and which codec frames of K codes, per model.
+# Their config dims are [-1, W] / [-1, K] (`tensor_dims`): one variable dimension only. Triton 2.51
+# checks a request's byte size only when every dimension is known, so with two wildcards a shape such
+# as [0, -5] reaches the python stub, whose numpy conversion then aborts the whole stub process.
+ROW_TENSORS: dict[str, tuple[str, ...]] = {
+    "frontend": ("PROMPT", "ROWS"),
+    "prefill": ("PROMPT",),
+    "decode": ("TOKENS",),
+    "vocoder": ("TOKENS", "TOKENS_OUT"),
+    "tts": ("PROMPT", "TOKENS"),
+    "tts_mono": ("PROMPT", "TOKENS"),
+}
+FRAME_TENSORS: dict[str, tuple[str, ...]] = {"decode": ("CODES",), "vocoder": ("CODES",)}
+
 
 def set_parameter(config: str, key: str, value: str) -> str:
     """Replace (or append) `parameters { key: KEY value { string_value: ... } }` in a config.pbtxt."""
@@ -44,6 +58,25 @@ def set_instance_group(config: str, group: str) -> str:
     return _GROUP.sub(lambda _: f"instance_group [ {group} ]", config)
 
 
+def set_dims(config: str, tensor: str, dims: list[int]) -> str:
+    """Replace the dims of the one-line input or output `{ name: "TENSOR" ... dims: [ ... ] ... }`."""
+    pattern = re.compile(r'(\{ name: "' + re.escape(tensor) + r'" data_type: \w+ dims: \[)[^\]]*(\])')
+    if not pattern.search(config):
+        raise ValueError(f"config has no one-line tensor {tensor!r} to set dims on")
+    return pattern.sub(lambda m: f"{m.group(1)} {', '.join(str(d) for d in dims)} {m.group(2)}", config)
+
+
+def tensor_dims(row_width: int, frame_width: int) -> dict[str, dict[str, list[int]]]:
+    """Per model, the dims of its row and frame tensors for rows of `row_width` ids and codec frames
+    of `frame_width` codes."""
+    out: dict[str, dict[str, list[int]]] = {}
+    for model, names in ROW_TENSORS.items():
+        out.setdefault(model, {}).update({n: [-1, row_width] for n in names})
+    for model, names in FRAME_TENSORS.items():
+        out.setdefault(model, {}).update({n: [-1, frame_width] for n in names})
+    return out
+
+
 def gpu_group(gpus: list[int], count: int = 1) -> str:
     return f"{{ kind: KIND_GPU count: {count} gpus: [ {', '.join(str(g) for g in gpus)} ] }}"
 
@@ -53,10 +86,11 @@ def render(
     dest: Path,
     parameters: Mapping[str, Mapping[str, str]] | None = None,
     groups: Mapping[str, str] | None = None,
+    dims: Mapping[str, Mapping[str, list[int]]] | None = None,
 ) -> Path:
-    """Copy `source` to `dest` applying per-model parameter and instance-group overrides."""
+    """Copy `source` to `dest` applying per-model parameter, instance-group and tensor-dims overrides."""
     shutil.copytree(source, dest, ignore=shutil.ignore_patterns("__pycache__"))
-    models = set(parameters or {}) | set(groups or {})
+    models = set(parameters or {}) | set(groups or {}) | set(dims or {})
     for model in models:
         cfg = dest / model / "config.pbtxt"
         if not cfg.is_file():
@@ -66,5 +100,7 @@ def render(
             text = set_parameter(text, key, value)
         if groups and model in groups:
             text = set_instance_group(text, groups[model])
+        for tensor, shape in (dims or {}).get(model, {}).items():
+            text = set_dims(text, tensor, shape)
         cfg.write_text(text)
     return dest

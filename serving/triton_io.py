@@ -38,6 +38,7 @@ from tandem.backend.prompt import (
 from tandem.backend.settings import EngineSettings, parse_settings, triton_parameters
 from tandem.backend.stream import Chunk
 from tandem.backend.timing import Timings
+from tandem.serving.repository import ROW_TENSORS
 
 # TRITONSERVER_REQUEST_FLAG_SEQUENCE_START (tritonserver.h): the request opens its sequence.
 SEQUENCE_START = 1
@@ -56,8 +57,40 @@ def setup_logging(model_name: str) -> None:
 
 
 def load_settings(args: Mapping[str, Any]) -> tuple[EngineSettings, dict[str, Any]]:
+    """The model's tandem settings and its Triton config; raises ValueError (the model does not
+    load) for bad settings or an input with two variable dimensions (`check_dims`)."""
     model_config = json.loads(args["model_config"])
+    check_dims(model_config)
     return parse_settings(triton_parameters(model_config)), model_config
+
+
+def check_dims(model_config: Mapping[str, Any], row_width: int | None = None) -> None:
+    """Refuse to load a config that would let a malformed shape reach this stub, or that disagrees
+    with the loaded model's row width.
+
+    Every input may have one variable (-1) dimension at most: Triton 2.51 checks a request's byte
+    size only when that leaves the element count negative or known, so with two a shape like
+    [0, -5] passes its checks and the python backend's numpy conversion aborts the stub process
+    (every later request of the model fails). With `row_width`, this model's row tensors
+    (`serving/repository.py` ROW_TENSORS) must be [-1, row_width]."""
+    name = str(model_config.get("name", "?"))
+    for t in model_config.get("input") or []:
+        dims = [int(d) for d in t.get("dims") or []]
+        if sum(d < 0 for d in dims) > 1:
+            raise ValueError(
+                f"config.pbtxt of {name!r}: input {t.get('name')!r} has dims {dims}; at most one may be "
+                "-1 (fix the width to the model's, as tandem-repo writes it)"
+            )
+    if row_width is None:
+        return
+    rows = ROW_TENSORS.get(name, ())
+    for t in [*(model_config.get("input") or []), *(model_config.get("output") or [])]:
+        dims = [int(d) for d in t.get("dims") or []]
+        if t.get("name") in rows and dims != [-1, row_width]:
+            raise ValueError(
+                f"config.pbtxt of {name!r}: {t.get('name')!r} has dims {dims} but the loaded model's rows "
+                f"are {row_width} wide; render the repository with tandem-repo for this model"
+            )
 
 
 def triton_error(pb: Any, err: BaseException) -> Any:
@@ -138,8 +171,10 @@ def frontend_step(args: Mapping[str, Any]) -> TextFrontend | None:
     """What the `frontend` step builds in `initialize`: logging, settings, the model's config (no
     weights) and its text front end."""
     setup_logging(args["model_name"])
-    settings, _ = load_settings(args)
-    return text_frontend(args, settings, model_config(settings))
+    settings, config = load_settings(args)
+    cfg = model_config(settings)
+    check_dims(config, cfg.row_width)
+    return text_frontend(args, settings, cfg)
 
 
 def read_frontend_request(pb: Any, request: Any, frontend: TextFrontend | None) -> np.ndarray:

@@ -35,8 +35,9 @@ def prepare_repository(
     dest: Path,
     overrides: Mapping[str, Mapping[str, str]] | None = None,
     groups: Mapping[str, str] | None = None,
+    dims: Mapping[str, Mapping[str, list[int]]] | None = None,
 ) -> Path:
-    return render(REPO / "model_repository", dest / "model_repository", overrides, groups)
+    return render(REPO / "model_repository", dest / "model_repository", overrides, groups, dims)
 
 
 class TritonProcess:
@@ -47,12 +48,14 @@ class TritonProcess:
         extra_args: Sequence[str] = (),
         groups: Mapping[str, str] | None = None,
         launcher: Sequence[str] = (),
+        dims: Mapping[str, Mapping[str, list[int]]] | None = None,
     ) -> None:
         """`extra_args` go to tritonserver after the defaults (e.g. `--model-control-mode=explicit`).
         `launcher`, if given, replaces this environment's `tritonserver` in front of the server's
-        arguments (e.g. `tandem-unit --restart-grace 2 --`)."""
+        arguments (e.g. `tandem-unit --restart-grace 2 --`). `dims`: tensor dims per model, for a
+        model whose rows are not the checked-in tiny preset's (`serving.repository.tensor_dims`)."""
         self.workdir = workdir
-        self.repo = prepare_repository(workdir, overrides, groups)
+        self.repo = prepare_repository(workdir, overrides, groups, dims)
         self.extra_args = tuple(extra_args)
         self.launcher = tuple(launcher)
         self.grpc_port, self.http_port, self.metrics_port = free_port(), free_port(), free_port()

@@ -60,7 +60,6 @@ def test_greedy_and_seeded_are_deterministic(server):
 
 BAD = [
     ("empty prompt", lambda: (np.zeros((0, TINY_W), np.int64), {}), "0 rows"),
-    ("wrong width", lambda: (prompt(5, width=3), {}), "row_width"),
     ("id over vocab", lambda: (np.full((5, TINY_W), TINY_V, np.int64), {}), "outside the vocabulary"),
     ("negative id", lambda: (np.full((5, TINY_W), -1, np.int64), {}), "outside the vocabulary"),
     ("oversized prompt", lambda: (prompt(5000), {}), "limit"),
@@ -81,6 +80,13 @@ def test_bad_input_gets_invalid_arg_and_server_stays_healthy(server, case):
     assert r.error is not None and "[INVALID_ARG]" in r.error and needle in r.error, r.error
     ok = run(server.url, MODEL, prompt(8), MAX_TOKENS=3)
     assert ok.error is None and ok.rows.shape == (3, TINY_W)
+
+
+def test_wrong_width_is_rejected_by_triton(server):
+    """PROMPT's width is in the config (dims [-1, W]), so Triton's own shape check refuses it."""
+    r = run(server.url, MODEL, prompt(5, width=3))
+    assert r.error is not None and "unexpected shape for input 'PROMPT'" in r.error, r.error
+    assert "Expected [-1,4], got [5,3]" in r.error, r.error
 
 
 def test_wrong_dtype_is_rejected_by_triton(server):

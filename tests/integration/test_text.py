@@ -20,6 +20,7 @@ from tandem.backend.config import Limits, preset
 from tandem.backend.frontend import Family, TextFrontend
 from tandem.backend.prompt import TextRequest
 from tandem.backend.tokenizer import TextTokenizer
+from tandem.serving.repository import tensor_dims
 from tests.fixtures.text_models import CHECKED_IN_TOKENIZER, ORPHEUS_VOCAB, orpheus_checkpoint, orpheus_config
 from tests.integration.helpers import TINY_W, prompt, run
 from tests.integration.server import TritonProcess
@@ -103,7 +104,8 @@ def orpheus(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[TritonPr
         "tts_mono": {**model, **published, "tandem.frontend.tokenizer": ""},
         "tts": published,
     }
-    proc = TritonProcess(tmp_path_factory.mktemp("triton-orpheus"), overrides).start(timeout_s=600)
+    dims = tensor_dims(1, 1)  # one id per row; the reference codec's frames are rows
+    proc = TritonProcess(tmp_path_factory.mktemp("triton-orpheus"), overrides, dims=dims).start(timeout_s=600)
     yield proc, ckpt
     proc.stop()
 

@@ -45,7 +45,20 @@ from tandem.serving.client_errors import HTTP_STATUS, ClientCode, classify
             None,
         ),
         (
-            "unexpected shape for input 'PROMPT' for model 'tts'. Expected [-1,-1], got [3]",
+            "unexpected shape for input 'PROMPT' for model 'tts'. Expected [-1,4], got [3]",
+            None,
+            "INVALID_ARG",
+            None,
+        ),
+        (
+            "[request id: r1] input byte size mismatch for input 'PROMPT' for model 'tts_mono'. "
+            "Expected -96, got 96",
+            None,
+            "INVALID_ARG",
+            None,
+        ),
+        (
+            "All input dimensions should be specified for input 'PROMPT' for model 'tts', got [-1,4]",
             None,
             "INVALID_ARG",
             None,

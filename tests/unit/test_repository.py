@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -10,7 +11,8 @@ from tandem.backend.checkpoint import save_checkpoint
 from tandem.backend.config import preset
 from tandem.backend.decoder import Decoder
 from tandem.cli.make_repository import main
-from tandem.serving.repository import render, set_parameter
+from tandem.serving.repository import ROW_TENSORS, render, set_dims, set_parameter
+from tandem.serving.triton_io import check_dims
 
 SOURCE = Path(__file__).resolve().parents[2] / "model_repository"
 
@@ -52,7 +54,42 @@ def test_gpu_unit_places_p_and_d_and_requires_a_gpu_path(tmp_path):
     for published in ("tts", "tts_mono"):  # the 4B shape is a plain token LM: W = 1, V = 151936
         assert 'key: "row_width" value { string_value: "1" }' in _cfg(out, published)
         assert 'key: "vocab_size" value { string_value: "151936" }' in _cfg(out, published)
-    assert _cfg(out, "vocoder") == _cfg(SOURCE, "vocoder")  # untouched models are copied as they are
+    # every row tensor is [-1, W] for the model's W (one variable dimension: see check_dims)
+    for model in ("frontend", "prefill", "tts", "tts_mono"):
+        assert '{ name: "PROMPT" data_type: TYPE_INT64 dims: [ -1, 1 ]' in _cfg(out, model)
+    for model in ("decode", "vocoder"):
+        assert '{ name: "TOKENS" data_type: TYPE_INT64 dims: [ -1, 1 ] }' in _cfg(out, model)
+        assert '{ name: "CODES" data_type: TYPE_INT64 dims: [ -1, 1 ] }' in _cfg(out, model)
+    # otherwise untouched models are copied as they are
+    assert _cfg(out, "vocoder") == _cfg(SOURCE, "vocoder").replace("dims: [ -1, 4 ]", "dims: [ -1, 1 ]")
+
+
+def test_checked_in_configs_have_one_variable_dimension_per_input_and_the_tiny_width():
+    """What every stub checks when it loads (serving/triton_io.check_dims), on the checked-in files."""
+    for model, names in ROW_TENSORS.items():
+        text = _cfg(SOURCE, model)
+        for name in names:
+            assert f'{{ name: "{name}" data_type: TYPE_INT64 dims: [ -1, 4 ]' in text, (model, name)
+        for dims in re.findall(r"dims: \[([^\]]*)\]", text):
+            assert dims.count("-1") <= 1, (model, dims)
+
+
+def test_a_config_that_lets_a_negative_dimension_through_does_not_load():
+    two = {"name": "tts_mono", "input": [{"name": "PROMPT", "dims": ["-1", "-1"]}]}
+    with pytest.raises(ValueError, match="'PROMPT' has dims \\[-1, -1\\]; at most one may be -1"):
+        check_dims(two)
+    narrow = {"name": "tts_mono", "input": [{"name": "PROMPT", "dims": ["-1", "4"]}]}
+    check_dims(narrow)
+    with pytest.raises(ValueError, match="rows are 1 wide; render the repository with tandem-repo"):
+        check_dims(narrow, row_width=1)
+    check_dims(narrow, row_width=4)
+
+
+def test_set_dims_rewrites_one_tensor():
+    text = '  { name: "PROMPT" data_type: TYPE_INT64 dims: [ -1, -1 ] optional: true },\n'
+    assert set_dims(text, "PROMPT", [-1, 7]) == text.replace("[ -1, -1 ]", "[ -1, 7 ]")
+    with pytest.raises(ValueError, match="no one-line tensor 'AUDIO'"):
+        set_dims(text, "AUDIO", [-1])
 
 
 def test_checkpoint_publishes_its_own_shape(tmp_path):
