@@ -687,13 +687,13 @@ def bystanders(unit: FaultUnit, model: str, seed: int) -> list[tuple[str, Backgr
     return out
 
 
-def victims(unit: FaultUnit, model: str, seed: int) -> Background | None:
+def victims(unit: FaultUnit, model: str, seed: int, rows: int = 400) -> Background | None:
     """Long streams in flight on `model`'s engine when the fault comes (D and the monolithic engine;
     P holds a request only for its forward)."""
     if model == "prefill":
         return None
     before = unit.snapshot().verified_ok
-    load = Background(lambda: streams(unit.url, jobs(2, 40, 400, seed=seed), 60, model=ENTRY[model]))
+    load = Background(lambda: streams(unit.url, jobs(2, 40, rows, seed=seed), 60, model=ENTRY[model]))
     if model == "decode":
         unit.wait_for(lambda s: s.verified_ok >= before + 2, 20, "victim streams on D")
     else:
@@ -791,11 +791,17 @@ def test_kill_engine_mid_stream(row, model):
     restarts = engine_restarts(unit.metrics_url, model)
     before = json.loads(handoff(unit.url))["ticket"]["instance_id"] if model == "prefill" else None
     kept = bystanders(unit, model, seed=70)
-    hit = victims(unit, model, seed=72)
     traffic = arrivals(
         unit.url, ENTRY[model], n=12, every_s=0.25, seed=74, rows=400 if model == "prefill" else 20
     )
-    time.sleep(0.6)  # arrivals in flight (on P: in its forwards)
+    if model == "prefill":
+        hit = None
+        time.sleep(0.6)  # arrivals in flight, in P's forwards
+    else:
+        # Killed as soon as they are mid-stream (arrivals already flowing): on a GPU the tiny model
+        # ends a 400-row stream in under a second. As long as D's 128-page pool allows (two of 840
+        # rows and the arrivals' few), and the longest allowed on tts_mono; killed, length costs nothing.
+        hit = victims(unit, model, seed=72, rows=800 if model == "decode" else 2048)
     pid = unit.signal_worker(model, signal.SIGKILL)
     killed_ns = time.time_ns()
     ready_during = server_ready(unit.url, (*ENGINES, "tts"))
