@@ -258,7 +258,8 @@ def test_a_calibration_that_leaves_the_pool_changed_stops_d_from_starting(decode
 def test_d_admits_and_pulls_while_its_engine_is_inside_a_step(pd, monkeypatch):
     """Admission has its own thread: a handoff arriving while D's engine thread is stuck in a (here
     artificially slow) step gets its pages and its PULL before that step ends, and its KV is verified
-    by the time the engine looks again. Ordering, not speed: the step takes 0.5 s."""
+    by the time the engine looks again. Ordering, not speed: the step takes 2 s (0.5 s was once too
+    short for the admission thread on a loaded 2-core box)."""
     p, d = pd
     first, second = _handoff(p, 1, 40), _handoff(p, 2, 5)
     sink_a, sink_b = ListSink(), ListSink()
@@ -273,7 +274,7 @@ def test_d_admits_and_pulls_while_its_engine_is_inside_a_step(pd, monkeypatch):
     def slow_advance():
         if not slow:
             slow["start"] = time.time_ns()
-            time.sleep(0.5)
+            time.sleep(2.0)
             slow["end"] = time.time_ns()
         return advance()
 
