@@ -12,7 +12,12 @@ Text: OpenAI's `input` (text) goes to the model's `TEXT` BYTES [1] input and `vo
 [1] (and to `VOICE_ID`, the affinity and metrics label). `text_inputs` is that mapping; a model that
 publishes no `TEXT` input (read from its config at start-up) gets no tokenizer of ours in its place:
 the request is refused with INVALID_ARG. `prompt_inputs` builds a request from prompt rows instead,
-for callers inside the process (tests, the bench), never from HTTP.
+for callers inside the process (tests, the bench), never from HTTP. No `MAX_TOKENS` is sent: an HTTP
+request streams the model's default length (`tandem.limits.default_new_rows`).
+
+Errors the model reports name the Triton input first (`VOICE 'alloy' is not one of this model's
+voices: ...`, `TEXT makes 4097 prompt rows; ...`); `openai_param` turns that name into the OpenAI
+field the caller sent (`voice`, `input`), the error's `param`.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from tandem.cli.tts_client import build_inputs
 from tandem.serving.client_errors import ClientCode, ClientError, classify
 
 TEXT, VOICE, VOICE_ID = "TEXT", "VOICE", "VOICE_ID"
+OPENAI_PARAMS = {TEXT: "input", VOICE: "voice", VOICE_ID: "voice"}  # Triton input -> the body's field
 
 
 class GatewayError(Exception):
@@ -117,6 +123,13 @@ def prompt_inputs(prompt: np.ndarray, **params: Any) -> list[grpcclient.InferInp
     return build_inputs(prompt, **params)
 
 
+def openai_param(error: ClientError) -> str | None:
+    """The OpenAI body field an error of the model is about: its detail's first word names the
+    Triton input (`backend/prompt.py`, `backend/frontend.py`); None when it names none of ours."""
+    first = error.detail.split(" ", 1)[0] if error.code is ClientCode.INVALID_ARG else ""
+    return OPENAI_PARAMS.get(first)
+
+
 def new_stream_id() -> int:
     """A random non-zero 63-bit id: unique across gateway processes sharing one server."""
     return secrets.randbelow(2**63 - 1) + 1
@@ -176,7 +189,8 @@ async def stream_audio(
                 raise GatewayError(classify(str(exc.details()), str(exc.code()))) from None
             if error is not None:
                 done = True
-                raise GatewayError(classify(error.message() or str(error), error.status()))
+                refused = classify(error.message() or str(error), error.status())
+                raise GatewayError(refused, openai_param(refused))
             params = result.get_response().parameters
             done = "triton_final_response" in params and params["triton_final_response"].bool_param
             audio = result.as_numpy("AUDIO")

@@ -1,91 +1,52 @@
-"""tandem-gateway through the real tritonserver: the OpenAI SDK as the HTTP client for everything that
-needs no text, and the gateway's own streaming path (its internal request builder, prompt rows) for
-the audio framing, the stream's errors and a caller who hangs up.
+"""tandem-gateway through the real tritonserver on the checked-in repository: the OpenAI SDK as the
+HTTP client (text in through the byte tokenizer and plain template, 22,050 Hz audio out, the
+refusals), and the gateway's own streaming path (its internal request builder, prompt rows) for
+byte-exact framing against direct gRPC, the stream's errors and a caller who hangs up.
 
-The checked-in repository's models publish no TEXT input, so over HTTP the gateway refuses text with
-a 400; `test_text_streams_over_http` runs once the served `tts` publishes TEXT (the text front end).
+The tiny model has no end-of-speech id, so every HTTP request streams the model's default length
+(`Limits.default_new_rows`, 256 rows: OpenAI's body has no length field) of 1,050 samples a row.
+The Orpheus-format repository (SNAC, 24 kHz, voices): `test_gateway_orpheus.py`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import io
 import json
-import subprocess
-import sys
 import time
-import urllib.error
-import urllib.request
+import wave
 from collections.abc import Iterator
-from pathlib import Path
 
 import numpy as np
 import openai
 import pytest
 
+from tandem.backend.config import Limits, VocoderConfig
 from tandem.cli.tts_client import TTSClient
 from tandem.serving.client_errors import ClientCode
 from tandem.serving.gateway import Gateway, GatewaySettings, error_response
 from tandem.serving.gateway_audio import AudioFormat, Framer, StreamFormat, pcm16, wav_header
 from tandem.serving.gateway_stream import GatewayError, StreamRequest, new_stream_id, prompt_inputs
+from tests.integration.gateway_process import gateway_process, http_get, http_post
 from tests.integration.helpers import TINY_V, TINY_W, metric_value, metrics_text, prompt, wait_metric
 from tests.integration.server import TritonProcess, free_port
 
 SAMPLE_RATE = 22050  # published by the checked-in repository
+HTTP_ROWS = Limits().default_new_rows  # an HTTP request's length (the tiny model never stops early)
+SAMPLES_PER_ROW = VocoderConfig().samples_per_row
 
 
 @pytest.fixture(scope="module")
 def gateway(server: TritonProcess, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """`tandem-gateway` as its own process in front of the session's server; yields its base URL."""
-    port = free_port()
-    log = Path(tmp_path_factory.mktemp("gateway")) / "gateway.log"
-    cmd = [
-        str(Path(sys.executable).parent / "tandem-gateway"),
-        f"--triton={server.url}",
-        f"--port={port}",
-        f"--metrics-url={server.metrics_url}",
-    ]
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                with urllib.request.urlopen(f"{base}/v1/models", timeout=2) as r:
-                    if len(json.load(r)["data"]) == 2:
-                        break
-            except (urllib.error.URLError, OSError):
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"gateway did not start:\n{log.read_text()}")
-            time.sleep(0.2)
+    with gateway_process(server, tmp_path_factory.mktemp("gateway")) as base:
         yield base
-    finally:
-        proc.terminate()
-        proc.wait(10)
 
 
 @pytest.fixture
 def sdk(gateway: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{gateway}/v1", api_key="unused", max_retries=0)
-
-
-def _get(url: str) -> tuple[int, dict]:
-    try:
-        with urllib.request.urlopen(url, timeout=10) as r:
-            return r.status, json.load(r)
-    except urllib.error.HTTPError as e:
-        return e.code, json.load(e)
-
-
-def _post(url: str, body: dict) -> tuple[int, dict]:
-    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=10) as r:
-            return r.status, {}
-    except urllib.error.HTTPError as e:
-        return e.code, json.load(e)
 
 
 def test_models_list_and_retrieve(sdk):
@@ -97,7 +58,7 @@ def test_models_list_and_retrieve(sdk):
 
 
 def test_health_reflects_the_unit(gateway):
-    status, body = _get(f"{gateway}/health")
+    status, body = http_get(f"{gateway}/health")
     assert (status, body) == (200, {"status": "ok", "reasons": []})
 
 
@@ -121,11 +82,12 @@ def test_health_is_503_with_a_reason_when_the_metrics_cannot_be_read(server):
     [
         ({"speed": 1.5}, "speed", "speed = 1.5: only 1.0 is supported"),
         ({"response_format": "mp3"}, "response_format", "'mp3' is not supported: use wav or pcm"),
+        ({"input": " \n"}, "input", "input is empty"),
     ],
 )
 def test_bad_requests_get_openai_errors_with_400(sdk, kwargs, param, needle):
     with pytest.raises(openai.BadRequestError) as e:
-        sdk.audio.speech.create(model="tts", input="Hello there.", voice="tara", **kwargs)
+        sdk.audio.speech.create(**{"model": "tts", "input": "Hello there.", "voice": "tara", **kwargs})
     assert e.value.status_code == 400
     assert e.value.code == "INVALID_ARG" and e.value.param == param
     assert e.value.type == "invalid_request_error"
@@ -141,33 +103,45 @@ def test_unknown_model_is_404(sdk):
 
 
 def test_malformed_bodies_are_400_naming_the_field(gateway):
-    status, body = _post(f"{gateway}/v1/audio/speech", {"model": "tts", "voice": "tara"})
+    status, body = http_post(f"{gateway}/v1/audio/speech", {"model": "tts", "voice": "tara"})
     assert status == 400 and body["error"]["param"] == "input" and body["error"]["code"] == "INVALID_ARG"
-    status, body = _post(
+    status, body = http_post(
         f"{gateway}/v1/audio/speech", {"model": "tts", "input": "hi", "voice": "tara", "prompt_rows": [[1]]}
     )
     assert status == 400 and body["error"]["param"] == "prompt_rows", body
-    status, body = _post(f"{gateway}/v1/audio/speech", {"model": "tts", "input": "x" * 4097, "voice": "v"})
+    status, body = http_post(
+        f"{gateway}/v1/audio/speech", {"model": "tts", "input": "x" * 4097, "voice": "v"}
+    )
     assert status == 400 and body["error"]["param"] == "input", body
 
 
-def test_text_streams_over_http(sdk, server):
-    import tritonclient.grpc as grpcclient
+@pytest.mark.parametrize("model", ["tts", "tts_mono"])
+def test_text_gives_a_wav_at_the_models_rate(sdk, model):
+    resp = sdk.audio.speech.create(model=model, input="Hello there.", voice="tara", response_format="wav")
+    assert resp.response.headers["x-sample-rate"] == str(SAMPLE_RATE)
+    with wave.open(io.BytesIO(resp.content)) as w:  # the streaming header: sizes unknown, the rest exact
+        assert (w.getnchannels(), w.getsampwidth(), w.getframerate()) == (1, 2, SAMPLE_RATE)
+        samples = w.readframes(2**24)
+    assert len(samples) == 2 * HTTP_ROWS * SAMPLES_PER_ROW
+    assert np.frombuffer(samples, "<i2").any()
 
-    inputs = {
-        i["name"]
-        for i in grpcclient.InferenceServerClient(server.url).get_model_metadata("tts", as_json=True)[
-            "inputs"
-        ]
-    }
-    if "TEXT" not in inputs:
-        pytest.skip("the served tts publishes no TEXT input (the text front end is not in this repository)")
+
+def test_text_streams_pcm_and_sse_over_http(sdk):
     with sdk.audio.speech.with_streaming_response.create(
         model="tts", input="Hello there.", voice="tara", response_format="pcm"
     ) as resp:
-        assert resp.headers["x-sample-rate"] and int(resp.headers["x-tandem-stream-id"]) > 0
+        assert resp.headers["content-type"] == "audio/pcm" and int(resp.headers["x-tandem-stream-id"]) > 0
         chunks = [c for c in resp.iter_bytes() if c]
-    assert len(chunks) > 1 and sum(len(c) for c in chunks) % 2 == 0
+    assert len(chunks) > 1 and sum(len(c) for c in chunks) == 2 * HTTP_ROWS * SAMPLES_PER_ROW
+    with sdk.audio.speech.with_streaming_response.create(
+        model="tts_mono", input="Hello there.", voice="tara", response_format="pcm", stream_format="sse"
+    ) as resp:
+        assert resp.headers["content-type"].startswith("text/event-stream")
+        body = resp.read().decode()
+    events = [json.loads(e[6:]) for e in body.split("\n\n") if e.startswith("data: ")]
+    assert events[-1] == {"type": "speech.audio.done", "usage": {"output_tokens": HTTP_ROWS}}
+    audio = b"".join(base64.b64decode(e["audio"]) for e in events[:-1])
+    assert len(events) > 2 and len(audio) == 2 * HTTP_ROWS * SAMPLES_PER_ROW
 
 
 # ---- the gateway's streaming path against the real server, prompt rows in (no HTTP) --------------

@@ -1,0 +1,73 @@
+"""`tandem-gateway` as its own process in front of a test's tritonserver, and the plain-HTTP helpers
+the gateway tests share (the OpenAI SDK is the client everywhere else)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from tests.integration.server import TritonProcess, free_port
+
+
+@contextlib.contextmanager
+def gateway_process(
+    server: TritonProcess, log_dir: Path, models: Sequence[str] = ("tts", "tts_mono"), timeout_s: float = 60.0
+) -> Iterator[str]:
+    """Starts `tandem-gateway --triton ... --port ...` for `server` and yields its base URL once
+    `/v1/models` lists every one of `models`; stops it (SIGTERM) on exit. Raises RuntimeError with
+    the gateway's log when it exits or does not list them within `timeout_s`."""
+    port = free_port()
+    log = log_dir / "gateway.log"
+    cmd = [
+        str(Path(sys.executable).parent / "tandem-gateway"),
+        f"--triton={server.url}",
+        f"--port={port}",
+        f"--metrics-url={server.metrics_url}",
+        f"--models={','.join(models)}",
+    ]
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                with urllib.request.urlopen(f"{base}/v1/models", timeout=2) as r:
+                    if {m["id"] for m in json.load(r)["data"]} == set(models):
+                        break
+            except (urllib.error.URLError, OSError):
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"gateway did not start:\n{log.read_text()}")
+            time.sleep(0.2)
+        yield base
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def http_get(url: str) -> tuple[int, dict[str, Any]]:
+    """GET `url`: (status, JSON body), an HTTP error's included."""
+    try:
+        with urllib.request.urlopen(url, timeout=10) as r:
+            return r.status, json.load(r)
+    except urllib.error.HTTPError as e:
+        return e.code, json.load(e)
+
+
+def http_post(url: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    """POST `body` as JSON: (status, {}) on success (the audio is dropped), (status, JSON) on error."""
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return r.status, {}
+    except urllib.error.HTTPError as e:
+        return e.code, json.load(e)
