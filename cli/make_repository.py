@@ -37,6 +37,7 @@ SOURCE = Path(__file__).resolve().parent.parent / "model_repository"
 ENGINES = ("prefill", "decode", "tts_mono")
 CODEC_USERS = ("decode", "vocoder", "tts_mono")  # D frames rows, the vocoder and tts_mono decode them
 CHUNK_FRAMES_MAX = 16  # frames per chunk once grown (1.37 s of Orpheus audio)
+ORPHEUS_DEFAULT_ROWS = 1200  # a request's length when it names none (the OpenAI body never does)
 
 
 def _codec_parameters(args: argparse.Namespace, cfg: ModelConfig, params: dict[str, dict[str, str]]) -> str:
@@ -59,6 +60,9 @@ def _codec_parameters(args: argparse.Namespace, cfg: ModelConfig, params: dict[s
     spec = codec_spec(settings)
     for m in CODEC_USERS:
         params.setdefault(m, {}).update(codec)
+    if family == "orpheus":  # Orpheus' own engine asks for up to 1,200 tokens (14.6 s of audio) by default
+        for m in ("prefill", "tts_mono"):  # the models that validate a request's length
+            params.setdefault(m, {})["tandem.limits.default_new_rows"] = str(ORPHEUS_DEFAULT_ROWS)
     if args.codec:
         first = spec.rows_per_frame * (1 + spec.lookahead)
         for m in ("decode", "tts_mono"):

@@ -80,6 +80,8 @@ def test_an_orpheus_repository_gets_snac_everywhere_and_publishes_its_clock(tmp_
         assert model_parameter(out, model, "tandem.batch.first_chunk_rows") == "14"
         assert model_parameter(out, model, "tandem.batch.max_chunk_rows") == "112"
     assert "KIND_GPU" in (out / "vocoder" / "config.pbtxt").read_text()
+    for model in ("prefill", "tts_mono"):  # a request naming no length: Orpheus' own default
+        assert model_parameter(out, model, "tandem.limits.default_new_rows") == "1200"
     for model in ("decode", "vocoder"):  # one id per row; a SNAC frame is 7 codes (1 + 2 + 4)
         text = (out / model / "config.pbtxt").read_text()
         assert '{ name: "TOKENS" data_type: TYPE_INT64 dims: [ -1, 1 ] }' in text
