@@ -33,7 +33,9 @@ member count, so one lock is the simplest honest choice; it is held for microsec
 
 **What crosses**, and who owns it afterwards:
 - execute -> admission: `DecodeRequest` through the intake; the request (its sink) belongs to the
-  intake until admitted, dropped, expired or failed (each exactly once).
+  intake until admitted, dropped, expired or failed (each exactly once). A request with a ticket
+  carries its `TicketClaim` (`backend/decode_tickets.py`): `_admit` marks it pulled once the
+  receiver took the ticket; every end before that (a `fail` of its sink) has D tell P to drop it.
 - admission -> engine: `Admitted` through `admitted` (a SimpleQueue). With it the Stream and its
   pages pass to the engine thread; the admission thread never touches the stream again, except that
   the receiver may call `return_held` for it (under the lock) once the engine left it holding.
@@ -57,6 +59,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from tandem.backend.decode_tickets import TicketClaim
 from tandem.backend.errors import PoolExhausted, StreamFailed
 from tandem.backend.handoff import Handoff
 from tandem.backend.kv_pool import KVPool
@@ -79,6 +82,7 @@ class DecodeRequest:
     sink: ChunkSink
     timings: Timings
     received_s: float = 0.0  # time.monotonic() at submit (the intake stamps it): the admission wait
+    claim: TicketClaim | None = None  # with a ticket: `sink` is this claim until the ticket is pulled
 
 
 @dataclass(frozen=True)
@@ -288,6 +292,8 @@ class DecodeAdmission:
                         handle = self.receiver.request(h.ticket, deadline, slots[: h.prompt_len], back)
                     else:
                         handle = self.receiver.request(h.ticket, deadline)
+                    if req.claim is not None:  # from now on the transfer's own rules end it
+                        req.claim.pulled()
                 except ArenaExhausted:
                     # No region free: give the pages back quietly (waking ourselves would spin) and
                     # let the request wait for regions, which come back on D's own time.

@@ -19,6 +19,8 @@ What crosses between D's threads, in one place (each file states its own part in
   is touched by no other thread; the admission thread only reads the step model's fit.
 - receiver threads -> engine: transfer events (a list append) and, direct mode, `return_held` (the
   proof that a failed transfer's prompt pages can be reused, under the lock).
+- any thread that ends a request before its pull -> receiver: `drop(ticket)` through the request's
+  claim (`decode_tickets.py`); it never blocks, and P frees the offer's pages at once.
 
 Two ways the KV arrives (`tandem.transfer.direct_write`, docs/transfer.md):
     direct (default where the path can): the receiver's arena *is* this pool; P writes the prompt's
@@ -50,6 +52,7 @@ import torch
 from tandem.backend import calibration
 from tandem.backend.decode_admission import Admitted, DecodeAdmission, DecodeRequest, Membership
 from tandem.backend.decode_metrics import DecodeGauges, DecodeMetrics
+from tandem.backend.decode_tickets import UnpulledTickets
 from tandem.backend.decode_transfers import WaitingTransfers
 from tandem.backend.decoder import Decoder
 from tandem.backend.engine_parts import (
@@ -102,6 +105,7 @@ class DecodeEngine:
         self.batch = make_batch(decoder, self.pool, settings, metrics)
         self.intake = make_intake(settings, DecodeRequest)
         self.step_model = StepTimeModel()
+        self.tickets = UnpulledTickets(self.receiver)
         self.members = Membership(self.pool)
         self.admission = DecodeAdmission(
             settings,
@@ -195,16 +199,28 @@ class DecodeEngine:
     def submit(self, req: DecodeRequest) -> None:
         """Worker reader thread. A handoff that does not fit this decoder is refused here
         (InvalidInput), before it can reach the batch and fault every other stream; a full queue
-        raises Overloaded (`Intake.submit`)."""
-        row, cfg = req.handoff.first_row, self.decoder.cfg
-        if len(row) != cfg.row_width or not all(0 <= x < cfg.vocab_size for x in row):
-            raise InvalidInput(
-                f"malformed handoff: first row {list(row)[:8]} is not "
-                f"{cfg.row_width} ids below {cfg.vocab_size}"
-            )
-        if req.handoff.prompt_len + req.handoff.max_new_rows > self.pool.num_pages * self.pool.page_size:
-            raise InvalidInput("malformed handoff: prompt_len + max_new_rows exceed D's whole pool")
-        self.intake.submit(req)
+        raises Overloaded (`Intake.submit`). The caller tells the client.
+
+        A request with a ticket gets a claim as its sink (`backend/decode_tickets.py`): a refusal
+        here, and any end before its pull later, has D tell P to drop the offer at once."""
+        ticket = req.handoff.ticket
+        if ticket is not None:
+            req.claim = self.tickets.claim(req.sink, ticket)
+            req.sink = req.claim
+        try:
+            row, cfg = req.handoff.first_row, self.decoder.cfg
+            if len(row) != cfg.row_width or not all(0 <= x < cfg.vocab_size for x in row):
+                raise InvalidInput(
+                    f"malformed handoff: first row {list(row)[:8]} is not "
+                    f"{cfg.row_width} ids below {cfg.vocab_size}"
+                )
+            if req.handoff.prompt_len + req.handoff.max_new_rows > self.pool.num_pages * self.pool.page_size:
+                raise InvalidInput("malformed handoff: prompt_len + max_new_rows exceed D's whole pool")
+            self.intake.submit(req)
+        except BaseException:
+            if req.claim is not None:
+                req.claim.shed()
+            raise
 
     # ---- the loop (engine thread) --------------------------------------------------------------------
 
