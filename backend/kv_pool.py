@@ -12,7 +12,7 @@ are not built; bit-for-bit the same).
 The free list is a LIFO stack: the most recently freed page is handed out first. That keeps hot pages
 hot and makes fragmented allocations easy to provoke in tests (allocate, free every other page, allocate).
 Allocation and free are not locked: each engine calls them from one thread, or (D, whose admission
-thread allocates while its engine thread frees) under its own lock (`DecodeEngine._admit_lock`).
+thread allocates while its engine thread frees) under D's one lock (`backend/decode_admission.py`).
 """
 
 from __future__ import annotations

@@ -28,7 +28,8 @@ class Endpoint:
     `gen` numbers the connections; a reply is matched to a PULL only on the connection that carried it.
     `instance` is the P instance id from the current connection's HELLO_ACK (None while handshaking
     or disconnected). `handles` are transfers whose PULL went to this endpoint and that still need an
-    answer or a proof; `queued` wait for the handshake.
+    answer or a proof; `queued` wait for the handshake. `drops` are (transfer id, P instance) of
+    tickets D shed without pulling, waiting for a ready connection to be sent as DROPs.
     """
 
     path: str
@@ -38,6 +39,7 @@ class Endpoint:
     instance: str | None = None
     queued: list[TransferHandle] = field(default_factory=list)
     handles: set[TransferHandle] = field(default_factory=set)
+    drops: list[tuple[str, str]] = field(default_factory=list)
     last_connect: float = float("-inf")
     last_ping: float = 0.0
     last_contact: float = 0.0

@@ -22,7 +22,7 @@ import numpy as np
 
 from .errors import ProtocolError
 
-PROTOCOL_VERSION = 2  # 2: PULL_ROWS (P writes D's pool pages directly)
+PROTOCOL_VERSION = 3  # 2: PULL_ROWS (P writes D's pool pages directly); 3: DROP
 MAX_FRAME_BYTES = 1 << 20  # a PULL_ROWS of a long prompt in a fragmented pool lists many slot runs
 MAX_FDS = 4
 _HEADER = struct.Struct(">I")
@@ -39,6 +39,7 @@ class MsgType(IntEnum):
     PING = 8  # D -> P: {nonce}
     PONG = 9  # P -> D: {nonce, instance}
     PULL_ROWS = 10  # D -> P: {tid, dst, nbytes, remaining_ms}; dst = D's slots as [start, count, ...] runs
+    DROP = 11  # D -> P: {tid, instance}: D shed the handoff and will never pull tid; no reply
 
 
 class FailReason(IntEnum):
@@ -80,6 +81,7 @@ _FIELDS: dict[MsgType, dict[str, tuple[type, ...]]] = {
     MsgType.PING: {"nonce": (int,)},
     MsgType.PONG: {"nonce": (int,), "instance": (str,)},
     MsgType.PULL_ROWS: {"tid": (str,), "dst": (list,), "nbytes": (int,), "remaining_ms": (int, float)},
+    MsgType.DROP: {"tid": (str,), "instance": (str,)},
 }
 
 

@@ -21,13 +21,18 @@ proofs: `arena.expect(region, tid)` goes before the PULL, `arena.forget(region)`
 after `forget` every chunk of the transfer is dropped. So a failed transfer's region is freed at once
 (`ReleaseReason.RECEIVER_DROPS`), never quarantined, and no ABORT is sent for it.
 
-Threads: the engine's (request/poll/complete), one maintenance thread, one reader per P connection.
+A ticket D will never pull (its engine shed the handoff first) is handed to `drop`: the maintenance
+thread sends P a DROP for it, so P frees the offer's pages at once instead of at its TTL. D holds
+nothing for a dropped ticket, so nothing here waits for an answer (P sends none).
+
+Threads: the engine's (request/poll/complete/drop), one maintenance thread, one reader per P connection.
 `on_event` and `on_quarantine_change` run on whichever of them made the change, never under the lock.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import secrets
 import socket
 import threading
@@ -70,7 +75,9 @@ from .layout import WireLayout
 from .paths import TransferPath, pool_slots
 from .state import ReceiverStats, RegionState, ReleaseReason, Ticket, TransferEvent, TransferState
 
+log = logging.getLogger(__name__)
 Actions = list[Callable[[], None]]
+_MAX_DROPS = 4096  # DROPs queued per endpoint while it is unreachable; past it the TTL is the backstop
 _RELEASE_COUNTER = {
     ReleaseReason.ABORT_ACK: "released_by_ack",
     ReleaseReason.DONE: "released_by_done",
@@ -144,6 +151,8 @@ class TransferReceiver:
                 "verify_mismatch",
                 "bytes_moved",
                 "aborts_sent",
+                "drops_sent",
+                "drops_refused",
                 *_RELEASE_COUNTER.values(),
             ),
             0,
@@ -188,23 +197,9 @@ class TransferReceiver:
             raise LayoutMismatch(f"ticket layout {ticket.layout_fp} != ours {self.layout.fingerprint()}")
         if ticket.path != self.path.name:
             raise PathMismatch(f"ticket wants path {ticket.path!r}, this receiver uses {self.path.name!r}")
-        if parse_tcp_endpoint(ticket.endpoint) is not None:
-            if not self.path.receiver_writes:
-                raise TransferError(
-                    f"ticket endpoint {ticket.endpoint} is a tcp control endpoint, which only a path where "
-                    f"D writes every byte (tcp) may follow; this receiver uses {self.path.name}"
-                )
-            if self._secret is None:
-                raise TransferError(
-                    f"ticket endpoint {ticket.endpoint} needs the unit secret, none configured"
-                )
-            if not ticket_signed(self._secret, ticket.signing_bytes(), ticket.mac):
-                raise TransferError(
-                    f"ticket for {ticket.endpoint} is not signed with this unit's secret: refused "
-                    "(D connects only to P endpoints its own unit issued)"
-                )
-        elif Path(ticket.endpoint).parent != self._dir or Path(ticket.lock_path).parent != self._dir:
-            raise TransferError(f"ticket endpoint {ticket.endpoint} is not in this unit's {self._dir}")
+        foreign = self._foreign(ticket)
+        if foreign is not None:
+            raise TransferError(foreign)
         runs = self._dest_runs(ticket, dest)
         actions: Actions = []
         with self._lock:
@@ -232,6 +227,62 @@ class TransferReceiver:
                 self._kick.set()
         _run(actions)
         return h
+
+    def _foreign(self, ticket: Ticket) -> str | None:
+        """Why D must not follow `ticket`'s endpoint (None: a P of this unit): a unix endpoint
+        outside this unit's control directory, or a tcp one on a path where D does not write every
+        byte, without the unit secret, or in a ticket the unit secret did not sign."""
+        if parse_tcp_endpoint(ticket.endpoint) is not None:
+            if not self.path.receiver_writes:
+                return (
+                    f"ticket endpoint {ticket.endpoint} is a tcp control endpoint, which only a path where "
+                    f"D writes every byte (tcp) may follow; this receiver uses {self.path.name}"
+                )
+            if self._secret is None:
+                return f"ticket endpoint {ticket.endpoint} needs the unit secret, none configured"
+            if not ticket_signed(self._secret, ticket.signing_bytes(), ticket.mac):
+                return (
+                    f"ticket for {ticket.endpoint} is not signed with this unit's secret: refused "
+                    "(D connects only to P endpoints its own unit issued)"
+                )
+        elif Path(ticket.endpoint).parent != self._dir or Path(ticket.lock_path).parent != self._dir:
+            return f"ticket endpoint {ticket.endpoint} is not in this unit's {self._dir}"
+        return None
+
+    def drop(self, ticket: Ticket) -> bool:
+        """Called by D's engine (any thread) once for a ticket it will never `request`: it shed the
+        handoff before pulling (queue full, admission wait over, refused, cancelled, closing). Never
+        blocks: the maintenance thread connects if needed and sends P a DROP naming the ticket's
+        transfer id and P instance, and P ends the offer (its pages come back) if nobody pulled it.
+
+        Returns True when the DROP is queued. False, with nothing sent, for a ticket D must not
+        follow (`request` would refuse its endpoint too: another unit's, an unsigned tcp one; logged
+        as a warning), for one this receiver has requested (its transfer ends by its own rules, never
+        by a DROP), when closed, or with `_MAX_DROPS` already queued for an unreachable P. A DROP
+        is lost if P cannot be reached or a new P instance answers at the endpoint (the offer died
+        with the old one); P's TTL is the backstop then. No answer comes back and none is needed: D
+        holds nothing of a ticket it never requested."""
+        foreign = self._foreign(ticket)
+        refused = foreign
+        with self._lock:
+            if refused is None and self._stop.is_set():
+                refused = "the receiver is closed"
+            elif refused is None and ticket.transfer_id in self._handles:
+                refused = "D requested it: its transfer ends by its own rules, not by a DROP"
+            ep = self._endpoints.get(ticket.endpoint)
+            if refused is None and ep is not None and len(ep.drops) >= _MAX_DROPS:
+                refused = f"{_MAX_DROPS} DROPs already wait for {ticket.endpoint}"
+            if refused is not None:
+                self._counts["drops_refused"] += 1
+            else:
+                if ep is None:
+                    ep = self._endpoints[ticket.endpoint] = Endpoint(ticket.endpoint, ticket.lock_path)
+                ep.drops.append((ticket.transfer_id, ticket.instance_id))
+                self._kick.set()
+        if refused is not None:
+            level = logging.WARNING if foreign is not None else logging.INFO
+            log.log(level, "no DROP for transfer %s: %s", ticket.transfer_id, refused)
+        return refused is None
 
     def _dest_runs(self, ticket: Ticket, dest: np.ndarray | None) -> list[int] | None:
         """Direct mode: `dest` checked and compressed for the PULL_ROWS (None in region mode)."""
@@ -333,6 +384,11 @@ class TransferReceiver:
         self._stop.set()
         self._kick.set()
         self._maint.join(5.0)
+        actions: Actions = []
+        with self._lock:
+            for ep in self._endpoints.values():  # the last sheds (close fails the queue) still count
+                self._send_drops(ep, actions)
+        _run(actions)
         with self._lock:
             conns = [ep.conn for ep in self._endpoints.values() if ep.conn is not None]
         for conn in conns:
@@ -491,10 +547,12 @@ class TransferReceiver:
                 queued, ep.queued = ep.queued, []
                 self._dispatch(ep, queued, actions)
                 self._due_aborts(ep, time.monotonic(), actions, force=True)
+                self._send_drops(ep, actions)
             elif ep.instance is None:
                 if kind is not MsgType.FAILED:
                     raise ProtocolError(f"{kind.name} before HELLO_ACK")
                 queued, ep.queued = ep.queued, []
+                ep.drops.clear()  # P refused our HELLO: it will not take a DROP either (TTL backstop)
                 for q in queued:
                     self._fail(q, failure_for(int(msg["reason"]), str(msg["detail"])), actions)  # type: ignore[call-overload]
             elif kind is MsgType.PONG:
@@ -593,6 +651,17 @@ class TransferReceiver:
                 self._counts["aborts_sent"] += 1
                 actions.append(conn.later(MsgType.ABORT, tid=h.transfer_id))
 
+    def _send_drops(self, ep: Endpoint, actions: Actions) -> None:
+        """Queued DROPs go out on a ready connection; those naming another P instance than the one
+        that answers are moot (the offer died with its instance) and are forgotten."""
+        if not ep.drops or ep.conn is None or ep.instance is None:
+            return
+        drops, ep.drops = ep.drops, []
+        for tid, instance in drops:
+            if instance == ep.instance:
+                self._counts["drops_sent"] += 1
+                actions.append(ep.conn.later(MsgType.DROP, tid=tid, instance=instance))
+
     def _maintenance_loop(self) -> None:
         while not self._stop.is_set():
             self._kick.wait(self._tick)
@@ -611,15 +680,16 @@ class TransferReceiver:
                 for key, ep in list(self._endpoints.items()):
                     if ep.conn is None:
                         retry = min(self._abort_retry_s, self._probe_interval_s)
-                        if ep.queued or now - ep.last_connect >= retry:
+                        if ep.queued or ep.drops or now - ep.last_connect >= retry:
                             idle = now - ep.last_contact > 10 * self._probe_interval_s
-                            if not (ep.queued or ep.handles) and idle:
+                            if not (ep.queued or ep.handles or ep.drops) and idle:
                                 del self._endpoints[key]  # unreachable and nothing depends on it
                                 continue
                             ep.last_connect = now
                             to_connect.append(ep)
                     elif ep.instance is not None:
                         self._due_aborts(ep, now, actions)
+                        self._send_drops(ep, actions)
                         if now - ep.last_ping >= self._probe_interval_s:
                             ep.last_ping = now
                             actions.append(ep.conn.later(MsgType.PING, nonce=secrets.randbits(31)))
@@ -655,6 +725,7 @@ class TransferReceiver:
                 for h in ep.queued:
                     self._fail(h, PeerLost(f"cannot reach P at {ep.path}: {exc}"), actions)
                 ep.queued.clear()
+                ep.drops.clear()  # P unreachable: its offers expire at their TTL (or died with it)
                 if self._lock_proof and ep.handles and ep.lock_path and instance_gone(ep.lock_path):
                     self._lost_instance(ep, ReleaseReason.INSTANCE_GONE, actions)
             _run(actions)

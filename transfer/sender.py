@@ -12,6 +12,9 @@ its copy call returned (FAILED). Terminal offers leave the table; a later PULL f
 (tids are random and never reused, so "not in the table" is proof that no copy for it will start),
 and a later ABORT is ACKed at once.
 
+A DROP (D shed the handoff and will never pull it) ends an offer that nobody has pulled at once, so
+its source pages come back before the TTL; it ends nothing else (`_drop` says what it checks).
+
 ABORT during COPYING cannot be proven yet: P holds the ACK and sends it (instead of DONE) when the copy
 returns. Holding `max_held_acks` ACKs at once, or one for longer than `max_hold_s`, calls `on_fatal`: the
 engine exits and its restart (new instance id, lock released) becomes the proof D needs.
@@ -148,6 +151,8 @@ class TransferSender:
                 "bytes_moved",
                 "acks_sent",
                 "auth_failures",
+                "offers_dropped",
+                "drops_refused",
             ),
             0,
         )
@@ -323,6 +328,8 @@ class TransferSender:
                     self._pull(peer, msg)
                 elif kind is MsgType.ABORT:
                     self._abort(peer.conn, msg["tid"])
+                elif kind is MsgType.DROP:
+                    self._drop(msg)
                 elif kind is MsgType.PING:
                     peer.conn.send(MsgType.PONG, nonce=msg["nonce"], instance=self.instance_id)
                 else:
@@ -446,6 +453,38 @@ class TransferSender:
         _run(actions)
         if ack:
             conn.send(MsgType.ABORT_ACK, tid=tid)
+
+    def _drop(self, msg: dict[str, object]) -> None:
+        """Reader thread: a D shed the handoff of `tid` before pulling it and will never pull it.
+
+        The offer ends now (tombstoned ABORTED: its source pages come back, a later PULL for it is
+        refused) only with proof that this hurts no other stream: the frame came over a connection
+        of this unit that completed HELLO (peer uid, or the unit-secret handshake, as every frame),
+        it names this P instance (a ticket this process issued, not one of an earlier instance at
+        the slot), and the offer is still OFFERED, so no D has pulled it and no transfer depends on
+        it. An offer already pulled is never ended by a DROP (its puller ends it with ABORT and the
+        proofs). Anything else is refused: counted (`drops_refused`) and logged, never answered."""
+        tid, instance = str(msg["tid"]), str(msg["instance"])
+        actions: list[Callable[[], None]] = []
+        refused: str | None = None
+        late = False
+        with self._lock:
+            offer = self._offers.get(tid)
+            if instance != self.instance_id:
+                refused = f"it names P instance {instance}, this is {self.instance_id}"
+            elif offer is None:
+                late = tid in self._recent  # ended meanwhile (TTL, close): nothing left to drop
+                refused = "the offer has ended already" if late else "no such offer was made here"
+            elif offer.state is not OfferState.OFFERED:
+                refused = f"the offer is {offer.state.name}: pulled, so only its puller's ABORT ends it"
+            else:
+                self._tombstone(offer, OfferState.ABORTED, actions)
+                self._counts["offers_dropped"] += 1
+            if refused is not None:
+                self._counts["drops_refused"] += 1
+        _run(actions)
+        if refused is not None:
+            log.log(logging.INFO if late else logging.WARNING, "refused DROP of offer %s: %s", tid, refused)
 
     def _copy_loop(self) -> None:
         while True:

@@ -37,7 +37,7 @@ class OfferState(IntEnum):
     COPYING = 3  # a worker is gathering/copying; an ABORT's ACK must wait
     COPIED = 4  # copy finished (DONE sent or ACK sent)
     FAILED = 5  # gather or copy raised; the copy is over
-    ABORTED = 6  # tombstoned before any write (ABORT, refused PULL, or close)
+    ABORTED = 6  # tombstoned before any write (ABORT, DROP, refused PULL, or close)
     EXPIRED = 7  # TTL passed before any PULL
 
 
@@ -142,6 +142,8 @@ class ReceiverStats:
     released_by_gone: int
     released_by_drop: int
     late_chunks_dropped: int = 0  # receiver_writes paths: chunks that came after D forgot the transfer
+    drops_sent: int = 0  # DROPs sent: tickets D shed without pulling, P told to end the offer
+    drops_refused: int = 0  # `drop()` calls D refused (unattributable ticket, requested, closed, too many)
 
 
 @dataclass(frozen=True)
@@ -158,3 +160,5 @@ class SenderStats:
     acks_sent: int
     connections: int
     auth_failures: int = 0  # TCP control connections that failed the unit-secret handshake
+    offers_dropped: int = 0  # ended by a D's DROP (a subset of offers_aborted): pages back before the TTL
+    drops_refused: int = 0  # DROPs refused: another instance, no such offer, or already pulled

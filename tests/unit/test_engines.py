@@ -329,9 +329,9 @@ def test_d_fault_while_polling_transfers_fails_both_and_leaks_nothing(pd, monkey
     assert sa.done.wait(10) and sb.done.wait(10)
     assert "injected" in str(sa.error) and "injected" in str(sb.error)
     deadline = time.monotonic() + 5
-    while (d.pool.num_free_pages != free or d._members) and time.monotonic() < deadline:
+    while (d.pool.num_free_pages != free or d.members.members) and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert d.pool.num_free_pages == free and d._members == 0 and d._admitted_ctx == 0
+    assert d.pool.num_free_pages == free and d.members.members == 0 and d.members.admitted_ctx == 0
     sc = ListSink()
     hc = _handoff(p, 3, 5)
     d.submit(DecodeRequest(3, hc, sc, Timings(hc.timings)))
@@ -357,9 +357,9 @@ def test_closing_d_tells_waiting_and_running_clients(decoder, tmp_path, monkeypa
             sinks.append(ListSink())
             d.submit(DecodeRequest(i, h, sinks[-1], Timings(h.timings)))
         deadline = time.monotonic() + 10
-        while not (sinks[0].chunks and d._waiting) and time.monotonic() < deadline:
+        while not (sinks[0].chunks and d.transfers.waiting) and time.monotonic() < deadline:
             time.sleep(0.005)
-        assert sinks[0].chunks and d._waiting, "want one running and one waiting stream"
+        assert sinks[0].chunks and d.transfers.waiting, "want one running and one waiting stream"
         t0 = time.monotonic()
         d.close()
         assert time.monotonic() - t0 < 4.0
@@ -393,7 +393,7 @@ def test_failed_transfer_returns_pages_only_with_proof(decoder, tmp_path, monkey
         sink = ListSink()
         d.submit(DecodeRequest(1, h, sink, Timings(h.timings)))
         assert sink.done.wait(5) and sink.error is not None and "deadline" in str(sink.error), sink.error
-        assert _wait_until(lambda: not d._waiting)  # the engine completed the failed handle
+        assert _wait_until(lambda: not d.transfers.waiting)  # the engine completed the failed handle
         held = d.pool.pages_for(30) if direct else 0
         assert d.pool.num_free_pages == free - held  # time alone frees nothing P may still write
         stats = d.receiver.stats()
@@ -544,7 +544,7 @@ def test_d_slot_table_copy_failure_fails_only_that_stream(pd, monkeypatch):
         d.submit(DecodeRequest(i, h, sinks[-1], Timings(h.timings)))
     assert sinks[0].done.wait(5) and "out of memory" in str(sinks[0].error)
     assert sinks[1].done.wait(5) and sinks[1].error is None and sinks[1].rows().shape == (6, 4)
-    assert _wait_until(lambda: d.pool.num_free_pages == free and d._members == 0)
+    assert _wait_until(lambda: d.pool.num_free_pages == free and d.members.members == 0)
     assert _wait_until(lambda: d.receiver.stats().quarantined_bytes == 0)
 
 

@@ -102,7 +102,7 @@ def test_zero_series_are_counters_with_the_labels_their_call_sites_use() -> None
 
 
 def test_release_proofs_are_the_ones_decode_counts() -> None:
-    from tandem.backend.decode_engine import _PROOFS
+    from tandem.backend.decode_metrics import _PROOFS
 
     assert set(RELEASE_PROOFS) == set(_PROOFS.values())
 
