@@ -118,7 +118,7 @@ def kept_its_rate(model: str, r: StreamResult, rows: int) -> None:
 
 def test_prompts_at_the_limit_stream_and_one_more_row_is_refused(unit):
     """A prompt of max_prompt_rows generating max_new_rows streams on both models at once; one row
-    or one token more is refused."""
+    or one token more is refused; pages come back, and memory after a second round."""
 
     def at_the_limit() -> None:
         conns = {m: Connection(unit.url) for m in ("tts", "tts_mono")}
@@ -151,10 +151,7 @@ def test_prompts_at_the_limit_stream_and_one_more_row_is_refused(unit):
             for c in conns.values():
                 c.close()
 
-    before = idle(unit)
-    at_the_limit()
-    after = recovered(unit, before, tolerance_mib=float("inf"))  # a first use: high-water marks rise
-    print(f"\nat the limit: PSS {before.pss_mib:.0f} -> {after.pss_mib:.0f} MiB")
+    twice(unit, at_the_limit, "\nat the limit")
 
 
 FLOOD_ROWS = 1024  # long enough to hold the batch past ADMISSION_S (~2.5 s at batch 8 here)
