@@ -5,25 +5,32 @@ prints READY and is then killed with SIGKILL by the caller: its TCP connections 
 cancel is ever sent (what a crashed or unplugged listener does). `python -m
 tests.integration.abusers URL MAX_TOKENS MODEL...` is that process.
 
-`one_shot()` is a well-formed request as the wire helper sends it (a fresh stream id each time).
+`flood()` sends many streams at once, one connection each, and returns their first answers;
+`read_stream()` is a well-behaved client beside the abuse. `one_shot()` is a well-formed request as
+the wire helper sends it (a fresh stream id each time), `opening()` one that starts its stream and
+never ends it. `sequence_batching()` reads a model's sequence batcher from its config.pbtxt,
+`set_sequence_bounds()` changes it in a rendered repository.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 import numpy as np
-from tritonclient.grpc import service_pb2
+from google.protobuf import text_format
+from tritonclient.grpc import model_config_pb2, service_pb2
 
-from tandem.cli.tts_client import next_stream_id
+from tandem.cli.tts_client import StreamResult, TTSClient, next_stream_id
 from tests.integration.helpers import prompt
 from tests.integration.server import REPO
-from tests.integration.wire import Connection, WireTensor, request
+from tests.integration.wire import Connection, Response, WireTensor, request
 
 
 def one_shot(
@@ -36,6 +43,63 @@ def one_shot(
     ]
     sid = next_stream_id()
     return request(model, tensors, request_id or f"r{sid}", sid, True, True)
+
+
+def opening(model: str, max_tokens: int, seed: int = 0) -> service_pb2.ModelInferRequest:
+    """`sequence_start` without `sequence_end`: the stream stays open in Triton's sequence batcher
+    after its request is answered (or refused: `max_tokens` 0 is `[INVALID_ARG]`)."""
+    tensors = [
+        WireTensor.of("PROMPT", prompt(10, seed=seed)),
+        WireTensor.of("MAX_TOKENS", np.array([max_tokens], np.int32)),
+    ]
+    sid = next_stream_id()
+    return request(model, tensors, f"open{sid}", sid, True, False)
+
+
+def sequence_batching(config: Path) -> model_config_pb2.ModelSequenceBatching:
+    """The `sequence_batching` section of a model's config.pbtxt, as Triton parses it."""
+    return text_format.Parse(config.read_text(), model_config_pb2.ModelConfig()).sequence_batching
+
+
+def set_sequence_bounds(repo: Path, models: Sequence[str], slots: int, idle_s: float) -> None:
+    """Give `models` of the rendered repository `repo` `slots` sequence slots per instance and an idle
+    timeout of `idle_s`; raises ValueError where a config lacks either setting to change."""
+    for model in models:
+        path = repo / model / "config.pbtxt"
+        text, n_slots = re.subn(
+            r"max_candidate_sequences: \d+", f"max_candidate_sequences: {slots}", path.read_text()
+        )
+        idle = f"max_sequence_idle_microseconds: {round(idle_s * 1e6)}"
+        text, n_idle = re.subn(r"max_sequence_idle_microseconds: \d+", idle, text)
+        if (n_slots, n_idle) != (1, 1):
+            raise ValueError(f"{path}: expected one max_candidate_sequences and one idle timeout")
+        path.write_text(text)
+
+
+def flood(url: str, model: str, n: int, rows: int) -> list[tuple[float, Response | str]]:
+    """`n` streams of `rows` at once, one connection each; every connection is closed once each
+    request has its first answer. Returns (seconds from send to the first answer, that answer) per
+    request; raises AssertionError when one got none within 60 s."""
+    conns = [Connection(url) for _ in range(n)]
+    sent = []
+    try:
+        for i, conn in enumerate(conns):
+            sent.append(time.monotonic())
+            conn.send(one_shot(model, 40, rows, seed=i))
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not all(c.log for c in conns):
+            time.sleep(0.05)
+        assert all(c.log for c in conns), "a request got no answer within 60 s"
+        return [(c.log[0][0] - t, c.log[0][1]) for c, t in zip(conns, sent, strict=True)]
+    finally:
+        for c in conns:
+            c.close()
+
+
+def read_stream(url: str, model: str, rows: int) -> StreamResult:
+    """A well-behaved client beside the abuse: one greedy stream of `rows`, read as it comes."""
+    with TTSClient(url, model) as c:
+        return c.run(prompt(30, seed=5), MAX_TOKENS=rows, TEMPERATURE=0.0)
 
 
 class Vanishing:

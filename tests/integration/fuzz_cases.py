@@ -11,8 +11,8 @@ clean stream or an error naming that input.
 On top of each input's own value a tensor may be corrupted on the wire (another datatype, another
 rank, a negative or huge dimension, raw bytes of the wrong length, broken BYTES length prefixes),
 inputs may be missing, duplicated or unknown, and the sequence flags may be wrong. A sequence that
-opens without ending is never drawn: it holds the model's only sequence slot for the idle timeout
-(docs/abuse.md; `test_abuse.py` pins it).
+opens without ending is never drawn: it holds one of the model's sequence slots for the idle
+timeout (docs/abuse.md, finding 1; `test_abuse.py` tests that bound on its own).
 """
 
 from __future__ import annotations

@@ -2,9 +2,10 @@
 
 One server with small admission bounds so a flood is cheap to make: every engine queues at most
 `MAX_QUEUE` requests and waits at most `ADMISSION_S` for room, D and `tts_mono` run at most
-`MAX_BATCH` streams; request limits are the checked-in ones (4,096 prompt rows, 2,048 new rows).
-Every test starts and ends with the unit idle — all pages free, none held, nothing in flight or
-queued, the same stub processes, memory (PSS of the process tree) near where it was.
+`MAX_BATCH` streams, their sequence batchers have `SLOTS` slots per instance and an idle timeout of
+`IDLE_S`; request limits are the checked-in ones (4,096 prompt rows, 2,048 new rows). Every test
+starts and ends with the unit idle — all pages free, none held, nothing in flight or queued, the
+same stub processes, memory (PSS of the process tree) near where it was.
 """
 
 from __future__ import annotations
@@ -19,10 +20,12 @@ import pytest
 
 from tandem.backend.config import Limits
 from tandem.backend.settings import BatchSettings
-from tandem.cli.tts_client import TTSClient, next_stream_id
-from tests.integration.abusers import Vanishing, one_shot
+from tandem.cli.make_repository import main as tandem_repo
+from tandem.cli.tts_client import StreamResult, TTSClient, next_stream_id
+from tests.integration import abusers
+from tests.integration.abusers import Vanishing, one_shot, opening, sequence_batching, set_sequence_bounds
 from tests.integration.helpers import TINY_W, metric_value, metrics_text, prompt, wait_metric
-from tests.integration.server import TritonProcess
+from tests.integration.server import REPO, TritonProcess
 from tests.integration.vitals import Vitals, read, settle
 from tests.integration.wire import Connection, Outcome, Response, WireTensor, request
 
@@ -40,6 +43,11 @@ OVERRIDES = {
     "tts_mono": {**_BOUNDS, "tandem.batch.max_batch": str(MAX_BATCH)},
 }
 POOL_PAGES = {"prefill": 4096, "decode": 4096, "tts_mono": 4096}
+SEQUENCED = ("decode", "tts_mono")  # the models under Triton's sequence batcher
+CHECKED_IN_SLOTS, CHECKED_IN_IDLE_US = 4096, 1_000_000  # per instance; Triton's default idle timeout
+# Here: few slots, so a test can hold them all, and an idle timeout long enough to tell a wait for
+# it from none, yet under TICKET_TTL_S (a tts stream waiting for D's slot has its KV offered).
+SLOTS, IDLE_S = 4, 4.0
 # A shed must come within the admission wait plus one engine iteration and the round trips of a
 # loaded 2-core box; "queue full" comes at submit, without any wait.
 SHED_SLACK_S = 3.0
@@ -52,7 +60,9 @@ _PREFIX = re.compile(r"^(\[request id: [^\]]*\] )?(in ensemble '[^']*', )?")
 def unit(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TritonProcess]:
     # Triton waits --exit-timeout-secs at shutdown for streams it still counts in flight; after the
     # never-read streams it waited the default 30 s for nothing (docs/abuse.md, finding 4).
-    proc = TritonProcess(tmp_path_factory.mktemp("abuse"), OVERRIDES, ["--exit-timeout-secs=5"]).start()
+    proc = TritonProcess(tmp_path_factory.mktemp("abuse"), OVERRIDES, ["--exit-timeout-secs=5"])
+    set_sequence_bounds(proc.repo, SEQUENCED, SLOTS, IDLE_S)
+    proc.start()
     yield proc
     proc.stop()
 
@@ -100,9 +110,15 @@ def counter(unit: TritonProcess, name: str, **labels: str) -> float:
         return 0.0
 
 
+def kept_its_rate(model: str, r: StreamResult, rows: int) -> None:
+    assert r.error is None and r.rows is not None and r.rows.shape == (rows, TINY_W), r.error
+    print(f"\nreader on {model}: {r.tokens_per_s:.0f} tok/s")
+    assert r.tokens_per_s >= RATE_FLOOR, f"{model}: {r.tokens_per_s:.1f} tok/s, floor {RATE_FLOOR:g}"
+
+
 def test_prompts_at_the_limit_stream_and_one_more_row_is_refused(unit):
     """A prompt of max_prompt_rows generating max_new_rows streams on both models at once; one row
-    or one token more is refused."""
+    or one token more is refused; pages come back, and memory after a second round."""
 
     def at_the_limit() -> None:
         conns = {m: Connection(unit.url) for m in ("tts", "tts_mono")}
@@ -135,43 +151,35 @@ def test_prompts_at_the_limit_stream_and_one_more_row_is_refused(unit):
             for c in conns.values():
                 c.close()
 
-    before = idle(unit)
-    at_the_limit()
-    after = recovered(unit, before, tolerance_mib=float("inf"))  # a first use: high-water marks rise
-    print(f"\nat the limit: PSS {before.pss_mib:.0f} -> {after.pss_mib:.0f} MiB")
+    twice(unit, at_the_limit, "\nat the limit")
 
 
 FLOOD_ROWS = 1024  # long enough to hold the batch past ADMISSION_S (~2.5 s at batch 8 here)
 
 
 def flood(unit: TritonProcess, model: str) -> list[tuple[float, Response | str]]:
-    """5x (MAX_BATCH + MAX_QUEUE) streams of FLOOD_ROWS at once, one connection each; every
-    connection is closed once each request has its first answer. Returns (seconds from send to the
-    first answer, that answer) per request."""
-    n = 5 * (MAX_BATCH + MAX_QUEUE)
-    conns = [Connection(unit.url) for _ in range(n)]
-    sent = []
-    try:
-        for i, conn in enumerate(conns):
-            sent.append(time.monotonic())
-            conn.send(one_shot(model, 40, FLOOD_ROWS, seed=i))
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and not all(c.log for c in conns):
-            time.sleep(0.05)
-        assert all(c.log for c in conns), "a request got no answer within 60 s"
-        return [(c.log[0][0] - t, c.log[0][1]) for c, t in zip(conns, sent, strict=True)]
-    finally:
-        for c in conns:
-            c.close()
+    """5x (MAX_BATCH + MAX_QUEUE) streams of FLOOD_ROWS at once (`abusers.flood`)."""
+    return abusers.flood(unit.url, model, 5 * (MAX_BATCH + MAX_QUEUE), FLOOD_ROWS)
 
 
 @pytest.mark.parametrize("model", ["tts_mono", "tts"])
 def test_a_flood_beyond_max_queue_is_answered_or_shed_within_the_admission_bound(unit, model):
     """Each request gets a stream or [UNAVAILABLE] — at once when the queue is full, within
-    ADMISSION_S (+ slack) when it waited — and nothing else."""
+    ADMISSION_S (+ slack) when it waited — and nothing else; a client streaming when the flood comes
+    keeps the rate floor."""
+    engine = "decode" if model == "tts" else "tts_mono"
 
     def once() -> None:
+        read: list[StreamResult] = []
+        reader = threading.Thread(
+            target=lambda: read.append(abusers.read_stream(unit.url, model, FLOOD_ROWS))
+        )
+        reader.start()
+        wait_metric(unit.metrics_url, "tandem_inflight_streams", lambda v: v >= 1, model=engine)
         firsts = flood(unit, model)
+        reader.join(120)
+        assert read, "the reader beside the flood did not finish within 120 s"
+        kept_its_rate(model, read[0], FLOOD_ROWS)
         streams = [t for t, ev in firsts if isinstance(ev, Response)]
         sheds = [(t, _PREFIX.sub("", ev)) for t, ev in firsts if isinstance(ev, str)]
         full = [t for t, m in sheds if m.startswith("[UNAVAILABLE] admission queue is full")]
@@ -224,7 +232,8 @@ def cancelled_streams(unit: TritonProcess, engine: str) -> float:
 def test_clients_that_vanish_without_cancel_are_dropped_and_their_pages_come_back(unit):
     """A killed client's tts_mono streams are cancelled at once (Triton sees the connection die);
     its tts streams are not (see the xfail below) and D generates them to their end: their pages
-    come back then, within max_new_rows at the rate floor."""
+    come back then, within their MAX_TOKENS at the rate floor, and a client beside them keeps the
+    rate floor meanwhile."""
     before = idle(unit)
     mono0 = cancelled_streams(unit, "tts_mono")
     abuser = Vanishing(unit.url, ["tts"] * 3 + ["tts_mono"] * 3, VANISH_ROWS)
@@ -237,7 +246,10 @@ def test_clients_that_vanish_without_cancel_are_dropped_and_their_pages_come_bac
     wait_metric(unit.metrics_url, "tandem_inflight_streams", lambda v: v == 0, timeout_s=5, model="tts_mono")
     mono_s = time.monotonic() - t0
     assert cancelled_streams(unit, "tts_mono") - mono0 == 3
-    bound = VANISH_ROWS / RATE_FLOOR
+    kept_its_rate("tts", abusers.read_stream(unit.url, "tts", 200), 200)
+    beside = metric_value(metrics_text(unit.metrics_url), "tandem_inflight_streams", model="decode")
+    assert beside >= 3, f"the reader did not run beside the 3 vanished tts streams ({beside:g} left)"
+    bound = VANISH_ROWS / RATE_FLOOR  # their MAX_TOKENS at the rate floor (at most max_new_rows)
     wait_metric(
         unit.metrics_url, "tandem_inflight_streams", lambda v: v == 0, timeout_s=bound, model="decode"
     )
@@ -282,12 +294,9 @@ def silent_round(unit: TritonProcess) -> float:
             conn.send(one_shot("tts_mono" if i % 2 else "tts", 40, LIMITS.max_new_rows, seed=i))
         wait_metric(unit.metrics_url, "tandem_inflight_streams", lambda v: v >= 1, model="tts_mono")
         for model in ("tts", "tts_mono"):
-            with TTSClient(unit.url, model) as c:
-                r = c.run(prompt(30, seed=5), MAX_TOKENS=300, TEMPERATURE=0.0)
-            assert r.error is None and r.rows.shape == (300, TINY_W), r.error
-            print(f"\nreader on {model} beside {SILENT} silent streams: {r.tokens_per_s:.0f} tok/s")
-            assert r.tokens_per_s >= RATE_FLOOR, f"{model}: {r.tokens_per_s:.1f} tok/s"
-        held = idle(unit, timeout_s=90)  # every silent stream generated to its end; pages are back
+            kept_its_rate(model, abusers.read_stream(unit.url, model, 300), 300)
+        # Every silent stream generated to its end at the rate floor or better; pages are back.
+        held = idle(unit, timeout_s=LIMITS.max_new_rows / RATE_FLOOR + SHED_SLACK_S)
         return held.pss_mib - before.pss_mib
     finally:
         for c in silent:
@@ -354,34 +363,63 @@ def test_requests_decode_would_refuse_cost_prefill_nothing(unit):
     recovered(unit, before)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="a request with sequence_start and no sequence_end holds the only sequence slot of "
-    "tts_mono (and of decode, for tts) until max_sequence_idle_microseconds (60 s) passes: Triton's "
-    "direct sequence batcher gives a max_batch_size 0 model one slot per instance, so every other "
-    "client's stream waits in Triton's sequence backlog, outside any tandem bound (the fix belongs in "
-    "the models' config.pbtxt; docs/abuse.md)",
-)
-def test_an_open_sequence_does_not_hold_up_other_streams(unit):
+def test_the_checked_in_models_bound_an_open_sequence(tmp_path):
+    """decode and tts_mono run Triton's `oldest` sequence batcher, 4096 slots per instance (`direct`
+    gives a max_batch_size 0 model one) and a 1 s idle timeout: in the checked-in repository and in
+    what `tandem-repo` renders from it."""
+    assert tandem_repo(["--out", str(tmp_path / "repo")]) == 0
+    for repo in (REPO / "model_repository", tmp_path / "repo"):
+        for model in SEQUENCED:
+            seq = sequence_batching(repo / model / "config.pbtxt")
+            assert seq.WhichOneof("strategy_choice") == "oldest", (repo, model)
+            assert seq.oldest.max_candidate_sequences == CHECKED_IN_SLOTS, (repo, model)
+            assert seq.max_sequence_idle_microseconds == CHECKED_IN_IDLE_US, (repo, model)
+
+
+@pytest.mark.parametrize("model", ["tts_mono", "tts"])
+def test_an_open_sequence_holds_one_slot_for_at_most_the_idle_timeout(unit, model):
+    """A request with sequence_start and no sequence_end keeps one of its instance's SLOTS sequence
+    slots after its answer: another client's stream goes through at once; only once every slot is
+    held does a new stream wait in Triton's backlog, and then until the oldest open one has been
+    idle IDLE_S, no longer. In tts_mono a request the model refuses holds its slot too; in tts only
+    one P let through reaches D's sequence batcher."""
     idle(unit)
-    opener, other = Connection(unit.url), Connection(unit.url)
-    sid = next_stream_id()
-    tensors = [WireTensor.of("PROMPT", prompt(10)), WireTensor.of("MAX_TOKENS", np.array([3], np.int32))]
+    conn = Connection(unit.url)
+    opened_at: list[float] = []
     try:
-        out = opener.call(request("tts_mono", tensors, "open", sid, True, False), 30)
-        if out.error is not None or out.timed_out:  # a precondition, not the xfail's assertion
-            raise RuntimeError(f"the opening request itself failed: {out.error}")
-        t0 = time.monotonic()
-        r = other.call(one_shot("tts_mono", 10, 3), ADMISSION_S + SHED_SLACK_S)
-        waited = time.monotonic() - t0
+        opened_at.append(time.monotonic())
+        first = conn.call(opening(model, 3), 30)
+        if first.error is not None or first.timed_out:  # a precondition
+            raise RuntimeError(f"the opening request itself failed: {first.error}")
+        other = conn.call(one_shot(model, 10, 3), IDLE_S / 2)
+        assert other.error is None and not other.timed_out, (
+            f"another client's stream waited {other.seconds:.1f} s behind one open sequence: {other.error}"
+        )
+        if model == "tts":  # refused by P: these never reach D's sequence batcher
+            for i in range(SLOTS):
+                out = conn.call(opening(model, 0, seed=10 + i), 30)
+                assert out.error and "[INVALID_ARG] MAX_TOKENS = 0" in out.error, out.error
+            past = conn.call(one_shot(model, 10, 3), IDLE_S / 2)
+            assert past.error is None and not past.timed_out, f"waited {past.seconds:.1f} s: {past.error}"
+        refused = 0 if model == "tts_mono" else 3  # MAX_TOKENS 0: [INVALID_ARG] once it has its slot
+        for i in range(SLOTS - 1):
+            opened_at.append(time.monotonic())
+            out = conn.call(opening(model, refused, seed=i + 1), 30)
+            if model == "tts_mono":
+                assert out.error and "[INVALID_ARG] MAX_TOKENS = 0" in out.error, out.error
+            elif out.error is not None or out.timed_out:
+                raise RuntimeError(f"an opening request failed: {out.error}")
+        blocked = conn.call(one_shot(model, 10, 3), IDLE_S + SHED_SLACK_S)
+        done = time.monotonic()
+        assert blocked.error is None and not blocked.timed_out, blocked.error
+        held = done - opened_at[0]
+        print(
+            f"\n{model}: a stream behind {SLOTS} open sequences streamed {held:.2f} s after the first opened"
+        )
+        assert held >= IDLE_S - 0.05, (
+            f"the slots came back {held:.2f} s after the first open (idle {IDLE_S:g})"
+        )
     finally:
-        # End the sequence (P refuses the request; Triton's batcher still ends the sequence), let the
-        # blocked request through, so the next test starts with the slot free.
-        opener.call(request("tts_mono", tensors, "close", sid, False, True), 30)
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and not any(isinstance(ev, str) or ev.final for _, ev in other.log):
-            time.sleep(0.05)
-        opener.close()
-        other.close()
-    assert not r.timed_out, f"another client's stream waited > {waited:.1f} s behind an open sequence"
+        conn.close()
+        time.sleep(max(0.0, opened_at[-1] + IDLE_S + 0.5 - time.monotonic()))  # every slot is back
+    idle(unit)
