@@ -13,7 +13,7 @@ from tandem.backend.errors import Cancelled, InvalidInput, Overloaded
 from tandem.backend.metrics import RecordingMetrics
 from tandem.backend.prefill_engine import PrefillEngine
 from tandem.backend.timing import Timings
-from tests.unit.test_engines import ListSink, _handoff, _settings, _wait_until, decoder  # noqa: F401
+from tests.unit.test_engines import ListSink, _handoff, _settings, _wait_until, decoder, started_pd  # noqa: F401
 
 DROP_BOUND_S = 2.0  # shed -> P's pages free, through P's engine loop; the offers' TTL here is 30 s
 
@@ -24,13 +24,8 @@ def pd_one(decoder, tmp_path, monkeypatch):  # noqa: F811
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
     s = _settings(tmp_path, max_batch=1, max_queue=1, admission_timeout_s=20.0, rate_admission=False)
     assert s.transfer.ticket_ttl_s >= 30.0
-    p = PrefillEngine(decoder, s, RecordingMetrics(), "p0", on_fatal=lambda r: pytest.fail(r))
-    d = DecodeEngine(decoder, s, RecordingMetrics())
-    p.start()
-    d.start()
-    yield p, d
-    d.close()
-    p.close()
+    with started_pd(decoder, s) as pair:
+        yield pair
 
 
 def _running(d: DecodeEngine, p: PrefillEngine, rows: int) -> ListSink:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import itertools
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 
 import numpy as np
@@ -85,18 +87,26 @@ def _prompt(n: int, seed: int) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 1024, size=(n, 4), dtype=np.int64)
 
 
-@pytest.fixture
-def pd(decoder, tmp_path, monkeypatch):
-    """A started P and D in this process (one unit, the default test settings), closed afterwards."""
-    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
-    s = _settings(tmp_path)
+@contextmanager
+def started_pd(decoder: Decoder, s: EngineSettings) -> Iterator[tuple[PrefillEngine, DecodeEngine]]:
+    """A started P and D in this process with settings `s`, closed (D first) when the block ends."""
     p = PrefillEngine(decoder, s, RecordingMetrics(), "p0", on_fatal=lambda r: pytest.fail(r))
     d = DecodeEngine(decoder, s, RecordingMetrics())
     p.start()
     d.start()
-    yield p, d
-    d.close()
-    p.close()
+    try:
+        yield p, d
+    finally:
+        d.close()
+        p.close()
+
+
+@pytest.fixture
+def pd(decoder, tmp_path, monkeypatch):
+    """A started P and D in this process (one unit, the default test settings), closed afterwards."""
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    with started_pd(decoder, _settings(tmp_path)) as pair:
+        yield pair
 
 
 def _handoff(p: PrefillEngine, stream_id: int, max_new_rows: int) -> Handoff:
@@ -262,16 +272,8 @@ def test_d_admits_and_pulls_while_its_engine_is_inside_a_step(decoder, tmp_path,
     is off (on a loaded 2-core box the calibrated step model rightly held the second stream until
     the slow step ended, which is the rate floor's policy, not what this checks)."""
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
-    s = _settings(tmp_path, rate_admission=False)
-    p = PrefillEngine(decoder, s, RecordingMetrics(), "p0", on_fatal=lambda r: pytest.fail(r))
-    d = DecodeEngine(decoder, s, RecordingMetrics())
-    p.start()
-    d.start()
-    try:
+    with started_pd(decoder, _settings(tmp_path, rate_admission=False)) as (p, d):
         _admits_inside_a_step(p, d, monkeypatch)
-    finally:
-        d.close()
-        p.close()
 
 
 def _admits_inside_a_step(p: PrefillEngine, d: DecodeEngine, monkeypatch) -> None:
