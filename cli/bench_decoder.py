@@ -110,7 +110,7 @@ def _step(
 
 
 def bench_prefill(
-    dec: Decoder, pool: KVPool, prompts: list[int], warmup: int, reps: int, timer: _Timer
+    dec: Decoder, pool: KVPool, prompts: list[int], warmup: int, reps: int, timer: _Timer, peak_tflops: float
 ) -> list[dict[str, Any]]:
     cfg = dec.cfg
     out: list[dict[str, Any]] = []
@@ -122,7 +122,10 @@ def bench_prefill(
         times = [timer(run)[0] for _ in range(warmup + reps)][warmup:]
         pool.free(pages)
         s = benchutil.summary(times)
-        out.append({"prompt_rows": n, **s, "rows_per_s": n / (s["median_ms"] / 1e3)})
+        rec = {"prompt_rows": n, **s, "rows_per_s": n / (s["median_ms"] / 1e3)}
+        if pool.device.type == "cuda":
+            rec["tensor_cores"] = decoder_roofline.prefill_roofline(dec, n, s["median_ms"], peak_tflops)
+        out.append(rec)
     return out
 
 
@@ -298,9 +301,17 @@ def print_tables(result: dict[str, Any]) -> None:
         print("\nprefill (position 0, median of repeats)\n")
         print(
             benchutil.format_table(
-                ["prompt rows", "median ms", "min ms", "p90 ms", "rows/s"],
+                ["prompt rows", "median ms", "min ms", "p90 ms", "rows/s", "TFLOP/s", "of bf16 peak"],
                 [
-                    [p["prompt_rows"], p["median_ms"], p["min_ms"], p["p90_ms"], p["rows_per_s"]]
+                    [
+                        p["prompt_rows"],
+                        p["median_ms"],
+                        p["min_ms"],
+                        p["p90_ms"],
+                        p["rows_per_s"],
+                        p["tensor_cores"]["tflop_s"] if "tensor_cores" in p else "-",
+                        p["tensor_cores"]["tc_fraction"] if "tensor_cores" in p else "-",
+                    ]
                     for p in result["prefill"]
                 ],
             )
@@ -386,6 +397,14 @@ def main(argv: list[str] | None = None) -> int:
         "cli/decoder_roofline.py for the bytes model)",
     )
     ap.add_argument("--hbm-tb-s", type=float, default=decoder_roofline.H200_HBM_TB_S)
+    ap.add_argument("--tc-peak-tflops", type=float, default=decoder_roofline.H200_BF16_DENSE_TFLOPS)
+    ap.add_argument(
+        "--prefill-breakdown",
+        type=_ints,
+        default=[],
+        metavar="T,...",
+        help="kernel-family breakdown of one prefill of T rows from position 0 (GPU)",
+    )
     ap.add_argument(
         "--breakdown",
         type=lambda t: [tuple(int(v) for v in c.split("x")) for c in t.split(",") if c],
@@ -442,7 +461,9 @@ def main(argv: list[str] | None = None) -> int:
     setup_s = time.perf_counter() - t0
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p)
 
-    prefill = bench_prefill(dec, pool, args.prompts, args.prefill_warmup, args.prefill_reps, timer)
+    prefill = bench_prefill(
+        dec, pool, args.prompts, args.prefill_warmup, args.prefill_reps, timer, args.tc_peak_tflops
+    )
     decode_fn: DecodeFn
     graphed = None
     if args.graphs and device.type == "cuda":
@@ -494,6 +515,17 @@ def main(argv: list[str] | None = None) -> int:
         for pages in owned:
             pool.free(pages)
 
+    for n in args.prefill_breakdown:
+        if device.type != "cuda":
+            break
+        pages = pool.allocate(pool.pages_for(n))
+        rows = torch.randint(0, cfg.vocab_size, (n, cfg.row_width))
+        fams = decoder_roofline.kernel_breakdown(
+            partial(dec.prefill, rows, pool, pool.slots(pages, n), 0), device, cfg.num_layers
+        )
+        breakdown.append({"prefill_rows": n, **fams})
+        pool.free(pages)
+
     first_call = None
     if args.distinct_lengths:
         lo, hi = args.distinct_range
@@ -509,6 +541,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.reference_kernels
         else f"fused={dec.fused}, attention variant {kv_cuda.KERNEL_VARIANT}",
         "hbm_tb_s": args.hbm_tb_s,
+        "tc_peak_tflops": args.tc_peak_tflops,
         "roofline_model": decoder_roofline.__doc__.split("\n\n")[1] if decoder_roofline.__doc__ else "",
         "preset": cfg.name,
         "dtype": cfg.dtype,

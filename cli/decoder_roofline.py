@@ -13,6 +13,13 @@ time / measured step time (1.0 would be a step that only streams its bytes at th
 whole `decode` call (host staging of the inputs included) and, with CUDA graphs, the graph's replay
 alone, which is the device step the roofline is compared with.
 
+FLOP model of one prefill of T rows from position 0 (what the tensor cores must do at least once):
+2 x T x every layer's linear weights (q, k, v, o, gate, up, down), causal attention 2 x 2 x T^2 / 2 x
+heads x head_dim per layer (scores and P.V over the lower triangle), the output head for the last
+row only (2 x hidden x vocab x W); norms, RoPE and the KV write are left out. Tensor-core fraction =
+that FLOP count / time / the bf16 dense peak (989 TFLOP/s, the H100/H200 datasheet's, unless
+`--tc-peak-tflops` says otherwise).
+
 The breakdown runs one eager forward step (no CUDA graph, so every launch is visible) under the torch
 profiler and sums device time and launches per kernel family, classified by the kernel's name.
 """
@@ -31,10 +38,11 @@ from tandem.backend.kv_pool import KVPool
 from tandem.cli import benchutil
 
 H200_HBM_TB_S = 4.8
+H200_BF16_DENSE_TFLOPS = 989.0
 
 # (family, substrings of the kernel name), first match wins; anything else is "other elementwise".
 FAMILIES: list[tuple[str, tuple[str, ...]]] = [
-    ("attention", ("decode_partial", "decode_merge")),
+    ("attention", ("decode_partial", "decode_merge", "flash", "fmha", "attention")),
     ("fused norm/rope/swiglu (triton)", ("_add_rms_norm", "_rope_kv_write", "_swiglu")),
     ("gemm", ("gemm", "gemv", "xmma", "cutlass", "nvjet", "sm90_", "splitk", "cublas")),
     ("kv write (torch)", ("index_copy", "indexing_backward", "index_put")),
@@ -67,6 +75,29 @@ def roofline(dec: Decoder, batch: int, context: int, step_ms: float, hbm_tb_s: f
     return {"bytes": b, "roofline_ms": ms, "fraction": ms / step_ms, "x_roofline": step_ms / ms}
 
 
+def prefill_flops(dec: Decoder, rows: int) -> dict[str, float]:
+    """The FLOP model of one prefill of `rows` rows from position 0 (module docstring)."""
+    cfg = dec.cfg
+    hd, nh, kvh, h = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.hidden_size
+    per_layer = h * (nh + 2 * kvh) * hd + nh * hd * h + 3 * h * cfg.intermediate_size
+    linear = 2.0 * rows * per_layer * cfg.num_layers
+    attention = 2.0 * 2.0 * rows * rows / 2.0 * nh * hd * cfg.num_layers
+    head = 2.0 * h * cfg.vocab_size * cfg.row_width
+    return {"linear": linear, "attention": attention, "head": head, "total": linear + attention + head}
+
+
+def prefill_roofline(dec: Decoder, rows: int, ms: float, peak_tflops: float) -> dict[str, Any]:
+    """FLOPs, the tensor-core bound in ms and the fraction of the bf16 peak one prefill reached."""
+    f = prefill_flops(dec, rows)
+    bound_ms = f["total"] / (peak_tflops * 1e12) * 1e3
+    return {
+        "flops": f,
+        "tflop_s": f["total"] / (ms / 1e3) / 1e12,
+        "bound_ms": bound_ms,
+        "tc_fraction": bound_ms / ms,
+    }
+
+
 def family(name: str) -> str:
     low = name.lower()
     for fam, keys in FAMILIES:
@@ -85,6 +116,7 @@ def kernel_breakdown(step: Callable[[], object], device: torch.device, layers: i
         step()
         torch.cuda.synchronize(device)
     fams: dict[str, dict[str, float]] = {}
+    names: dict[str, dict[str, float]] = {}
     kernels = 0
     for evt in prof.events():
         if evt.device_type != torch.autograd.DeviceType.CUDA:
@@ -98,12 +130,16 @@ def kernel_breakdown(step: Callable[[], object], device: torch.device, layers: i
         f = fams.setdefault(fam, {"us": 0.0, "launches": 0})
         f["us"] += evt.time_range.elapsed_us()
         f["launches"] += 1
+        k = names.setdefault(name[:120], {"us": 0.0, "launches": 0})
+        k["us"] += evt.time_range.elapsed_us()
+        k["launches"] += 1
     total = sum(f["us"] for f in fams.values())
     return {
         "kernels": kernels,
         "kernels_per_layer": kernels / layers,
         "device_us": total,
         "families": dict(sorted(fams.items(), key=lambda kv: -kv[1]["us"])),
+        "top_kernels": dict(sorted(names.items(), key=lambda kv: -kv[1]["us"])[:12]),
     }
 
 
@@ -183,8 +219,13 @@ def print_tables(result: dict[str, Any]) -> None:
             )
         )
     for bd in result.get("breakdown", []):
+        what = (
+            f"one prefill of {bd['prefill_rows']} rows"
+            if "prefill_rows" in bd
+            else f"one eager step at batch {bd['batch']} x context {bd['context']}"
+        )
         print(
-            f"\none eager step at batch {bd['batch']} x context {bd['context']}: {bd['kernels']} kernels "
+            f"\n{what}: {bd['kernels']} kernels "
             f"({bd['kernels_per_layer']:.1f} per layer), {bd['device_us'] / 1e3:.2f} ms of device time\n"
         )
         print(

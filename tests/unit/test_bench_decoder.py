@@ -89,6 +89,27 @@ def test_roofline_bytes_model() -> None:
     assert preset("qwen3-4b-shape").kv_bytes_per_token * 64 * 2048 == 19_327_352_832
 
 
+def test_prefill_flop_model_counts_the_linear_weights_the_causal_triangle_and_the_last_rows_head() -> None:
+    from tandem.backend.config import PRESETS
+    from tandem.backend.decoder import Decoder
+    from tandem.cli import decoder_roofline
+
+    dec = Decoder.random(PRESETS["tiny"])
+    # tiny: hidden 64, 4 heads and 2 KV heads of 16, intermediate 128, 2 layers, vocab 1024, 4 columns.
+    # Per layer the q, k, v, o weights hold 64 x 16 x (4 + 2 + 2) + 4 x 16 x 64 and the MLP 3 x 64 x 128.
+    linear = [dec.model.layers[0].self_attn, dec.model.layers[0].mlp]
+    per_layer = sum(
+        p.numel() for m in linear for n, p in m.named_parameters() if n.endswith("weight") and p.ndim == 2
+    )
+    assert per_layer == 64 * 16 * 8 + 64 * 64 + 3 * 64 * 128
+    f = decoder_roofline.prefill_flops(dec, 10)
+    assert f["linear"] == 2 * 10 * per_layer * 2
+    assert f["attention"] == 2 * 2 * 10 * 10 / 2 * 4 * 16 * 2
+    assert f["head"] == 2 * 64 * 1024 * 4
+    r = decoder_roofline.prefill_roofline(dec, 10, ms=1.0, peak_tflops=1.0)
+    assert r["bound_ms"] == f["total"] / 1e12 * 1e3 and r["tc_fraction"] == r["bound_ms"]
+
+
 def test_kernel_families_by_name() -> None:
     from tandem.cli import decoder_roofline
 
@@ -96,6 +117,7 @@ def test_kernel_families_by_name() -> None:
     assert decoder_roofline.family("_rope_kv_write_kernel") == "fused norm/rope/swiglu (triton)"
     assert decoder_roofline.family("sm90_xmma_gemm_bf16bf16_bf16f32") == "gemm"
     assert decoder_roofline.family("nvjet_tst_64x8_64x16") == "gemm"
+    assert decoder_roofline.family("void pytorch_flash::flash_fwd_kernel<...>") == "attention"
     assert decoder_roofline.family("vectorized_elementwise_kernel<4, ...>") == "other elementwise"
 
 
