@@ -58,6 +58,44 @@ def _sdpa(
     )
 
 
+# Whether flash attention takes grouped K/V itself (`enable_gqa`), per dtype, probed on the first GPU
+# prefill of that dtype: where it does, K and V are not expanded to one copy per query head (2 x T x nh
+# x hd per layer). Flash has no float32 kernel, so float32 always expands.
+_FLASH_GQA: dict[torch.dtype, bool] = {}
+
+
+def _prefill_attention_gpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
+    """Causal attention of one prompt on a GPU: q [t, nh, hd] over k/v [start + t, kvh, hd] -> [t, nh*hd].
+
+    Fused kernels only: without a cached prefix flash attention (grouped K/V native where this torch
+    supports it, else expanded per query head as HF's repeat_kv); with one, a lower-right causal bias
+    rather than a boolean mask, which flash and memory-efficient attention take without falling back
+    to the math backend."""
+    t, group = q.shape[0], q.shape[1] // k.shape[1]
+    qh = q.transpose(0, 1)[None]
+    native = _FLASH_GQA.get(q.dtype)
+    if not start and group > 1 and native is not False:
+        kh, vh = k.transpose(0, 1)[None], v.transpose(0, 1)[None]
+        try:
+            with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+                o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=True)
+        except RuntimeError:
+            if native:
+                raise
+            _FLASH_GQA[q.dtype] = False
+        else:
+            _FLASH_GQA[q.dtype] = True
+            return o[0].transpose(0, 1).reshape(t, -1)
+    if group > 1:
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    kh, vh = k.transpose(0, 1)[None], v.transpose(0, 1)[None]
+    if start:
+        o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=causal_lower_right(t, start + t))
+    else:
+        o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True)
+    return o[0].transpose(0, 1).reshape(t, -1)
+
+
 @dataclass(frozen=True)
 class PrefillItem:
     """One prompt of a `Decoder.prefill_many` call: rows [T, W] at positions start..start+T-1 and the
@@ -261,50 +299,64 @@ class Decoder(nn.Module):
             xs.append(x)
             pos.append(torch.arange(it.start, it.start + t, device=x.device))
             new_slots.append(slots[it.start :])
-            parts.append((offset, t, it.start, slots[: it.start]))
+            parts.append((offset, t, it.start, slots))
             offset += t
         x = xs[0] if len(xs) == 1 else torch.cat(xs)
         positions = pos[0] if len(pos) == 1 else torch.cat(pos)
-        written = new_slots[0] if len(new_slots) == 1 else torch.cat(new_slots)
+        written = (new_slots[0] if len(new_slots) == 1 else torch.cat(new_slots)).contiguous()
         on_gpu = x.device.type == "cuda"
-        group = self.cfg.num_heads // self.cfg.num_kv_heads
+        cfg = self.cfg
 
-        def one(
-            kv: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, old: torch.Tensor
-        ) -> torch.Tensor:
+        def one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
+            """One prompt's attention: q [t, nh, hd] over k/v [start + t, kvh, hd] (its prefix first)."""
             t = q.shape[0]
-            if start:
-                past = kv.index_select(1, old)
-                k, v = torch.cat((past[0], k)), torch.cat((past[1], v))
             if on_gpu:
-                # Fused kernels only: K/V expanded per query head (as HF's repeat_kv) and the prefix
-                # case as a lower-right causal bias rather than a boolean mask, which flash and
-                # memory-efficient attention take without falling back to the math backend.
-                if group > 1:
-                    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-                qh, kh, vh = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
-                if start:
-                    o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=causal_lower_right(t, start + t))
-                else:
-                    o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True)
-            else:
-                mask = None
-                if start:
-                    q_pos = torch.arange(start, start + t, device=q.device)
-                    mask = torch.arange(start + t, device=q.device)[None, :] <= q_pos[:, None]
-                o = _sdpa(
-                    q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], mask, not start
-                )
+                return _prefill_attention_gpu(q, k, v, start)
+            mask = None
+            if start:
+                q_pos = torch.arange(start, start + t, device=q.device)
+                mask = torch.arange(start + t, device=q.device)[None, :] <= q_pos[:, None]
+            o = _sdpa(
+                q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], mask, not start
+            )
             return o[0].transpose(0, 1).reshape(t, -1)
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             kv = pool.kv[layer]
             kv.index_copy_(1, written, torch.stack((k, v)))
-            outs = [one(kv, q[o : o + t], k[o : o + t], v[o : o + t], st, old) for o, t, st, old in parts]
+            outs = []
+            for o, t, st, every in parts:
+                kk, vv = k[o : o + t], v[o : o + t]
+                if st:
+                    past = kv.index_select(1, every[:st])
+                    kk, vv = torch.cat((past[0], kk)), torch.cat((past[1], vv))
+                outs.append(one(q[o : o + t], kk, vv, st))
             return outs[0] if len(outs) == 1 else torch.cat(outs)
 
         with sdpa_kernel(_PREFILL_BACKENDS):
-            h = self._run(x, positions, attend)
+            if self._fused_on(x):
+                layers = cast(Sequence[DecoderLayer], self.model.layers)
+
+                def attend_fused(
+                    layer: int, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                ) -> torch.Tensor:
+                    # qk-norm, RoPE and the KV write in one kernel (as the decode step), then each prompt's
+                    # K/V (prefix and new rows) gathered back from the pool in one copy.
+                    kv, attn = pool.kv[layer], layers[layer].self_attn
+                    qn = None if attn.q_norm is None else attn.q_norm.weight
+                    kn = None if attn.k_norm is None else attn.k_norm.weight
+                    q = triton_ops.rope_kv_write(
+                        qkv, cos, sin, qn, kn, cfg.rms_norm_eps, kv, written, cfg.num_heads
+                    )
+                    outs = []
+                    for o, t, st, every in parts:
+                        both = kv.index_select(1, every)
+                        outs.append(one(q[o : o + t], both[0], both[1], st))
+                    return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+                h = self._run_fused(x, positions, attend_fused)
+            else:
+                h = self._run(x, positions, attend)
         last = torch.tensor([o + t - 1 for o, t, _, _ in parts], device=h.device)
         return self._logits(h.index_select(0, last))
 

@@ -10,7 +10,7 @@ import torch
 
 from tandem.backend.checkpoint import load_checkpoint, save_checkpoint
 from tandem.backend.config import PRESETS, ModelConfig, preset
-from tandem.backend.decoder import Decoder
+from tandem.backend.decoder import Decoder, PrefillItem
 from tandem.backend.kv_pool import KVPool
 from tandem.csrc import kv_cuda, triton_ops
 
@@ -101,7 +101,8 @@ def _need_gpu() -> None:
 
 
 def _step_logits(dec: Decoder, fused: bool, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(prefill logits of 3 prompts, one decode step's logits) with the fused step on or off."""
+    """(prefill logits of 3 prompts, of a prompt continued after a cached prefix and of two prompts in
+    one `prefill_many`; one decode step's logits) with the fused step on or off."""
     dec.fused = fused
     pool = KVPool(dec.kv_layout(), num_pages=96, page_size=4, device="cuda")
     g = torch.Generator().manual_seed(seed)
@@ -112,6 +113,15 @@ def _step_logits(dec: Decoder, fused: bool, seed: int) -> tuple[torch.Tensor, to
         last.append(dec.prefill(rows.cuda(), pool, slots[:n], 0))
         tables.append(slots)
         positions.append(n)
+    slots = pool.slots(pool.allocate(pool.pages_for(15)), 15)
+    head, tail = (torch.randint(0, dec.cfg.vocab_size, (n, dec.cfg.row_width), generator=g) for n in (9, 6))
+    dec.prefill(head.cuda(), pool, slots[:9], 0)
+    last.append(dec.prefill(tail.cuda(), pool, slots, 9))
+    items = []
+    for n in (5, 12):
+        rows = torch.randint(0, dec.cfg.vocab_size, (n, dec.cfg.row_width), generator=g)
+        items.append(PrefillItem(rows.cuda(), pool.slots(pool.allocate(pool.pages_for(n)), n), 0))
+    last.extend(dec.prefill_many(pool, items))
     step = torch.randint(0, dec.cfg.vocab_size, (3, dec.cfg.row_width), generator=g)
     return torch.stack(last), dec.decode(step.cuda(), pool, tables, torch.tensor(positions))
 
