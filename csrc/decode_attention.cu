@@ -388,7 +388,7 @@ bool by_head_dim(int variant, int64_t head_dim, int64_t group, const void* q, co
 }  // namespace
 
 bool decode_attention_supported(int dtype, int64_t head_dim, int64_t group, int variant) {
-  if (variant == 3 || variant == 4) return staged_supported(dtype, head_dim, group);
+  if (variant >= 3 && variant <= 5) return staged_supported(dtype, head_dim, group);
   return (variant == 1 || variant == 2) && dtype >= 0 && dtype <= 2 &&
          (head_dim == 64 || head_dim == 128 || head_dim == 256) && (group == 1 || group == 2 || group == 4 || group == 8);
 }
@@ -397,7 +397,7 @@ void decode_attention(const void* q, const void* kv, int64_t pool_rows, const in
                       const int64_t* lengths, int64_t batch, int64_t kv_heads, int64_t group, int64_t head_dim,
                       int dtype, float scale, int64_t chunk, float* part_acc, float* part_ml, void* out,
                       int device, cudaStream_t stream, int variant) {
-  if (variant < 1 || variant > 4) throw std::runtime_error("decode_attention: variant must be 1, 2, 3 or 4");
+  if (variant < 1 || variant > 5) throw std::runtime_error("decode_attention: variant must be 1..5");
   if (!decode_attention_supported(dtype, head_dim, group, variant)) {
     throw std::runtime_error("decode_attention: no kernel for dtype " + std::to_string(dtype) + ", head_dim " +
                              std::to_string(head_dim) + ", group " + std::to_string(group) + ", variant " +
@@ -415,9 +415,9 @@ void decode_attention(const void* q, const void* kv, int64_t pool_rows, const in
   if (previous != device) check(cudaSetDevice(device), "cudaSetDevice");
   try {
     const int n = static_cast<int>(splits);
-    if (variant == 4) {
+    if (variant == 4 || variant == 5) {
       decode_attention_mma(q, kv, pool_rows, slots, s_max, lengths, batch, kv_heads, group, head_dim, dtype, scale,
-                           chunk, n, part_acc, part_ml, out, device, stream);
+                           chunk, n, part_acc, part_ml, out, device, stream, variant);
     } else if (variant == 3) {
       decode_attention_staged(q, kv, pool_rows, slots, s_max, lengths, batch, kv_heads, group, head_dim, dtype, scale,
                               chunk, n, part_acc, part_ml, out, device, stream);

@@ -9,7 +9,8 @@
 // [B, KVH * G, splits, 2] with splits = ceil(S / chunk). All pointers are device pointers of
 // `device`; nothing is synchronised (the two kernels run on `stream`, so a CUDA graph can capture
 // them). `variant` picks the kernel: 4 (default) tensor cores on variant 3's staging for
-// float16/bfloat16 with head_dim 64/128, variant 3 otherwise (decode_attention_mma.cu); 3 K/V tiles
+// float16/bfloat16 with head_dim 64/128, variant 3 otherwise (decode_attention_mma.cu); 5 the same
+// arithmetic with a block per (sequence, split) over up to 8 KV heads, a warp each; 3 K/V tiles
 // staged in shared memory by cp.async, any group of 1..8 (decode_attention_staged.cu); 2 one token per lane for the scores, K rows read
 // per lane; 1 one token per warp (2 and 1 kept as measured alternatives, groups 1/2/4/8). Nothing is checked here beyond `supported`: the Python
 // wrapper checks shapes, dtypes and devices. Errors are thrown as std::runtime_error.

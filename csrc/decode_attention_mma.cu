@@ -108,39 +108,23 @@ __device__ __forceinline__ unsigned pack2<__half>(float lo, float hi) {
   return *reinterpret_cast<const unsigned*>(&v);
 }
 
-// Three blocks an SM (their tiles take 3 x 68 KiB of shared memory): uncapped, 172 registers let only
-// two fit. Capped at 168 (20 bytes spilled) the occupancy is 12 warps instead of 8, but the time at
-// 64 x 2048 stayed 151 us (ncu: DRAM 77 %, L2 89 %): the kernel is bound by the L2, not by latency.
+// One warp's share of a split: the 32-token tiles base, base + step, ... below t1 of KV head `h`'s
+// pieces of the pool rows (kbase/vbase already point at head h), staged through this warp's K and V
+// tiles (s_k, s_v). On return o holds the un-normalised P.V of query row gid (and gid + 8, padding),
+// m0 its running maximum and l0 its sum of exp2 over the quad (reduced: every lane of a quad has it).
+// A warp with no tile returns m0 = -inf, l0 = 0, o = 0.
 template <typename T, int HD, int G>
-__global__ void __launch_bounds__(kWarps * 32, 3)
-    decode_partial_mma(const T* __restrict__ q, const T* __restrict__ kv, int64_t pool_rows,
-                       const int64_t* __restrict__ slots, int64_t s_max, const int64_t* __restrict__ lengths,
-                       int kv_heads, int64_t chunk, int splits, float scale_log2, float* __restrict__ part_acc,
-                       float* __restrict__ part_ml) {
+__device__ __forceinline__ void warp_attend(const T* __restrict__ qrow, const unsigned char* kbase,
+                                            const unsigned char* vbase, int64_t pool_row,
+                                            const int64_t* __restrict__ srow, int64_t base, int64_t t1, int step,
+                                            unsigned char* s_k, unsigned char* s_v, float scale_log2, int lane,
+                                            float (&o)[HD / 8][4], float& m0, float& l0) {
   using GT = MGeo<HD>;
   constexpr int KS = HD / 16;  // k-steps of the scores
   constexpr int DT = HD / 8;   // n-tiles of O
-  extern __shared__ __align__(16) unsigned char smem[];
-  const int b = blockIdx.x / kv_heads;
-  const int h = blockIdx.x - b * kv_heads;
-  const int split = blockIdx.y;
-  const int warp = threadIdx.x >> 5;
-  const int lane = threadIdx.x & 31;
-  const int gid = lane >> 2;  // the row (query head) this lane's fragments hold
+  const int gid = lane >> 2;   // the row (query head) this lane's fragments hold
   const int tig = lane & 3;
-  const int nh = kv_heads * G;
-  const int64_t len = lengths[b];
-  const int64_t t0 = static_cast<int64_t>(split) * chunk;
-  const int64_t t1 = t0 + chunk < len ? t0 + chunk : len;
-  unsigned char* s_k = smem + warp * GT::kWarpBytes;
-  unsigned char* s_v = s_k + kTile * GT::kStride;
 
-  const int64_t pool_row = static_cast<int64_t>(kv_heads) * GT::kRowBytes;
-  const unsigned char* kbase = reinterpret_cast<const unsigned char*>(kv) + static_cast<int64_t>(h) * GT::kRowBytes;
-  const unsigned char* vbase = kbase + pool_rows * pool_row;
-  const int64_t* srow = slots + static_cast<int64_t>(b) * s_max;
-
-  int64_t base = t0 + warp * kTile;
   int n = t1 - base >= kTile ? kTile : (t1 > base ? static_cast<int>(t1 - base) : 0);
   int64_t slot = lane < n ? srow[base + lane] : 0;
   load_tile<GT::kChunks>(s_k, GT::kStride, kbase, pool_row, slot, n, lane, false);
@@ -148,18 +132,16 @@ __global__ void __launch_bounds__(kWarps * 32, 3)
 
   // Q's A fragments: row gid (< G) of the group, rows gid + 8 are zero padding.
   unsigned qa[KS][2];
-  {
-    const T* qrow = q + (static_cast<int64_t>(b) * nh + h * G + (gid < G ? gid : 0)) * HD;
 #pragma unroll
-    for (int ks = 0; ks < KS; ++ks) {
-      qa[ks][0] = gid < G ? *reinterpret_cast<const unsigned*>(qrow + ks * 16 + 2 * tig) : 0u;
-      qa[ks][1] = gid < G ? *reinterpret_cast<const unsigned*>(qrow + ks * 16 + 8 + 2 * tig) : 0u;
-    }
+  for (int ks = 0; ks < KS; ++ks) {
+    qa[ks][0] = gid < G ? *reinterpret_cast<const unsigned*>(qrow + ks * 16 + 2 * tig) : 0u;
+    qa[ks][1] = gid < G ? *reinterpret_cast<const unsigned*>(qrow + ks * 16 + 8 + 2 * tig) : 0u;
   }
-  float o[DT][4];
 #pragma unroll
   for (int dt = 0; dt < DT; ++dt) o[dt][0] = o[dt][1] = o[dt][2] = o[dt][3] = 0.f;
-  float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;  // rows gid and gid + 8
+  m0 = -INFINITY;
+  l0 = 0.f;
+  float m1 = -INFINITY, l1 = 0.f;  // row gid + 8 (padding)
 
   // ldmatrix row addresses: lane i feeds row i % 8 of matrix i / 8.
   const int mrow = lane & 7;
@@ -167,8 +149,8 @@ __global__ void __launch_bounds__(kWarps * 32, 3)
   const unsigned k_addr = smem_u32(s_k + mrow * GT::kStride + mat * 16);
   const unsigned v_addr = smem_u32(s_v + ((mat & 1) * 8 + mrow) * GT::kStride + (mat >> 1) * 16);
 
-  for (; base < t1; base += kWarps * kTile) {
-    const int64_t next = base + kWarps * kTile;
+  for (; base < t1; base += step) {
+    const int64_t next = base + step;
     const int nn = t1 - next >= kTile ? kTile : (t1 > next ? static_cast<int>(t1 - next) : 0);
     const int64_t nslot = lane < nn ? srow[next + lane] : 0;
 
@@ -256,6 +238,43 @@ __global__ void __launch_bounds__(kWarps * 32, 3)
   cp_async_wait<0>();
 #pragma unroll
   for (int off = 1; off <= 2; off <<= 1) l0 += __shfl_xor_sync(0xffffffffu, l0, off);
+}
+
+// Variant 4: one block per (sequence, KV head, split); its four warps take turns over the split's
+// 32-token tiles and merge their partials through shared memory at the end.
+// Three blocks an SM (their tiles take 3 x 68 KiB of shared memory): uncapped, 172 registers let only
+// two fit. Capped at 168 (20 bytes spilled) the occupancy is 12 warps instead of 8, but the time at
+// 64 x 2048 stayed 151 us (ncu: DRAM 77 %, L2 89 %): the kernel is bound by the L2, not by latency.
+template <typename T, int HD, int G>
+__global__ void __launch_bounds__(kWarps * 32, 3)
+    decode_partial_mma(const T* __restrict__ q, const T* __restrict__ kv, int64_t pool_rows,
+                       const int64_t* __restrict__ slots, int64_t s_max, const int64_t* __restrict__ lengths,
+                       int kv_heads, int64_t chunk, int splits, float scale_log2, float* __restrict__ part_acc,
+                       float* __restrict__ part_ml) {
+  using GT = MGeo<HD>;
+  constexpr int DT = HD / 8;
+  extern __shared__ __align__(16) unsigned char smem[];
+  const int b = blockIdx.x / kv_heads;
+  const int h = blockIdx.x - b * kv_heads;
+  const int split = blockIdx.y;
+  const int warp = threadIdx.x >> 5;
+  const int lane = threadIdx.x & 31;
+  const int gid = lane >> 2;
+  const int tig = lane & 3;
+  const int nh = kv_heads * G;
+  const int64_t len = lengths[b];
+  const int64_t t0 = static_cast<int64_t>(split) * chunk;
+  const int64_t t1 = t0 + chunk < len ? t0 + chunk : len;
+  unsigned char* s_k = smem + warp * GT::kWarpBytes;
+
+  const int64_t pool_row = static_cast<int64_t>(kv_heads) * GT::kRowBytes;
+  const unsigned char* kbase = reinterpret_cast<const unsigned char*>(kv) + static_cast<int64_t>(h) * GT::kRowBytes;
+  const T* qrow = q + (static_cast<int64_t>(b) * nh + h * G + (gid < G ? gid : 0)) * HD;
+  float o[DT][4];
+  float m0, l0;
+  warp_attend<T, HD, G>(qrow, kbase, kbase + pool_rows * pool_row, pool_row, slots + static_cast<int64_t>(b) * s_max,
+                        t0 + warp * kTile, t1, kWarps * kTile, s_k, s_k + kTile * GT::kStride, scale_log2, lane, o,
+                        m0, l0);
   __syncthreads();  // the tiles' memory holds the warps' partials now
 
   __shared__ float s_m[kWarps][G];
@@ -297,37 +316,117 @@ __global__ void __launch_bounds__(kWarps * 32, 3)
   }
 }
 
+// Variant 5: one block per (sequence, split, group of NW KV heads); warp w takes KV head w of the
+// group over the whole split. The NW warps read the NW pieces of the same pool rows together, so a
+// page's K (page_size x KVH x HD contiguous bytes) is read by one SM in one pass instead of in
+// 256-byte pieces by KVH blocks at different times; each warp writes its split's partial itself (no
+// merge across warps). Shared memory: NW x 17 KiB (one block an SM at NW = 8).
+template <typename T, int HD, int G, int NW>
+__global__ void __launch_bounds__(NW * 32)
+    decode_partial_rows(const T* __restrict__ q, const T* __restrict__ kv, int64_t pool_rows,
+                        const int64_t* __restrict__ slots, int64_t s_max, const int64_t* __restrict__ lengths,
+                        int kv_heads, int64_t chunk, int splits, float scale_log2, float* __restrict__ part_acc,
+                        float* __restrict__ part_ml) {
+  using GT = MGeo<HD>;
+  constexpr int DT = HD / 8;
+  extern __shared__ __align__(16) unsigned char smem[];
+  const int b = blockIdx.x;
+  const int split = blockIdx.y;
+  const int warp = threadIdx.x >> 5;
+  const int h = blockIdx.z * NW + warp;
+  const int lane = threadIdx.x & 31;
+  const int gid = lane >> 2;
+  const int tig = lane & 3;
+  const int nh = kv_heads * G;
+  const int64_t len = lengths[b];
+  const int64_t t0 = static_cast<int64_t>(split) * chunk;
+  const int64_t t1 = t0 + chunk < len ? t0 + chunk : len;
+  unsigned char* s_k = smem + warp * GT::kWarpBytes;
+
+  const int64_t pool_row = static_cast<int64_t>(kv_heads) * GT::kRowBytes;
+  const unsigned char* kbase = reinterpret_cast<const unsigned char*>(kv) + static_cast<int64_t>(h) * GT::kRowBytes;
+  const T* qrow = q + (static_cast<int64_t>(b) * nh + h * G + (gid < G ? gid : 0)) * HD;
+  float o[DT][4];
+  float m0, l0;
+  warp_attend<T, HD, G>(qrow, kbase, kbase + pool_rows * pool_row, pool_row, slots + static_cast<int64_t>(b) * s_max,
+                        t0, t1, kTile, s_k, s_k + kTile * GT::kStride, scale_log2, lane, o, m0, l0);
+  if (gid < G) {
+    const int64_t at = (static_cast<int64_t>(b) * nh + h * G + gid) * splits + split;
+    float* acc = part_acc + at * HD + 2 * tig;
+#pragma unroll
+    for (int dt = 0; dt < DT; ++dt) *reinterpret_cast<float2*>(acc + dt * 8) = make_float2(o[dt][0], o[dt][1]);
+    if (tig == 0) *reinterpret_cast<float2*>(part_ml + at * 2) = make_float2(m0, l0);
+  }
+}
+
+// Variant 5's warps per block: the largest of 8, 4, 2, 1 that divides the KV heads (kv_cuda._chunk
+// mirrors it).
+int rows_warps(int64_t kv_heads) {
+  for (int nw = 8; nw > 1; nw /= 2) {
+    if (kv_heads % nw == 0) return nw;
+  }
+  return 1;
+}
+
+template <typename Kernel>
+void raise_smem(Kernel kernel, int bytes, bool (&raised)[64], int device) {
+  if (device < 0 || device >= 64 || !raised[device]) {
+    check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes),
+          "cudaFuncSetAttribute (decode attention shared memory)");
+    if (device >= 0 && device < 64) raised[device] = true;
+  }
+}
+
 template <typename T, int HD, int G>
-void launch(const void* q, const void* kv, int64_t pool_rows, const int64_t* slots, int64_t s_max,
+void launch(int variant, const void* q, const void* kv, int64_t pool_rows, const int64_t* slots, int64_t s_max,
             const int64_t* lengths, int64_t batch, int64_t kv_heads, float scale, int64_t chunk, int splits,
             float* part_acc, float* part_ml, void* out, int device, cudaStream_t stream) {
   using GT = MGeo<HD>;
   static_assert(kWarps * G * HD * 4 <= GT::kSmem, "partials do not fit the tiles");
-  static bool raised[64] = {};
-  if (device < 0 || device >= 64 || !raised[device]) {
-    check(cudaFuncSetAttribute(decode_partial_mma<T, HD, G>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                               GT::kSmem),
-          "cudaFuncSetAttribute (decode attention shared memory)");
-    if (device >= 0 && device < 64) raised[device] = true;
+  const float scale_log2 = scale * 1.4426950408889634f;
+  const int kvh = static_cast<int>(kv_heads);
+  const int nw = rows_warps(kv_heads);
+  if (variant == 5) {
+#define TANDEM_ROWS_LAUNCH(NW)                                                                                   \
+  case NW: {                                                                                                     \
+    static bool raised[64] = {};                                                                                 \
+    raise_smem(decode_partial_rows<T, HD, G, NW>, NW * GT::kWarpBytes, raised, device);                          \
+    const dim3 grid(static_cast<unsigned>(batch), static_cast<unsigned>(splits), static_cast<unsigned>(kvh / NW)); \
+    decode_partial_rows<T, HD, G, NW><<<grid, NW * 32, NW * GT::kWarpBytes, stream>>>(                           \
+        static_cast<const T*>(q), static_cast<const T*>(kv), pool_rows, slots, s_max, lengths, kvh, chunk, splits, \
+        scale_log2, part_acc, part_ml);                                                                          \
+    break;                                                                                                       \
   }
-  const dim3 grid(static_cast<unsigned>(batch * kv_heads), static_cast<unsigned>(splits));
-  decode_partial_mma<T, HD, G><<<grid, kWarps * 32, GT::kSmem, stream>>>(
-      static_cast<const T*>(q), static_cast<const T*>(kv), pool_rows, slots, s_max, lengths,
-      static_cast<int>(kv_heads), chunk, splits, scale * 1.4426950408889634f, part_acc, part_ml);
-  check(cudaGetLastError(), "decode_partial_mma launch");
+    switch (nw) {
+      TANDEM_ROWS_LAUNCH(1)
+      TANDEM_ROWS_LAUNCH(2)
+      TANDEM_ROWS_LAUNCH(4)
+      TANDEM_ROWS_LAUNCH(8)
+    }
+#undef TANDEM_ROWS_LAUNCH
+    check(cudaGetLastError(), "decode_partial_rows launch");
+  } else {
+    static bool raised[64] = {};
+    raise_smem(decode_partial_mma<T, HD, G>, GT::kSmem, raised, device);
+    const dim3 grid(static_cast<unsigned>(batch * kv_heads), static_cast<unsigned>(splits));
+    decode_partial_mma<T, HD, G><<<grid, kWarps * 32, GT::kSmem, stream>>>(
+        static_cast<const T*>(q), static_cast<const T*>(kv), pool_rows, slots, s_max, lengths, kvh, chunk, splits,
+        scale_log2, part_acc, part_ml);
+    check(cudaGetLastError(), "decode_partial_mma launch");
+  }
   attn::decode_merge<T><<<static_cast<unsigned>(batch * kv_heads * G), HD, 0, stream>>>(
       part_acc, part_ml, splits, HD, static_cast<T*>(out));
   check(cudaGetLastError(), "decode_merge launch");
 }
 
 template <typename T, int HD>
-void by_group(int64_t group, const void* q, const void* kv, int64_t pool_rows, const int64_t* slots, int64_t s_max,
+void by_group(int variant, int64_t group, const void* q, const void* kv, int64_t pool_rows, const int64_t* slots, int64_t s_max,
               const int64_t* lengths, int64_t batch, int64_t kv_heads, float scale, int64_t chunk, int splits,
               float* part_acc, float* part_ml, void* out, int device, cudaStream_t stream) {
 #define TANDEM_MMA_GROUP(N)                                                                                     \
   case N:                                                                                                     \
-    launch<T, HD, N>(q, kv, pool_rows, slots, s_max, lengths, batch, kv_heads, scale, chunk, splits, part_acc, \
-                     part_ml, out, device, stream);                                                           \
+    launch<T, HD, N>(variant, q, kv, pool_rows, slots, s_max, lengths, batch, kv_heads, scale, chunk, splits,    \
+                     part_acc, part_ml, out, device, stream);                                                 \
     return;
   switch (group) {
     TANDEM_MMA_GROUP(1)
@@ -345,15 +444,15 @@ void by_group(int64_t group, const void* q, const void* kv, int64_t pool_rows, c
 }
 
 template <typename T>
-void by_head_dim(int64_t head_dim, int64_t group, const void* q, const void* kv, int64_t pool_rows,
+void by_head_dim(int variant, int64_t head_dim, int64_t group, const void* q, const void* kv, int64_t pool_rows,
                  const int64_t* slots, int64_t s_max, const int64_t* lengths, int64_t batch, int64_t kv_heads,
                  float scale, int64_t chunk, int splits, float* part_acc, float* part_ml, void* out, int device,
                  cudaStream_t stream) {
   if (head_dim == 64) {
-    by_group<T, 64>(group, q, kv, pool_rows, slots, s_max, lengths, batch, kv_heads, scale, chunk, splits,
+    by_group<T, 64>(variant, group, q, kv, pool_rows, slots, s_max, lengths, batch, kv_heads, scale, chunk, splits,
                     part_acc, part_ml, out, device, stream);
   } else {
-    by_group<T, 128>(group, q, kv, pool_rows, slots, s_max, lengths, batch, kv_heads, scale, chunk, splits,
+    by_group<T, 128>(variant, group, q, kv, pool_rows, slots, s_max, lengths, batch, kv_heads, scale, chunk, splits,
                      part_acc, part_ml, out, device, stream);
   }
 }
@@ -363,17 +462,17 @@ void by_head_dim(int64_t head_dim, int64_t group, const void* q, const void* kv,
 void decode_attention_mma(const void* q, const void* kv, int64_t pool_rows, const int64_t* slots, int64_t s_max,
                           const int64_t* lengths, int64_t batch, int64_t kv_heads, int64_t group, int64_t head_dim,
                           int dtype, float scale, int64_t chunk, int splits, float* part_acc, float* part_ml,
-                          void* out, int device, cudaStream_t stream) {
+                          void* out, int device, cudaStream_t stream, int variant) {
   if ((dtype != 1 && dtype != 2) || (head_dim != 64 && head_dim != 128) || group < 1 || group > 8) {
     decode_attention_staged(q, kv, pool_rows, slots, s_max, lengths, batch, kv_heads, group, head_dim, dtype, scale,
                             chunk, splits, part_acc, part_ml, out, device, stream);
     return;
   }
   if (dtype == 1) {
-    by_head_dim<__half>(head_dim, group, q, kv, pool_rows, slots, s_max, lengths, batch, kv_heads, scale, chunk,
+    by_head_dim<__half>(variant, head_dim, group, q, kv, pool_rows, slots, s_max, lengths, batch, kv_heads, scale, chunk,
                         splits, part_acc, part_ml, out, device, stream);
   } else {
-    by_head_dim<__nv_bfloat16>(head_dim, group, q, kv, pool_rows, slots, s_max, lengths, batch, kv_heads, scale,
+    by_head_dim<__nv_bfloat16>(variant, head_dim, group, q, kv, pool_rows, slots, s_max, lengths, batch, kv_heads, scale,
                                chunk, splits, part_acc, part_ml, out, device, stream);
   }
 }

@@ -406,12 +406,13 @@ _DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 # for float16/bfloat16 with head_dim 64/128 and variant 3 for other shapes (csrc/decode_attention_mma.cu);
 # 3, K/V tiles staged in shared memory by cp.async, FMA arithmetic, any group of 1..8
 # (csrc/decode_attention_staged.cu); 2, one token per lane for the scores with K rows read per lane;
-# 1, one token per warp (csrc/decode_attention.cu; groups 1/2/4/8).
+# 1, one token per warp (csrc/decode_attention.cu; groups 1/2/4/8); 5, variant 4's arithmetic with a
+# block per (sequence, split) over up to 8 KV heads, a warp each, so a page's rows are read whole.
 # $TANDEM_DECODE_ATTENTION_KERNEL picks one for a process (A/B runs).
-VARIANTS = (1, 2, 3, 4)
+VARIANTS = (1, 2, 3, 4, 5)
 _variant = os.environ.get("TANDEM_DECODE_ATTENTION_KERNEL", "4").strip()
-if _variant not in ("1", "2", "3", "4"):
-    raise ValueError(f"TANDEM_DECODE_ATTENTION_KERNEL must be 1, 2, 3 or 4, got {_variant!r}")
+if _variant not in ("1", "2", "3", "4", "5"):
+    raise ValueError(f"TANDEM_DECODE_ATTENTION_KERNEL must be 1..5, got {_variant!r}")
 KERNEL_VARIANT = int(_variant)
 _sm_counts: dict[int, int] = {}
 
@@ -474,8 +475,17 @@ def _chunk(batch: int, kv_heads: int, s: int, device: torch.device, variant: int
     sms = _sm_counts.get(index)
     if sms is None:
         sms = _sm_counts[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    floor, per_sm = (128, 3) if variant >= 3 else (32, 4)
     chunk = 256
+    if variant == 5:
+        # Blocks of NW warps (the largest of 8/4/2/1 dividing the KV heads, as csrc's rows_warps) take
+        # NW x 17 KiB of shared memory: 13 // NW fit an SM. Halve down to 64 tokens while the grid
+        # holds under two waves.
+        nw = next(n for n in (8, 4, 2, 1) if kv_heads % n == 0)
+        blocks = batch * (kv_heads // nw)
+        while chunk > 64 and blocks * -(-s // chunk) < 2 * (13 // nw) * sms:
+            chunk //= 2
+        return chunk
+    floor, per_sm = (128, 3) if variant >= 3 else (32, 4)
     while chunk > floor and batch * kv_heads * -(-s // chunk) < per_sm * sms:
         chunk //= 2
     return chunk

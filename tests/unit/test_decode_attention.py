@@ -59,7 +59,7 @@ def _float_reference(
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("group", [1, 4, 8])
 @pytest.mark.parametrize(("batch", "s"), [(1, 17), (5, 300), (3, 2048)])
-@pytest.mark.parametrize("variant", [1, 2, 3, 4])
+@pytest.mark.parametrize("variant", [1, 2, 3, 4, 5])
 def test_kernel_matches_reference(
     dtype: torch.dtype, head_dim: int, group: int, batch: int, s: int, variant: int
 ) -> None:
@@ -77,11 +77,11 @@ def test_kernel_matches_reference(
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("group", [2, 3, 5, 6, 7])
 @pytest.mark.parametrize(("batch", "s", "kv_heads"), [(1, 17, 2), (6, 1000, 8), (2, 4100, 1)])
-@pytest.mark.parametrize("variant", [3, 4])
+@pytest.mark.parametrize("variant", [3, 4, 5])
 def test_staged_kernel_takes_any_group(
     dtype: torch.dtype, head_dim: int, group: int, batch: int, s: int, kv_heads: int, variant: int
 ) -> None:
-    """Variants 3 and 4 (the default) cover groups 1..8: Orpheus-3B's 3 and Qwen2.5-0.5B's 7 included."""
+    """Variants 3, 4 (the default) and 5 cover groups 1..8: Orpheus-3B's 3 and Qwen2.5-0.5B's 7 included."""
     _need_cuda()
     q, kv, slots, lengths = _case(batch, kv_heads, group, head_dim, s, dtype, "cuda", seed=batch + s + group)
     assert kv_cuda.decode_attention_supported(q, kv, variant)
@@ -94,7 +94,7 @@ def test_staged_kernel_takes_any_group(
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("page_size", [1, 16])
-@pytest.mark.parametrize("variant", [3, 4])
+@pytest.mark.parametrize("variant", [3, 4, 5])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_staged_kernel_over_a_paged_pool(page_size: int, variant: int, dtype: torch.dtype) -> None:
     """Slots as a KVPool hands them out: pages of 1 (every row its own page) or 16, shuffled pages."""
@@ -115,7 +115,7 @@ def test_staged_kernel_over_a_paged_pool(page_size: int, variant: int, dtype: to
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", [1, 2, 3, 4])
+@pytest.mark.parametrize("variant", [1, 2, 3, 4, 5])
 def test_kernel_matches_reference_at_the_serving_shape(variant: int) -> None:
     """The 4B shape at a serving batch: large enough that splits are 256 tokens and every warp of a
     block has tiles (the small grid above runs 32-token splits on an H200)."""
