@@ -346,7 +346,16 @@ class Decoder(nn.Module):
                     qn = None if attn.q_norm is None else attn.q_norm.weight
                     kn = None if attn.k_norm is None else attn.k_norm.weight
                     q = triton_ops.rope_kv_write(
-                        qkv, cos, sin, qn, kn, cfg.rms_norm_eps, kv, written, cfg.num_heads
+                        qkv,
+                        cos,
+                        sin,
+                        qn,
+                        kn,
+                        cfg.rms_norm_eps,
+                        kv,
+                        written,
+                        cfg.num_heads,
+                        rows_per_program=16,
                     )
                     outs = []
                     for o, t, st, every in parts:

@@ -6,6 +6,8 @@ same entry points (the fallback) and the argument checks.
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 
@@ -42,9 +44,11 @@ def _rope_case(
     return {"qkv": qkv, "cos": cos, "sin": sin, "q_norm": qn, "k_norm": kn, "slots": slots, "rows": pool_rows}
 
 
-def _rope_both(case: dict[str, object], nh: int, kvh: int, hd: int, dtype: torch.dtype, device: str) -> tuple:
+def _rope_both(
+    case: dict[str, object], nh: int, kvh: int, hd: int, dtype: torch.dtype, device: str, rows: int = 1
+) -> tuple:
     outs = []
-    for fn in (triton_ops.rope_kv_write, triton_ops.reference_rope_kv_write):
+    for fn in (partial(triton_ops.rope_kv_write, rows_per_program=rows), triton_ops.reference_rope_kv_write):
         kv = torch.full((2, int(case["rows"]), kvh, hd), float("nan"), dtype=dtype, device=device)  # type: ignore[call-overload]
         q = fn(
             case["qkv"], case["cos"], case["sin"], case["q_norm"], case["k_norm"], 1e-6, kv, case["slots"], nh
@@ -77,14 +81,15 @@ def test_add_rms_norm_matches_reference(dtype: torch.dtype, hidden: int, n: int,
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize(("nh", "kvh", "hd"), [(32, 8, 128), (24, 8, 128), (14, 2, 64), (4, 2, 16)])
 @pytest.mark.parametrize("norm", [True, False])
-@pytest.mark.parametrize("n", [1, 64])
+@pytest.mark.parametrize(("n", "rows"), [(1, 1), (64, 1), (1, 16), (37, 16), (64, 16)])
 def test_rope_kv_write_matches_reference(
-    dtype: torch.dtype, nh: int, kvh: int, hd: int, norm: bool, n: int
+    dtype: torch.dtype, nh: int, kvh: int, hd: int, norm: bool, n: int, rows: int
 ) -> None:
-    """q, and every K and V row written at its (shuffled) slot; rows of other slots stay untouched."""
+    """q, and every K and V row written at its (shuffled) slot; rows of other slots stay untouched. With
+    16 rows a program (prefill's), the last program's rows past n are masked."""
     _need_gpu()
     case = _rope_case(n, nh, kvh, hd, dtype, "cuda", norm, seed=nh + hd + n)
-    (q, kv), (q_ref, kv_ref) = _rope_both(case, nh, kvh, hd, dtype, "cuda")
+    (q, kv), (q_ref, kv_ref) = _rope_both(case, nh, kvh, hd, dtype, "cuda", rows)
     torch.testing.assert_close(q.float(), q_ref.float(), atol=TOL[dtype], rtol=TOL[dtype])
     slots = case["slots"]
     assert isinstance(slots, torch.Tensor)
