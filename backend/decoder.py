@@ -19,6 +19,7 @@ logits reshape to [W, V]. W=1 is exactly an HF causal LM.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import cast
@@ -368,6 +369,41 @@ class Decoder(nn.Module):
                 h = self._run(x, positions, attend)
         last = torch.tensor([o + t - 1 for o, t, _, _ in parts], device=h.device)
         return self._logits(h.index_select(0, last))
+
+    # Prompt shapes `warm_up` runs: (rows, start). Triton specialises a kernel on an integer argument
+    # being 1 or a multiple of 16 and on a pointer being 16-byte aligned (a prompt after an odd-length
+    # cached prefix passes an unaligned slice of its slots), so these cover every variant a prefill meets.
+    WARM_PREFILLS = ((1, 0), (16, 0), (17, 0), (1, 1), (16, 1), (17, 1))
+
+    @torch.inference_mode()
+    def warm_up(self, pool: KVPool) -> float:
+        """Run each GPU kernel's first call before the engine serves: one prefill per `WARM_PREFILLS`
+        shape and an eager decode step at batch 1 and 2, on pages taken from `pool` and given back.
+
+        Why: a fused Triton kernel's first call with a new specialisation compiles it (seconds on an
+        H200), and the engine's loop would stall its streams that long: the first prompts of a fresh
+        server made the stubs take P and `tts_mono` for stalled. Called by the engines' `start()`;
+        the KV written is garbage in free pages. A no-op on a CPU (nothing compiles there); returns the
+        seconds it took."""
+        if self.device.type != "cuda":
+            return 0.0
+        t0 = time.perf_counter()
+        cfg = self.cfg
+        longest = max(r + s for r, s in self.WARM_PREFILLS) + 1
+        pages = [pool.allocate(pool.pages_for(longest)) for _ in range(2)]
+        try:
+            tables = [pool.slots(p, longest) for p in pages]
+            for rows, start in self.WARM_PREFILLS:
+                prompt = torch.zeros((rows, cfg.row_width), dtype=torch.long, device=self.device)
+                self.prefill(prompt, pool, tables[0][: start + rows], start)
+            for b in (1, 2):
+                step = torch.zeros((b, cfg.row_width), dtype=torch.long, device=self.device)
+                self.decode(step, pool, [t[:longest] for t in tables[:b]], torch.full((b,), longest - 1))
+            torch.cuda.synchronize(self.device)
+        finally:
+            for p in pages:
+                pool.free(p)
+        return time.perf_counter() - t0
 
     @torch.inference_mode()
     def decode(

@@ -10,6 +10,7 @@ of which prompts shared a forward).
 
 from __future__ import annotations
 
+import logging
 import time
 
 import numpy as np
@@ -25,6 +26,8 @@ from tandem.backend.prefix_cache import PrefixAllocation, PrefixCache
 from tandem.backend.settings import EngineSettings
 from tandem.backend.stream import EngineRequest, Stream
 
+log = logging.getLogger("tandem")
+
 
 class MonoEngine:
     def __init__(self, decoder: Decoder, settings: EngineSettings, metrics: MetricsSink) -> None:
@@ -39,6 +42,9 @@ class MonoEngine:
         self._thread = EngineThread("tandem-mono", self._iterate, self._fault)
 
     def start(self) -> None:
+        warm = self.decoder.warm_up(self.pool)
+        if warm:
+            log.info("mono: kernels warmed up in %.1f s (first calls compile them)", warm)
         self._thread.start()
 
     def close(self) -> None:

@@ -180,3 +180,10 @@ def test_rejects_mismatched_pool_and_rows(dec: Decoder) -> None:
         dec.prefill(rows(3, 0)[:, :1], pool, torch.arange(3), 0)
     with pytest.raises(ValueError):
         dec.prefill(rows(3, 0), pool, torch.arange(4), 0)
+
+
+def test_warm_up_is_a_no_op_on_the_cpu() -> None:
+    """Nothing compiles on a CPU: `warm_up` runs nothing and leaves the pool as it was."""
+    dec = Decoder.random(PRESETS["tiny"])
+    pool = KVPool(dec.kv_layout(), num_pages=8, page_size=4, device="cpu")
+    assert dec.warm_up(pool) == 0.0 and pool.num_free_pages == 8

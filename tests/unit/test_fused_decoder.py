@@ -149,3 +149,35 @@ def test_fused_greedy_tokens_match_at_the_4b_shape_in_float32() -> None:
     fused, torch_path = _step_logits(dec, True, 3), _step_logits(dec, False, 3)
     assert torch.equal(fused[1].argmax(-1), torch_path[1].argmax(-1))
     torch.testing.assert_close(fused[1], torch_path[1], atol=1e-3, rtol=1e-3)
+
+
+def _compiled_variants() -> int:
+    """How many specialisations of the fused Triton kernels are compiled in this process."""
+    total = 0
+    for fn in (triton_ops._add_rms_norm_kernel, triton_ops._rope_kv_write_kernel, triton_ops._swiglu_kernel):
+        caches = getattr(fn, "device_caches", None)
+        if caches is not None:  # Triton 3.x: device -> (kernel cache, ...)
+            total += sum(len(c[0]) for c in caches.values())
+        else:
+            total += sum(len(c) for c in getattr(fn, "cache", {}).values())
+    return total
+
+
+@pytest.mark.gpu
+def test_warm_up_compiles_what_later_prompts_need_and_gives_its_pages_back() -> None:
+    """After `Decoder.warm_up` no prompt length or cached-prefix offset compiles a new kernel variant
+    (a compile inside the engine loop stalls every stream for seconds), and the pool is as it was."""
+    _need_gpu()
+    cfg = replace(preset("qwen3-4b-shape"), num_layers=1, dtype="bfloat16")
+    dec = Decoder.random(cfg, device="cuda", seed=9)
+    pool = KVPool(dec.kv_layout(), num_pages=64, page_size=16, device="cuda")
+    free = pool.num_free_pages
+    assert dec.warm_up(pool) > 0
+    assert pool.num_free_pages == free
+    compiled = _compiled_variants()
+    g = torch.Generator().manual_seed(1)
+    for rows, start in ((2, 0), (33, 0), (48, 0), (300, 0), (5, 3), (32, 16), (1, 7)):
+        slots = pool.slots(pool.allocate(pool.pages_for(start + rows)), start + rows)
+        prompt = torch.randint(0, cfg.vocab_size, (rows, cfg.row_width), generator=g).cuda()
+        dec.prefill(prompt, pool, slots, start)
+    assert _compiled_variants() == compiled
