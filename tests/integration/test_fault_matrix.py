@@ -155,24 +155,9 @@ def unit(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     workdir = tmp_path_factory.mktemp(f"faultunit-{path}-{mode or 'default'}")
     u = FaultUnit(workdir, overrides, GROUPS, proxy=path == "proxy", mono=label == PATHS[0])
     u.label = label
-    u.start()
-    if GPUS:
-        warm_kernels(u)
+    u.start()  # on a GPU the engines compile their kernels before they report ready (Decoder.warm_up)
     yield u
     u.stop()
-
-
-def warm_kernels(unit: FaultUnit) -> None:
-    """On a GPU the first streams of each prompt length JIT-compile the fused Triton kernels: over
-    2 s of a worker's loop (the matrix's stall bound here is STALL_S = 2 s; the checked-in 5 s). Run
-    streams of the rows' shapes through every entry once, before the idle baseline, and wait until
-    every engine serves (a compile the stub took for a stall only refused the warm-up's requests)."""
-    entries = ["tts", "tts_mono"] if unit.mono else ["tts"]
-    for model in entries:
-        for rows in (30, 40, 150, 400):
-            streams(unit.url, jobs(3, rows, 20, seed=rows), timeout_s=60, model=model)
-    for model in ENGINES if unit.mono else ENGINES[:2]:
-        unit.wait_engine(model, True, 60)
 
 
 @pytest.fixture
