@@ -961,5 +961,5 @@ def test_matrix_totals_and_report(unit, request):
         out.write_text(json.dumps(doc, indent=2) + "\n")
     assert all(r.leaked_d_pages == 0 and r.leaked_p_pages == 0 for r in unit.rows)
     assert names and total > 0
-    if _volume(unit) >= 10_000:
+    if whole and _volume(unit) >= 10_000:  # a selection (-k) may leave the volume row out
         assert total >= 10_000
