@@ -424,7 +424,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=Path("."), help="directory for <name>.json and <name>.png")
     ap.add_argument("--name", help="file stem (default: decoder-<preset>-<device type>)")
     ap.add_argument("--replot", type=Path, help="only redraw the PNG of an existing result JSON")
+    ap.add_argument(
+        "--plot-prefill",
+        nargs="+",
+        metavar="PNG LABEL=JSON",
+        help="only draw the prefill of result JSONs side by side into PNG (e.g. before=a.json after=b.json)",
+    )
     args = ap.parse_args(argv)
+    if args.plot_prefill:
+        png, *specs = args.plot_prefill
+        if not specs or any("=" not in s for s in specs):
+            ap.error("--plot-prefill needs PNG and then LABEL=JSON entries")
+        labelled = [(lbl, json.loads(Path(f).read_text())) for lbl, f in (s.split("=", 1) for s in specs)]
+        decoder_roofline.plot_prefill(labelled, png)
+        return 0
     if args.distinct_lengths < 0:
         ap.error("--distinct-lengths must be >= 0")
     if args.distinct_lengths:

@@ -270,3 +270,36 @@ def plot(result: dict[str, Any], path: Any) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def plot_prefill(results: list[tuple[str, dict[str, Any]]], path: Any) -> None:
+    """Prefill time (left) and tensor-core fraction (right) by prompt rows, one line per labelled result."""
+    plt = benchutil.pyplot()
+    if plt is None:
+        return
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    rows: set[int] = set()
+    for label, result in results:
+        pts = [p for p in result["prefill"] if "tensor_cores" in p]
+        xs = [p["prompt_rows"] for p in pts]
+        rows.update(xs)
+        ax1.plot(xs, [p["median_ms"] for p in pts], "o-", label=label)
+        ax1.plot(xs, [p["tensor_cores"]["bound_ms"] for p in pts], "k--", alpha=0.4)
+        ax2.plot(xs, [p["tensor_cores"]["tc_fraction"] for p in pts], "o-", label=label)
+    peak = results[0][1]["meta"].get("tc_peak_tflops", H200_BF16_DENSE_TFLOPS)
+    for ax, title in (
+        (ax1, "ms per prefill (dashed: FLOPs at the peak)"),
+        (ax2, f"fraction of {peak:.0f} TFLOP/s"),
+    ):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sorted(rows), labels=[str(r) for r in sorted(rows)])
+        ax.set_xlabel("prompt rows (position 0)")
+        ax.set_ylabel(title)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+    ax1.set_ylim(bottom=0)
+    ax2.set_ylim(0, 1)
+    fig.suptitle(f"prefill on {results[0][1]['meta']['device']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

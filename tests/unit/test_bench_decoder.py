@@ -4,6 +4,7 @@ first-call probe (`--distinct-lengths`)."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -55,6 +56,20 @@ def test_cpu_run_with_the_first_call_probe(tmp_path, capsys) -> None:
     out = capsys.readouterr().out
     assert "prefill first call at position 0: 3 new lengths in [60, 140]" in out
     assert "prefill first call after a cached prefix: 3 new lengths" in out
+
+
+def test_plot_prefill_draws_labelled_results_and_refuses_unlabelled_ones(tmp_path) -> None:
+    """The H200 prefill JSONs checked in (docs/benchmarks) redraw side by side; a JSON with no label
+    is a usage error (exit 2)."""
+    docs = Path(__file__).parents[2] / "docs" / "benchmarks"
+    png = tmp_path / "p.png"
+    argv = ["--plot-prefill", str(png), f"before={docs / 'prefill-qwen3-4b-shape-h200-before.json'}"]
+    argv.append(f"after={docs / 'prefill-qwen3-4b-shape-h200.json'}")
+    assert bench_decoder.main(argv) == 0
+    assert png.stat().st_size > 10_000
+    with pytest.raises(SystemExit) as exc:
+        bench_decoder.main(["--plot-prefill", str(png), str(docs / "prefill-qwen3-4b-shape-h200.json")])
+    assert exc.value.code == 2
 
 
 def test_probe_is_off_by_default_and_checks_its_range(tmp_path) -> None:
