@@ -205,6 +205,26 @@ class Decoder(nn.Module):
         """cos/sin [N, head_dim] for `positions`: the one place a step turns positions into RoPE angles."""
         return rope_cos_sin(self.inv_freq, positions, dtype)
 
+    def _rope_kv_write(
+        self,
+        layer: int,
+        qkv: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv: torch.Tensor,
+        slots: torch.Tensor,
+        rows_per_program: int,
+    ) -> torch.Tensor:
+        """The fused step's qk-norm + RoPE + KV write of `layer` (`triton_ops.rope_kv_write`): q returned,
+        K and V written into `kv` (that layer of the pool) at `slots`. Prefill passes 16 rows a program,
+        a decode step 1 (each kind of call keeps its own, so a row never depends on its neighbours)."""
+        attn = cast(Sequence[DecoderLayer], self.model.layers)[layer].self_attn
+        qn = None if attn.q_norm is None else attn.q_norm.weight
+        kn = None if attn.k_norm is None else attn.k_norm.weight
+        return triton_ops.rope_kv_write(
+            qkv, cos, sin, qn, kn, self.cfg.rms_norm_eps, kv, slots, self.cfg.num_heads, rows_per_program
+        )
+
     def _run(self, x: torch.Tensor, positions: torch.Tensor, attend: _Attend) -> torch.Tensor:
         """The layers over embedded rows `x` [N, H] -> final-normed hidden states [N, H]; `attend` is the
         attention of each layer (it owns the pool writes). Fused on a GPU (`_run_fused`)."""
@@ -306,7 +326,6 @@ class Decoder(nn.Module):
         positions = pos[0] if len(pos) == 1 else torch.cat(pos)
         written = (new_slots[0] if len(new_slots) == 1 else torch.cat(new_slots)).contiguous()
         on_gpu = x.device.type == "cuda"
-        cfg = self.cfg
 
         def one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
             """One prompt's attention: q [t, nh, hd] over k/v [start + t, kvh, hd] (its prefix first)."""
@@ -336,28 +355,14 @@ class Decoder(nn.Module):
 
         with sdpa_kernel(_PREFILL_BACKENDS):
             if self._fused_on(x):
-                layers = cast(Sequence[DecoderLayer], self.model.layers)
 
                 def attend_fused(
                     layer: int, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
                 ) -> torch.Tensor:
                     # qk-norm, RoPE and the KV write in one kernel (as the decode step), then each prompt's
                     # K/V (prefix and new rows) gathered back from the pool in one copy.
-                    kv, attn = pool.kv[layer], layers[layer].self_attn
-                    qn = None if attn.q_norm is None else attn.q_norm.weight
-                    kn = None if attn.k_norm is None else attn.k_norm.weight
-                    q = triton_ops.rope_kv_write(
-                        qkv,
-                        cos,
-                        sin,
-                        qn,
-                        kn,
-                        cfg.rms_norm_eps,
-                        kv,
-                        written,
-                        cfg.num_heads,
-                        rows_per_program=16,
-                    )
+                    kv = pool.kv[layer]
+                    q = self._rope_kv_write(layer, qkv, cos, sin, kv, written, rows_per_program=16)
                     outs = []
                     for o, t, st, every in parts:
                         both = kv.index_select(1, every)
@@ -453,16 +458,12 @@ class Decoder(nn.Module):
             new_slot = padded.gather(1, (lengths - 1)[:, None])[:, 0]
             scale = cfg.head_dim**-0.5
             if self._fused_on(x):
-                layers = cast(Sequence[DecoderLayer], self.model.layers)
 
                 def attend_fused(
                     layer: int, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
                 ) -> torch.Tensor:
-                    kv, attn = pool.kv[layer], layers[layer].self_attn
-                    qn = None if attn.q_norm is None else attn.q_norm.weight
-                    kn = None if attn.k_norm is None else attn.k_norm.weight
-                    eps = cfg.rms_norm_eps
-                    q = triton_ops.rope_kv_write(qkv, cos, sin, qn, kn, eps, kv, new_slot, cfg.num_heads)
+                    kv = pool.kv[layer]
+                    q = self._rope_kv_write(layer, qkv, cos, sin, kv, new_slot, rows_per_program=1)
                     return kv_cuda.decode_attention(q, kv, padded, lengths, scale).reshape(b, -1)
 
                 return self._logits(self._run_fused(x, positions, attend_fused))
