@@ -448,7 +448,7 @@ def kernel_decodes(
 ) -> bool:
     """True when the compiled decode-attention kernel `variant` (default `KERNEL_VARIANT`) exists for this
     model shape on `device`: CUDA, module built, float32/float16/bfloat16, head_dim 64/128/256, and
-    1..8 query heads per KV head (variants 3 and 4; 1/2/4/8 for variants 1 and 2)."""
+    1..8 query heads per KV head (variants 3, 4 and 5; 1/2/4/8 for variants 1 and 2)."""
     if _MODULE is None or device.type != "cuda" or dtype not in _DTYPE_CODES or num_heads % kv_heads:
         return False
     v = KERNEL_VARIANT if variant is None else variant
