@@ -255,7 +255,9 @@ def test_fuzzed_requests_get_a_stream_or_a_known_error_and_leave_nothing_behind(
         print(f"\nfuzz {model}: {dict(tally)} in {time.monotonic() - t0:.1f} s, {len(failures)} failing")
     ran = tally[VALID] + tally[INVALID] + tally[EITHER]
     assert ran >= min(EXAMPLES, 200), f"only {ran} requests ran within {BUDGET_S} s"
-    assert tally[VALID] >= 0.05 * ran and tally[INVALID] >= 0.3 * ran, tally
+    # The generator draws valid requests ~5 % of the time (4.7 % in one random run): the floor checks
+    # that valid requests were exercised at all, not the generator's exact mix.
+    assert tally[VALID] >= max(10, 0.025 * ran) and tally[INVALID] >= 0.3 * ran, tally
 
     after = settle(server.proc.pid, server.url, server.metrics_url, POOL_PAGES)
     assert after.ready, "the server or a model is not ready after the fuzz"
