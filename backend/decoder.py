@@ -18,6 +18,7 @@ logits reshape to [W, V]. W=1 is exactly an HF causal LM.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -395,6 +396,14 @@ class Decoder(nn.Module):
         t0 = time.perf_counter()
         cfg = self.cfg
         longest = max(r + s for r, s in self.WARM_PREFILLS) + 1
+        if pool.num_free_pages < 2 * pool.pages_for(longest):
+            logging.getLogger("tandem").warning(
+                "kernel warm-up skipped: it needs %d free KV pages, the pool has %d; the first prompts "
+                "will compile the kernels inside the engine loop",
+                2 * pool.pages_for(longest),
+                pool.num_free_pages,
+            )
+            return 0.0
         pages = [pool.allocate(pool.pages_for(longest)) for _ in range(2)]
         try:
             tables = [pool.slots(p, longest) for p in pages]

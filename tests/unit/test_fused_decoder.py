@@ -181,3 +181,16 @@ def test_warm_up_compiles_what_later_prompts_need_and_gives_its_pages_back() -> 
         prompt = torch.randint(0, cfg.vocab_size, (rows, cfg.row_width), generator=g).cuda()
         dec.prefill(prompt, pool, slots, start)
     assert _compiled_variants() == compiled
+
+
+@pytest.mark.gpu
+def test_warm_up_skips_with_a_warning_when_the_pool_is_too_small(caplog) -> None:
+    """A pool without room for the warm-up's pages: no page taken, nothing run, a warning says why."""
+    _need_gpu()
+    cfg = replace(preset("qwen3-4b-shape"), num_layers=1, dtype="bfloat16")
+    dec = Decoder.random(cfg, device="cuda", seed=9)
+    pool = KVPool(dec.kv_layout(), num_pages=3, page_size=16, device="cuda")
+    with caplog.at_level("WARNING", logger="tandem"):
+        assert dec.warm_up(pool) == 0.0
+    assert pool.num_free_pages == 3
+    assert "kernel warm-up skipped: it needs 4 free KV pages, the pool has 3" in caplog.text
