@@ -389,8 +389,8 @@ class Decoder(nn.Module):
         Why: a fused Triton kernel's first call with a new specialisation compiles it (seconds on an
         H200), and the engine's loop would stall its streams that long: the first prompts of a fresh
         server made the stubs take P and `tts_mono` for stalled. Called by the engines' `start()`;
-        the KV written is garbage in free pages. A no-op on a CPU (nothing compiles there); returns the
-        seconds it took."""
+        the KV written is garbage in free pages. A no-op on a CPU (nothing compiles there); logs and
+        returns the seconds it took."""
         if self.device.type != "cuda":
             return 0.0
         t0 = time.perf_counter()
@@ -417,7 +417,9 @@ class Decoder(nn.Module):
         finally:
             for p in pages:
                 pool.free(p)
-        return time.perf_counter() - t0
+        took = time.perf_counter() - t0
+        logging.getLogger("tandem").info("kernels warmed up in %.1f s (first calls compile them)", took)
+        return took
 
     @torch.inference_mode()
     def decode(

@@ -10,7 +10,6 @@ of which prompts shared a forward).
 
 from __future__ import annotations
 
-import logging
 import time
 
 import numpy as np
@@ -26,8 +25,6 @@ from tandem.backend.prefix_cache import PrefixAllocation, PrefixCache
 from tandem.backend.settings import EngineSettings
 from tandem.backend.stream import EngineRequest, Stream
 
-log = logging.getLogger("tandem")
-
 
 class MonoEngine:
     def __init__(self, decoder: Decoder, settings: EngineSettings, metrics: MetricsSink) -> None:
@@ -42,9 +39,7 @@ class MonoEngine:
         self._thread = EngineThread("tandem-mono", self._iterate, self._fault)
 
     def start(self) -> None:
-        warm = self.decoder.warm_up(self.pool)
-        if warm:
-            log.info("mono: kernels warmed up in %.1f s (first calls compile them)", warm)
+        self.decoder.warm_up(self.pool)
         self._thread.start()
 
     def close(self) -> None:

@@ -158,9 +158,7 @@ class PrefillEngine:
         self._thread = EngineThread("tandem-prefill", self._iterate, self._fault)
 
     def start(self) -> None:
-        warm = self.decoder.warm_up(self.pool)
-        if warm:
-            log.info("prefill: kernels warmed up in %.1f s (first calls compile them)", warm)
+        self.decoder.warm_up(self.pool)
         self.sender.start()
         self._thread.start()
         log.info(
