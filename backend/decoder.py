@@ -8,7 +8,8 @@ for module (see `layers.py`), so real checkpoints load unchanged and logits matc
 
 On a GPU the layers run fused (`Decoder._run_fused`, about ten kernels a layer): one QKV and one gate-up
 GEMM over weights concatenated at construction (`layers.fuse_linears`; the HF parameters view them),
-and the Triton kernels of `tandem.csrc.triton_ops`. The CPU runs the torch modules one by one, so its
+the Triton kernels of `tandem.csrc.triton_ops`, and at small batch the CUDA GEMV of `tandem.csrc.linear`
+for every projection and the head. The CPU runs the torch modules one by one, so its
 numbers (greedy tokens included) are the unfused ones.
 
 Rows: a prompt or generated step is a row of `row_width` (W) ids. Column c is embedded with rows
@@ -32,6 +33,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
 from tandem.csrc import kv_cuda, triton_ops
+from tandem.csrc.linear import linear
 
 from .config import ModelConfig
 from .kv_pool import KVLayout, KVPool
@@ -197,7 +199,7 @@ class Decoder(nn.Module):
         # The matmul runs in the model dtype (fp32 accumulate, as HF does); keeping an fp32 copy of a
         # 152k-row head would cost 1.5 GB. The result is returned as float32.
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(h, weight).float().view(h.shape[0], self.cfg.row_width, self.cfg.vocab_size)
+        return linear(h, weight).float().view(h.shape[0], self.cfg.row_width, self.cfg.vocab_size)
 
     def _fused_on(self, x: torch.Tensor) -> bool:
         return self.fused and triton_ops.available(x)
@@ -253,12 +255,13 @@ class Decoder(nn.Module):
         h, x = triton_ops.add_rms_norm(x, None, norm.weight, norm.eps)
         for i, layer in enumerate(layers):
             w, b = layer.self_attn.qkv_weight()
-            o = attend(i, F.linear(h, w, b), cos, sin)
+            o = attend(i, linear(h, w, b), cos, sin)
             post = layer.post_attention_layernorm
-            h, x = triton_ops.add_rms_norm(layer.self_attn.o_proj(o), x, post.weight, post.eps)
-            up = triton_ops.swiglu(F.linear(h, layer.mlp.gate_up_weight()))
+            o_proj, down = layer.self_attn.o_proj, layer.mlp.down_proj
+            h, x = triton_ops.add_rms_norm(linear(o, o_proj.weight, o_proj.bias), x, post.weight, post.eps)
+            up = triton_ops.swiglu(linear(h, layer.mlp.gate_up_weight()))
             norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
-            h, x = triton_ops.add_rms_norm(layer.mlp.down_proj(up), x, norm.weight, norm.eps)
+            h, x = triton_ops.add_rms_norm(linear(up, down.weight, down.bias), x, norm.weight, norm.eps)
         return h
 
     def _check_pool(self, pool: KVPool) -> None:

@@ -11,6 +11,11 @@ events; a call's time is a replay's over `--calls` (no host launch cost, as in t
 Bytes: the K and V rows of every stream read once (B x context x 2 x KVH x HD x itemsize; q, the
 partials and the output are left out), so `hbm_fraction` = bytes / time / `--hbm-tb-s`.
 Configurations whose KV fits in the 60 MB L2 can exceed 1.0 (repeats read it from the cache).
+`--merges fused,kernel` times variants 4 and 5 with the split-K merge inside the partial kernel and as a
+second kernel; `--chunks` adds fixed tokens-per-split (0: the wrapper's own choice). `--ceiling` also
+times what the memory system gives a plain stream over the same bytes: a device-to-device copy of the
+pool's rows (bytes read + written, the method of the device notes) and a float32 sum over them (read
+only), each the median of `--reps` runs.
 Writes <out>/<name>.json and prints the table.
 """
 
@@ -47,16 +52,19 @@ def _graph_ms(
     lengths: torch.Tensor,
     variant: int,
     args: argparse.Namespace,
+    chunk: int | None = None,
+    fused_merge: bool | None = None,
 ) -> list[float]:
     """Milliseconds of `--reps` replays of a graph of `--calls` back-to-back calls (host launch cost
     out, as in the decoder's graphed step)."""
     scale = q.shape[-1] ** -0.5
-    kv_cuda.decode_attention(q, kv, slots, lengths, scale, variant=variant)  # eager first (attributes)
+    opts: dict[str, Any] = {"variant": variant, "chunk": chunk, "fused_merge": fused_merge}
+    kv_cuda.decode_attention(q, kv, slots, lengths, scale, **opts)  # eager first (attributes)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for _ in range(args.calls):
-            kv_cuda.decode_attention(q, kv, slots, lengths, scale, variant=variant)
+            kv_cuda.decode_attention(q, kv, slots, lengths, scale, **opts)
     out = []
     for i in range(args.warmup + args.reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -90,23 +98,61 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     q = torch.randn(b, kvh * group, hd, generator=gen, device=device).to(tdtype)
                     if not kv_cuda.decode_attention_supported(q, kv, variant):
                         continue
-                    ms = [t / args.calls for t in _graph_ms(q, kv, slots, lengths, variant, args)]
-                    s = benchutil.summary([t / 1e3 for t in ms])
-                    nbytes = b * ctx * 2 * kvh * hd * item
-                    tb_s = nbytes / (s["median_ms"] / 1e3) / 1e12
-                    out.append(
-                        {
-                            "variant": variant,
-                            "page_size": page,
-                            "batch": b,
-                            "context": ctx,
-                            "kv_bytes": nbytes,
-                            **s,
-                            "tb_s": tb_s,
-                            "hbm_fraction": tb_s / args.hbm_tb_s,
-                        }
-                    )
-    return {"shape": {"kv_heads": kvh, "head_dim": hd, "group": group, "dtype": dtype}, "results": out}
+                    merges = args.merges if variant in (4, 5) else ["kernel"]
+                    for merge in merges:
+                        for chunk in args.chunks:
+                            ms = _graph_ms(
+                                q, kv, slots, lengths, variant, args, chunk or None, merge == "fused"
+                            )
+                            s = benchutil.summary([t / args.calls / 1e3 for t in ms])
+                            nbytes = b * ctx * 2 * kvh * hd * item
+                            tb_s = nbytes / (s["median_ms"] / 1e3) / 1e12
+                            out.append(
+                                {
+                                    "variant": variant,
+                                    "merge": merge,
+                                    "chunk": chunk or None,
+                                    "page_size": page,
+                                    "batch": b,
+                                    "context": ctx,
+                                    "kv_bytes": nbytes,
+                                    **s,
+                                    "tb_s": tb_s,
+                                    "hbm_fraction": tb_s / args.hbm_tb_s,
+                                }
+                            )
+    result: dict[str, Any] = {
+        "shape": {"kv_heads": kvh, "head_dim": hd, "group": group, "dtype": dtype},
+        "results": out,
+    }
+    if args.ceiling:
+        result["ceiling"] = _ceiling(kv[:, : min(longest, rows)], args)
+    return result
+
+
+def _ceiling(rows: torch.Tensor, args: argparse.Namespace) -> dict[str, Any]:
+    """A plain stream over the pool's bytes: copy (read + written) and a float32 sum (read only)."""
+    src = rows.contiguous()
+    dst = torch.empty_like(src)
+    nbytes = src.numel() * src.element_size()
+    out: dict[str, Any] = {"bytes": nbytes}
+    for name, fn, moved in (
+        ("copy", lambda: dst.copy_(src), 2 * nbytes),
+        ("sum", lambda: src.sum(dtype=torch.float32), nbytes),
+    ):
+        times = []
+        for i in range(args.warmup + args.reps):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            if i >= args.warmup:
+                times.append(start.elapsed_time(end) / 1e3)
+        s = benchutil.summary(times)
+        tb_s = moved / (s["median_ms"] / 1e3) / 1e12
+        out[name] = {**s, "bytes_moved": moved, "tb_s": tb_s, "hbm_fraction": tb_s / args.hbm_tb_s}
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -120,6 +166,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--page-sizes", type=_ints, default=[1, 16])
     ap.add_argument("--batches", type=_ints, default=[1, 4, 16, 64, 256])
     ap.add_argument("--context", type=_ints, default=[256, 1024, 2048, 8192])
+    ap.add_argument("--merges", default="fused", help="variants 4/5: fused and/or kernel, comma list")
+    ap.add_argument("--chunks", type=_ints, default=[0], help="tokens per split; 0: the wrapper's choice")
+    ap.add_argument("--ceiling", action="store_true", help="also time a copy and a sum of the same bytes")
     ap.add_argument("--reps", type=int, default=10, help="timed replays")
     ap.add_argument("--calls", type=int, default=10, help="attention calls captured in one graph")
     ap.add_argument("--warmup", type=int, default=3)
@@ -127,6 +176,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=Path("."))
     ap.add_argument("--name", default="decode-attention-h200")
     args = ap.parse_args(argv)
+    args.merges = [m.strip() for m in args.merges.split(",") if m.strip()]
+    if not args.merges or set(args.merges) - {"fused", "kernel"}:
+        ap.error(f"--merges takes fused and/or kernel, got {args.merges}")
+    if any(c < 0 for c in args.chunks):
+        ap.error("--chunks must be >= 0")
     if not torch.cuda.is_available() or kv_cuda.module() is None:
         print(f"needs CUDA and the built kernels ({kv_cuda.build_info()})", file=sys.stderr)
         return 2
@@ -136,10 +190,12 @@ def main(argv: list[str] | None = None) -> int:
     benchutil.write_json(args.out / f"{args.name}.json", result)
     print(
         benchutil.format_table(
-            ["variant", "page", "batch", "context", "median us", "TB/s", "HBM fraction"],
+            ["variant", "merge", "chunk", "page", "batch", "context", "median us", "TB/s", "HBM fraction"],
             [
                 [
                     r["variant"],
+                    r["merge"],
+                    r["chunk"] or "auto",
                     r["page_size"],
                     r["batch"],
                     r["context"],
@@ -151,6 +207,12 @@ def main(argv: list[str] | None = None) -> int:
             ],
         )
     )
+    for name, c in result.get("ceiling", {}).items():
+        if isinstance(c, dict):
+            print(
+                f"ceiling {name}: {c['median_ms'] * 1e3:.1f} us, {c['tb_s']:.2f} TB/s, "
+                f"{c['hbm_fraction']:.3f} of HBM"
+            )
     return 0
 
 

@@ -1,4 +1,5 @@
-"""Builds `tandem.csrc._cuda_kernels` (KV row kernels and checksum, paged decode attention, CUDA IPC/VMM).
+"""Builds `tandem.csrc._cuda_kernels` (KV row kernels and checksum, paged decode attention, small-batch
+linear, CUDA IPC/VMM).
 
     python csrc/build_cuda.py [--arch 90] [--nvcc PATH]
 
@@ -62,6 +63,7 @@ def build(arch: str, nvcc: str) -> Path:
             "decode_attention.cu",
             "decode_attention_staged.cu",
             "decode_attention_mma.cu",
+            "gemv.cu",
         )
         objs = [os.path.join(tmp, name.replace(".cu", ".o")) for name in sources]
         mod = os.path.join(tmp, "cuda_module.o")

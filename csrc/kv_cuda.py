@@ -414,7 +414,25 @@ _variant = os.environ.get("TANDEM_DECODE_ATTENTION_KERNEL", "4").strip()
 if _variant not in ("1", "2", "3", "4", "5"):
     raise ValueError(f"TANDEM_DECODE_ATTENTION_KERNEL must be 1..5, got {_variant!r}")
 KERNEL_VARIANT = int(_variant)
+# Where variants 4 and 5 merge their split-K partials: "fused" (the default), in the partial kernel's
+# last block per (sequence, heads), one kernel a call; "kernel", a second kernel (the layout before; kept
+# for A/B runs). $TANDEM_DECODE_ATTENTION_MERGE picks one for a process.
+_merge = os.environ.get("TANDEM_DECODE_ATTENTION_MERGE", "fused").strip()
+if _merge not in ("fused", "kernel"):
+    raise ValueError(f"TANDEM_DECODE_ATTENTION_MERGE must be fused or kernel, got {_merge!r}")
+FUSED_MERGE = _merge == "fused"
 _sm_counts: dict[int, int] = {}
+# The fused merge's counters, one int32 zeros buffer per (device, stream): the kernels leave them zero,
+# and calls on one stream never overlap. Grown (a new zeroed buffer) when a call needs more.
+_counters: dict[tuple[int, int], torch.Tensor] = {}
+
+
+def _merge_counters(device: torch.device, n: int) -> torch.Tensor:
+    key = (device.index or 0, _stream(device))
+    buf = _counters.get(key)
+    if buf is None or buf.numel() < n:
+        buf = _counters[key] = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+    return buf
 
 
 def reference_decode_attention(
@@ -498,15 +516,20 @@ def decode_attention(
     lengths: torch.Tensor,
     scale: float,
     variant: int | None = None,
+    *,
+    chunk: int | None = None,
+    fused_merge: bool | None = None,
 ) -> torch.Tensor:
     """Decode-step attention reading K/V in place from one layer of a paged pool (no gathered context).
 
     Same contract as `reference_decode_attention` (1 <= lengths[b] <= S is the caller's to keep: the
     kernel reads slots[b, :lengths[b]] unchecked), which runs instead when `decode_attention_supported`
-    is False. On CUDA it is two kernels on the current stream, no host synchronisation and no
-    value-dependent shape (CUDA-graph safe); lengths are read on the device, and slots past a
-    sequence's length are never read. `variant` (default `KERNEL_VARIANT`) picks the kernel. Raises
-    ValueError/TypeError on shapes, dtypes or devices that do not fit together.
+    is False. On CUDA it is one kernel (two with the merge as its own) on the current stream, no host
+    synchronisation and no value-dependent shape (CUDA-graph safe); lengths are read on the device, and
+    slots past a sequence's length are never read. `variant` (default `KERNEL_VARIANT`) picks the
+    kernel; `chunk` (tokens per split, default `_chunk`'s) and `fused_merge` (default `FUSED_MERGE`)
+    are for benchmarks.
+    Raises ValueError/TypeError on shapes, dtypes or devices that do not fit together.
     """
     if q.dim() != 3 or kv.dim() != 4 or kv.shape[0] != 2:
         raise ValueError(
@@ -528,6 +551,8 @@ def decode_attention(
     v = KERNEL_VARIANT if variant is None else variant
     if v not in VARIANTS:
         raise ValueError(f"variant must be one of {VARIANTS}, got {v}")
+    if chunk is not None and chunk < 1:
+        raise ValueError(f"chunk must be >= 1, got {chunk}")
     if not decode_attention_supported(q, kv, v):
         return reference_decode_attention(q, kv, slots, lengths, scale)
     assert _MODULE is not None
@@ -535,8 +560,12 @@ def decode_attention(
     if not kv.is_contiguous():
         raise ValueError("kv must be contiguous (a layer of a KVPool is)")
     kvh, s = kv.shape[2], slots.shape[1]
-    chunk = _chunk(b, kvh, s, q.device, v)
+    if chunk is None:
+        chunk = _chunk(b, kvh, s, q.device, v)
     splits = -(-s // chunk)
+    counters = 0
+    if (FUSED_MERGE if fused_merge is None else fused_merge) and v in (4, 5):
+        counters = _merge_counters(q.device, b * kvh).data_ptr()
     part_acc = torch.empty((b, nh, splits, hd), dtype=torch.float32, device=q.device)
     part_ml = torch.empty((b, nh, splits, 2), dtype=torch.float32, device=q.device)
     out = torch.empty_like(q)
@@ -560,5 +589,6 @@ def decode_attention(
         q.device.index,
         _stream(q.device),
         v,
+        counters,
     )
     return out

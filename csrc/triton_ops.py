@@ -135,7 +135,9 @@ if _triton is not None:
         w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         tl.store(out_ptr + row * n_cols + offs, (w * y).to(dt), mask=mask)
 
-    @triton.jit
+    # n_rows (the batch) is not specialised: Triton would compile a variant for 1, for multiples of 16
+    # and for other values, so decode steps at different batch sizes compiled their own kernels.
+    @triton.jit(do_not_specialize=["n_rows"])
     def _rope_kv_write_kernel(  # type: ignore[no-untyped-def]
         qkv_ptr,
         cos_ptr,

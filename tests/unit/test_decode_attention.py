@@ -159,6 +159,26 @@ def test_kernel_is_graph_capturable() -> None:
     assert not torch.equal(out, eager)  # the replay read the new lengths on the device
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", [4, 5])
+@pytest.mark.parametrize(
+    ("batch", "s", "chunk"), [(1, 2048, None), (1, 300, 32), (7, 1000, 64), (48, 2048, None)]
+)
+def test_fused_merge_matches_the_merge_kernel(variant: int, batch: int, s: int, chunk: int | None) -> None:
+    """The last block of each (sequence, heads) merges the splits itself: the output of the two-kernel
+    form (same arithmetic, same order), and the counters it merged on are zero again afterwards."""
+    _need_cuda()
+    q, kv, slots, lengths = _case(batch, 8, 4, 128, s, torch.bfloat16, "cuda", seed=batch + s)
+    scale = 128**-0.5
+    two = kv_cuda.decode_attention(q, kv, slots, lengths, scale, variant, chunk=chunk, fused_merge=False)
+    for _ in range(3):  # the counters are reused call after call
+        one = kv_cuda.decode_attention(q, kv, slots, lengths, scale, variant, chunk=chunk, fused_merge=True)
+        torch.testing.assert_close(one, two, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(one.float(), _float_reference(q, kv, slots, lengths), atol=1.6e-2, rtol=1.6e-2)
+    torch.cuda.synchronize()
+    assert all(int(c.count_nonzero()) == 0 for c in kv_cuda._counters.values())
+
+
 def _gpu_decoder(dtype: str) -> Decoder:
     cfg = replace(PRESETS["tiny"], num_heads=8, num_kv_heads=2, head_dim=64, hidden_size=256, dtype=dtype)
     return Decoder.random(cfg, device="cuda", seed=5)
@@ -264,13 +284,16 @@ def test_reference_attends_only_within_each_length() -> None:
         (lambda a: {**a, "slots": a["slots"][:2]}, ValueError, "need slots"),
         (lambda a: {**a, "lengths": a["lengths"].int()}, TypeError, "int64"),
         (lambda a: {**a, "q": a["q"].double()}, TypeError, "q is torch.float64"),
+        (lambda a: {**a, "chunk": 0}, ValueError, "chunk must be >= 1"),
     ],
 )
 def test_bad_arguments_raise_clear_errors(change, exc, match) -> None:  # type: ignore[no-untyped-def]
     q, kv, slots, lengths = _case(3, 2, 2, 16, 40, torch.float32, "cpu", seed=1)
-    args = change({"q": q, "kv": kv, "slots": slots, "lengths": lengths})
+    args = change({"q": q, "kv": kv, "slots": slots, "lengths": lengths, "chunk": None})
     with pytest.raises(exc, match=match):
-        kv_cuda.decode_attention(args["q"], args["kv"], args["slots"], args["lengths"], 0.25)
+        kv_cuda.decode_attention(
+            args["q"], args["kv"], args["slots"], args["lengths"], 0.25, chunk=args["chunk"]
+        )
 
 
 def test_decoder_switch_changes_nothing_on_the_cpu() -> None:

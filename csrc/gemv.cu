@@ -1,0 +1,212 @@
+// Small-batch linear layer: y[M, N] = x[M, K] . W[N, K]^T (+ bias[N]) for M = 1..8 rows, float16/bfloat16,
+// float32 accumulation (the decode step's projections at small batch).
+//
+// Why: at batch 1 a decode step is its weights read once (8 GB for the 4B shape), and cuBLAS's kernels for
+// these shapes read them at ~68 % of HBM (issue 14's breakdown), with a split-K reduction kernel after
+// some of them. This is the memory-bound form: a warp per R weight rows, each lane streaming 16-byte
+// vectors of its rows (8 vectors in flight a lane: R rows x U = 8 / R steps), x read through L1 (every
+// warp of a block reads the same x), the lanes' partial dot products reduced by shuffles. R is picked
+// per shape so the grid holds enough warps to keep every SM's loads in flight (launch below).
+// Weights are loaded with L1::no_allocate so they do not evict x. One kernel, no workspace, no host
+// synchronisation: CUDA-graph safe.
+#include "cuda_check.h"
+#include "gemv.h"
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <stdexcept>
+#include <string>
+
+namespace tandem {
+namespace {
+
+constexpr int kWarps = 8;
+
+__device__ __forceinline__ uint4 ld_stream(const uint4* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+
+__device__ __forceinline__ float2 pair(unsigned v, __nv_bfloat16) {
+  return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&v));
+}
+__device__ __forceinline__ float2 pair(unsigned v, __half) {
+  return __half22float2(*reinterpret_cast<const __half2*>(&v));
+}
+
+template <typename T>
+__device__ __forceinline__ float dot8(const uint4& a, const uint4& b, float acc) {
+  const unsigned* pa = reinterpret_cast<const unsigned*>(&a);
+  const unsigned* pb = reinterpret_cast<const unsigned*>(&b);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 fa = pair(pa[i], T());
+    const float2 fb = pair(pb[i], T());
+    acc = fmaf(fa.x, fb.x, acc);
+    acc = fmaf(fa.y, fb.y, acc);
+  }
+  return acc;
+}
+
+template <typename T>
+__device__ __forceinline__ T cast(float v);
+template <>
+__device__ __forceinline__ __nv_bfloat16 cast<__nv_bfloat16>(float v) {
+  return __float2bfloat16_rn(v);
+}
+template <>
+__device__ __forceinline__ __half cast<__half>(float v) {
+  return __float2half_rn(v);
+}
+
+template <typename T, int M, int R>
+__global__ void __launch_bounds__(kWarps * 32)
+    gemv_kernel(const T* __restrict__ x, const T* __restrict__ w, const T* __restrict__ bias, T* __restrict__ y,
+                int n, int k) {
+  constexpr int U = 8 / R;  // 16-byte steps a lane loads per row before it multiplies
+  const int lane = threadIdx.x & 31;
+  const int row0 = (blockIdx.x * kWarps + (threadIdx.x >> 5)) * R;
+  if (row0 >= n) return;
+  const int kv = k / 8;  // 16-byte vectors per row
+  const uint4* wrow[R];
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    const int row = row0 + r < n ? row0 + r : n - 1;
+    wrow[r] = reinterpret_cast<const uint4*>(w + static_cast<int64_t>(row) * k);
+  }
+  const uint4* xv = reinterpret_cast<const uint4*>(x);
+  float acc[M][R];
+#pragma unroll
+  for (int m = 0; m < M; ++m) {
+#pragma unroll
+    for (int r = 0; r < R; ++r) acc[m][r] = 0.f;
+  }
+  for (int c0 = lane; c0 < kv; c0 += 32 * U) {
+    uint4 wv[U][R];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int c = c0 + 32 * u;
+#pragma unroll
+      for (int r = 0; r < R; ++r) wv[u][r] = c < kv ? ld_stream(wrow[r] + c) : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int c = c0 + 32 * u;
+      if (c < kv) {
+#pragma unroll
+        for (int m = 0; m < M; ++m) {
+          const uint4 xm = __ldg(xv + static_cast<int64_t>(m) * kv + c);
+#pragma unroll
+          for (int r = 0; r < R; ++r) acc[m][r] = dot8<T>(wv[u][r], xm, acc[m][r]);
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int m = 0; m < M; ++m) {
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) acc[m][r] += __shfl_xor_sync(0xffffffffu, acc[m][r], off);
+    }
+  }
+  // Every lane holds every sum now; lane m * R + r stores output (m, row0 + r).
+#pragma unroll
+  for (int m = 0; m < M; ++m) {
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const int row = row0 + r;
+      if (lane == m * R + r && row < n) {
+        const float b = bias == nullptr ? 0.f : static_cast<float>(bias[row]);
+        y[static_cast<int64_t>(m) * n + row] = cast<T>(acc[m][r] + b);
+      }
+    }
+  }
+}
+
+// Rows per warp: as many as still leave ~16 warps an SM (a warp keeps 8 x 16 bytes a lane in flight,
+// ~4 KiB); the fewer rows a warp, the more often it rereads x (from L1).
+int rows_per_warp(int64_t n, int sms) {
+  const int64_t want = static_cast<int64_t>(sms) * 16;
+  if (n / 4 >= want) return 4;
+  if (n / 2 >= want) return 2;
+  return 1;
+}
+
+template <typename T, int M, int R>
+void launch_rows(const void* x, const void* w, const void* bias, void* y, int64_t n, int64_t k, cudaStream_t stream) {
+  const int64_t warps = (n + R - 1) / R;
+  const unsigned blocks = static_cast<unsigned>((warps + kWarps - 1) / kWarps);
+  gemv_kernel<T, M, R><<<blocks, kWarps * 32, 0, stream>>>(static_cast<const T*>(x), static_cast<const T*>(w),
+                                                            static_cast<const T*>(bias), static_cast<T*>(y),
+                                                            static_cast<int>(n), static_cast<int>(k));
+  check(cudaGetLastError(), "gemv launch");
+}
+
+template <typename T, int M>
+void launch_m(const void* x, const void* w, const void* bias, void* y, int64_t n, int64_t k, int sms,
+              cudaStream_t stream) {
+  switch (rows_per_warp(n, sms)) {
+    case 4:
+      return launch_rows<T, M, 4>(x, w, bias, y, n, k, stream);
+    case 2:
+      return launch_rows<T, M, 2>(x, w, bias, y, n, k, stream);
+    default:
+      return launch_rows<T, M, 1>(x, w, bias, y, n, k, stream);
+  }
+}
+
+template <typename T>
+void launch(int64_t m, const void* x, const void* w, const void* bias, void* y, int64_t n, int64_t k, int sms,
+            cudaStream_t stream) {
+#define TANDEM_GEMV_M(V)                                   \
+  case V:                                                  \
+    return launch_m<T, V>(x, w, bias, y, n, k, sms, stream);
+  switch (m) {
+    TANDEM_GEMV_M(1)
+    TANDEM_GEMV_M(2)
+    TANDEM_GEMV_M(3)
+    TANDEM_GEMV_M(4)
+    TANDEM_GEMV_M(5)
+    TANDEM_GEMV_M(6)
+    TANDEM_GEMV_M(7)
+    TANDEM_GEMV_M(8)
+    default:
+      throw std::runtime_error("gemv: rows " + std::to_string(m) + " not in 1.." + std::to_string(kGemvMaxRows));
+  }
+#undef TANDEM_GEMV_M
+}
+
+}  // namespace
+
+void gemv(const void* x, const void* w, const void* bias, void* y, int64_t m, int64_t n, int64_t k, int dtype,
+          int device, cudaStream_t stream) {
+  if (k % 8 != 0 || k <= 0 || n <= 0 || n > 0x7fffffff || k > 0x7fffffff) {
+    throw std::runtime_error("gemv: need k > 0 a multiple of 8 and 0 < n < 2^31, got n " + std::to_string(n) +
+                             ", k " + std::to_string(k));
+  }
+  int previous = 0;
+  check(cudaGetDevice(&previous), "cudaGetDevice");
+  if (previous != device) check(cudaSetDevice(device), "cudaSetDevice");
+  try {
+    int sms = 0;
+    check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "cudaDeviceGetAttribute");
+    if (dtype == 1) {
+      launch<__half>(m, x, w, bias, y, n, k, sms, stream);
+    } else if (dtype == 2) {
+      launch<__nv_bfloat16>(m, x, w, bias, y, n, k, sms, stream);
+    } else {
+      throw std::runtime_error("gemv: dtype " + std::to_string(dtype) + " is not float16 (1) or bfloat16 (2)");
+    }
+  } catch (...) {
+    if (previous != device) cudaSetDevice(previous);
+    throw;
+  }
+  if (previous != device) check(cudaSetDevice(previous), "cudaSetDevice (restore)");
+}
+
+}  // namespace tandem
