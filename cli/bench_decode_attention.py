@@ -166,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--page-sizes", type=_ints, default=[1, 16])
     ap.add_argument("--batches", type=_ints, default=[1, 4, 16, 64, 256])
     ap.add_argument("--context", type=_ints, default=[256, 1024, 2048, 8192])
-    ap.add_argument("--merges", default="fused", help="variants 4/5: fused and/or kernel, comma list")
+    ap.add_argument("--merges", default="kernel", help="variants 4/5: fused and/or kernel, comma list")
     ap.add_argument("--chunks", type=_ints, default=[0], help="tokens per split; 0: the wrapper's choice")
     ap.add_argument("--ceiling", action="store_true", help="also time a copy and a sum of the same bytes")
     ap.add_argument("--reps", type=int, default=10, help="timed replays")

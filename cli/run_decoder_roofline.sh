@@ -4,7 +4,14 @@
 # step against its roofline for each preset, fused (this tree's step) and with the reference kernels
 # (main's step), with a kernel-family breakdown. Writes logs and JSON/PNG into OUT; prints the tables.
 #
+# Steps added for the opt-in kernels (not in the default list until a GPU has measured them):
+# linear (tandem-bench-linear per preset: cuBLAS, cuBLASLt and the GEMV), merge (the attention with
+# the split-K merge fused and as its own kernel, tokens-per-split swept, against a copy/sum of the
+# same bytes), and decoder kinds gemv (TANDEM_GEMV_ROWS=8), fused (TANDEM_DECODE_ATTENTION_MERGE=fused)
+# and gemv-fused (both) beside decoder.
+#
 #   cli/run_decoder_roofline.sh OUT [PRESETS] [STEPS: tests,attention,ncu,decoder,reference]
+#   e.g. cli/run_decoder_roofline.sh OUT qwen3-4b-shape,orpheus-3b-shape tests,linear,merge,decoder,gemv,fused,gemv-fused
 set -uo pipefail
 out=${1:?output dir}; presets=${2:-qwen3-4b-shape}; steps=${3:-tests,attention,ncu,decoder,reference}
 source "$(dirname "$0")/device_env.sh" - "$out" || exit 1
@@ -13,7 +20,8 @@ rc=0
 if [[ ,$steps, == *,tests,* ]]; then
   timeout 400 python3 -m pytest -m gpu -q -p no:cacheprovider -x tests/unit/test_triton_ops.py \
     tests/unit/test_fused_decoder.py tests/unit/test_decode_attention.py tests/unit/test_cuda_graphs.py \
-    tests/unit/test_decoder.py tests/unit/test_gpu_kernels.py > "$out/gpu-tests.log" 2>&1 || rc=$?
+    tests/unit/test_decoder.py tests/unit/test_gpu_kernels.py tests/unit/test_linear.py \
+    > "$out/gpu-tests.log" 2>&1 || rc=$?
   tail -15 "$out/gpu-tests.log"
 fi
 if [[ ,$steps, == *,attention,* ]]; then
@@ -38,12 +46,27 @@ PY
     python3 /tmp/ncu_attn.py > "$out/ncu-attention.txt" 2>&1 || rc=$?
   grep -E "decode_partial|Memory Throughput|DRAM Throughput|Duration|Achieved Occupancy|Registers|Stall|L1/TEX Hit|Theoretical Occ" "$out/ncu-attention.txt" | head -40
 fi
-# kinds: decoder (this tree's step), reference (main's: torch modules, attention variant 2).
+if [[ ,$steps, == *,merge,* ]]; then
+  python3 -m tandem.cli.bench_decode_attention --variants 4,5 --merges kernel,fused --chunks 0,128,256,512 \
+    --page-sizes 16 --batches 1,4,16,64,128 --context 1024,2048 --ceiling --out "$out" \
+    --name decode-attention-merge > "$out/attention-merge.log" 2>&1 || rc=$?
+  tail -90 "$out/attention-merge.log"
+fi
 for p in ${presets//,/ }; do
-  for kind in decoder reference; do
+  if [[ ,$steps, == *,linear,* ]]; then
+    python3 -m tandem.cli.bench_linear --preset "$p" --out "$out" --name "linear-$p" > "$out/linear-$p.log" 2>&1 || rc=$?
+    tail -95 "$out/linear-$p.log"
+  fi
+done
+# kinds: decoder (this tree's step), reference (main's: torch modules, attention variant 2), and the
+# opt-in kernels: gemv, fused, gemv-fused.
+for p in ${presets//,/ }; do
+  for kind in decoder reference gemv fused gemv-fused; do
     [[ ,$steps, == *,$kind,* ]] || continue
     flag=""; [ "$kind" = reference ] && flag="--reference-kernels"
-    python3 -m tandem.cli.bench_decoder --preset "$p" --device cuda --graphs \
+    gemv=0; [[ $kind == gemv* ]] && gemv=8
+    merge=kernel; [[ $kind == *fused ]] && merge=fused
+    TANDEM_GEMV_ROWS=$gemv TANDEM_DECODE_ATTENTION_MERGE=$merge python3 -m tandem.cli.bench_decoder --preset "$p" --device cuda --graphs \
       --forward-only $flag --breakdown 1x2048,64x2048 --batches 1,8,32,64,128 --context 2048 --prompts "" \
       --steps 20 --warmup 3 --out "$out" --name "roofline-$p-$kind" \
       > "$out/roofline-$p-$kind.log" 2> "$out/roofline-$p-$kind.err" || rc=$?

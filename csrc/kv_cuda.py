@@ -414,10 +414,12 @@ _variant = os.environ.get("TANDEM_DECODE_ATTENTION_KERNEL", "4").strip()
 if _variant not in ("1", "2", "3", "4", "5"):
     raise ValueError(f"TANDEM_DECODE_ATTENTION_KERNEL must be 1..5, got {_variant!r}")
 KERNEL_VARIANT = int(_variant)
-# Where variants 4 and 5 merge their split-K partials: "fused" (the default), in the partial kernel's
-# last block per (sequence, heads), one kernel a call; "kernel", a second kernel (the layout before; kept
-# for A/B runs). $TANDEM_DECODE_ATTENTION_MERGE picks one for a process.
-_merge = os.environ.get("TANDEM_DECODE_ATTENTION_MERGE", "fused").strip()
+# Where variants 4 and 5 merge their split-K partials: "kernel" (the default), a second kernel; "fused",
+# in the partial kernel's last block per (sequence, heads), one kernel a call. "fused" is opt-in until a
+# GPU has run it (none was lent the session that wrote it): tests/unit/test_decode_attention.py's
+# fused-merge test and `bench_decode_attention --merges fused,kernel` decide the default.
+# $TANDEM_DECODE_ATTENTION_MERGE picks one for a process.
+_merge = os.environ.get("TANDEM_DECODE_ATTENTION_MERGE", "kernel").strip()
 if _merge not in ("fused", "kernel"):
     raise ValueError(f"TANDEM_DECODE_ATTENTION_MERGE must be fused or kernel, got {_merge!r}")
 FUSED_MERGE = _merge == "fused"

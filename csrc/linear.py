@@ -7,7 +7,10 @@ contiguous 16-byte-aligned tensors of one dtype and device, K a multiple of 8); 
 included, is `torch.nn.functional.linear`, which is also what the tests hold the kernel to (float32
 accumulation in both; the order of the additions differs, so results agree to the dtype's rounding).
 
-$TANDEM_GEMV_ROWS sets `GEMV_MAX_ROWS` for a process (0 sends every call to cuBLAS: A/B runs).
+$TANDEM_GEMV_ROWS sets `GEMV_MAX_ROWS` for a process. The default is 0 (every call to cuBLAS): the
+kernel passes its CPU-side checks and compiles for sm_90, but no GPU has run it yet (no device was
+lent the session that wrote it); `tandem-bench-linear` and the GPU tests in tests/unit/test_linear.py
+are the measurement that decides the default.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ _KERNEL_ROWS = 8  # csrc/gemv.h's kGemvMaxRows
 
 
 def _max_rows() -> int:
-    text = os.environ.get("TANDEM_GEMV_ROWS", "4").strip()
+    text = os.environ.get("TANDEM_GEMV_ROWS", "0").strip()
     try:
         rows = int(text)
     except ValueError:

@@ -24,3 +24,18 @@ def test_refuses_without_cuda(capsys) -> None:
         pytest.skip("this machine has CUDA: the refusal is the CPU's")
     assert bench_decode_attention.main(["--batches", "1", "--context", "16"]) == 2
     assert "needs CUDA" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--merges", "both"], "--merges takes fused and/or kernel"),
+        (["--merges", ","], "--merges takes fused and/or kernel"),
+        (["--chunks", "128,-1"], "--chunks must be >= 0"),
+    ],
+)
+def test_bad_options_are_refused_before_any_work(argv: list[str], message: str, capsys) -> None:
+    with pytest.raises(SystemExit) as exc:
+        bench_decode_attention.main(argv)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err

@@ -7,6 +7,9 @@ run everywhere.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from dataclasses import replace
 
 import pytest
@@ -309,3 +312,16 @@ def test_decoder_switch_changes_nothing_on_the_cpu() -> None:
         dec.prefill(rows, pool, slots[:8], 0)
         out[paged] = dec.decode(rows[:1], pool, [slots], torch.tensor([8]))
     assert torch.equal(out[True], out[False])
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [("TANDEM_DECODE_ATTENTION_KERNEL", "6"), ("TANDEM_DECODE_ATTENTION_MERGE", "both")],
+)
+def test_bad_kernel_switch_stops_the_import_naming_it(name: str, value: str) -> None:
+    env = {**os.environ, name: value}
+    proc = subprocess.run(
+        [sys.executable, "-c", "import tandem.csrc.kv_cuda"], env=env, capture_output=True, text=True
+    )
+    assert proc.returncode != 0
+    assert f"{name} must be" in proc.stderr
