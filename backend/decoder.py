@@ -9,8 +9,8 @@ for module (see `layers.py`), so real checkpoints load unchanged and logits matc
 On a GPU the layers run fused (`Decoder._run_fused`, about ten kernels a layer): one QKV and one gate-up
 GEMM over weights concatenated at construction (`layers.fuse_linears`; the HF parameters view them),
 the Triton kernels of `tandem.csrc.triton_ops`; every projection and the head go through
-`tandem.csrc.linear` (cuBLAS, or at small batch and when enabled its CUDA GEMV). The CPU runs the torch modules one by one, so its
-numbers (greedy tokens included) are the unfused ones.
+`tandem.csrc.linear` (cuBLAS, or at small batch and when enabled its CUDA GEMV). The CPU runs the
+torch modules one by one, so its numbers (greedy tokens included) are the unfused ones.
 
 Rows: a prompt or generated step is a row of `row_width` (W) ids. Column c is embedded with rows
 c*V..c*V+V-1 of one [W*V, H] table and the W embeddings are summed; the head is one [W*V, H] matrix whose

@@ -193,8 +193,12 @@ void gemv(const void* x, const void* w, const void* bias, void* y, int64_t m, in
   check(cudaGetDevice(&previous), "cudaGetDevice");
   if (previous != device) check(cudaSetDevice(device), "cudaSetDevice");
   try {
-    int sms = 0;
-    check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "cudaDeviceGetAttribute");
+    static int sm_counts[64] = {};  // per device, read once (0: not yet)
+    int sms = device >= 0 && device < 64 ? sm_counts[device] : 0;
+    if (sms == 0) {
+      check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "cudaDeviceGetAttribute");
+      if (device >= 0 && device < 64) sm_counts[device] = sms;
+    }
     if (dtype == 1) {
       launch<__half>(m, x, w, bias, y, n, k, sms, stream);
     } else if (dtype == 2) {

@@ -424,16 +424,27 @@ if _merge not in ("fused", "kernel"):
     raise ValueError(f"TANDEM_DECODE_ATTENTION_MERGE must be fused or kernel, got {_merge!r}")
 FUSED_MERGE = _merge == "fused"
 _sm_counts: dict[int, int] = {}
-# The fused merge's counters, one int32 zeros buffer per (device, stream): the kernels leave them zero,
-# and calls on one stream never overlap. Grown (a new zeroed buffer) when a call needs more.
-_counters: dict[tuple[int, int], torch.Tensor] = {}
+# The fused merge's counters: one int32 buffer per device, zero between calls (each call's last blocks
+# set theirs back), so fused-merge calls on one device must not overlap in time (the engines step one
+# batch at a time; a graph's capture is ordered after its eager warm-up). Allocated by an eager call,
+# never inside a CUDA-graph capture: a buffer zeroed inside one graph would be zero only when that
+# graph replays. Outgrown buffers stay referenced, since captured graphs hold their addresses.
+_counters: dict[int, torch.Tensor] = {}
+_outgrown: list[torch.Tensor] = []
 
 
 def _merge_counters(device: torch.device, n: int) -> torch.Tensor:
-    key = (device.index or 0, _stream(device))
-    buf = _counters.get(key)
+    index = device.index or 0
+    buf = _counters.get(index)
     if buf is None or buf.numel() < n:
-        buf = _counters[key] = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                f"decode_attention: the fused merge needs {n} counters on cuda:{index} and none were "
+                "allocated before this CUDA-graph capture; call it once eagerly at this batch first"
+            )
+        if buf is not None:
+            _outgrown.append(buf)
+        buf = _counters[index] = torch.zeros(max(n, 1 << 16), dtype=torch.int32, device=device)
     return buf
 
 
@@ -565,9 +576,9 @@ def decode_attention(
     if chunk is None:
         chunk = _chunk(b, kvh, s, q.device, v)
     splits = -(-s // chunk)
-    counters = 0
+    extra: tuple[int, ...] = ()  # a module built before the fused merge takes no counters argument
     if (FUSED_MERGE if fused_merge is None else fused_merge) and v in (4, 5):
-        counters = _merge_counters(q.device, b * kvh).data_ptr()
+        extra = (_merge_counters(q.device, b * kvh).data_ptr(),)
     part_acc = torch.empty((b, nh, splits, hd), dtype=torch.float32, device=q.device)
     part_ml = torch.empty((b, nh, splits, 2), dtype=torch.float32, device=q.device)
     out = torch.empty_like(q)
@@ -591,6 +602,6 @@ def decode_attention(
         q.device.index,
         _stream(q.device),
         v,
-        counters,
+        *extra,
     )
     return out

@@ -47,8 +47,10 @@ def gemv_runs(
 ) -> bool:
     """True when `linear(x, weight, bias)` runs the GEMV kernel (see the module's docstring)."""
     module = kv_cuda.module()
-    limit = GEMV_MAX_ROWS if max_rows is None else max_rows
-    if module is None or x.device.type != "cuda" or x.dim() != 2 or weight.dim() != 2:
+    limit = min(GEMV_MAX_ROWS if max_rows is None else max_rows, _KERNEL_ROWS)
+    if module is None or not hasattr(module, "gemv") or x.device.type != "cuda":
+        return False
+    if x.dim() != 2 or weight.dim() != 2 or weight.shape[0] == 0:
         return False
     rows, k = x.shape
     if not 1 <= rows <= limit or weight.shape[1] != k or k % 8 or x.dtype not in _DTYPE_CODES:

@@ -81,7 +81,8 @@ def test_gemv_matches_f_linear(dtype: torch.dtype, rows: int, n: int, k: int, bi
 
 @pytest.mark.gpu
 def test_gemv_falls_back_where_it_cannot_run() -> None:
-    """More rows than the limit, float32, K not a multiple of 8, a strided weight: F.linear runs."""
+    """More rows than the limit (or the kernel's 8), float32, K not a multiple of 8, a strided or empty
+    weight: F.linear runs."""
     _need_cuda()
     w = torch.randn(64, 32, device="cuda", dtype=torch.bfloat16)
     x = torch.randn(4, 32, device="cuda", dtype=torch.bfloat16)
@@ -89,6 +90,8 @@ def test_gemv_falls_back_where_it_cannot_run() -> None:
     assert not lin.gemv_runs(x.float(), w.float(), max_rows=8)
     assert not lin.gemv_runs(x[:, :30], w[:, :30], max_rows=8)
     assert not lin.gemv_runs(x, w[::2], max_rows=8)
+    assert not lin.gemv_runs(torch.randn(9, 32, device="cuda", dtype=torch.bfloat16), w, max_rows=16)
+    assert not lin.gemv_runs(x, w[:0], max_rows=8)  # N = 0: F.linear's empty result
     torch.testing.assert_close(lin.linear(x, w[::2], max_rows=8), F.linear(x, w[::2]))
 
 
