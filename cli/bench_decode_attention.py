@@ -65,16 +65,7 @@ def _graph_ms(
     with torch.cuda.graph(graph):
         for _ in range(args.calls):
             kv_cuda.decode_attention(q, kv, slots, lengths, scale, **opts)
-    out = []
-    for i in range(args.warmup + args.reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        if i >= args.warmup:
-            out.append(start.elapsed_time(end))
-    return out
+    return benchutil.replay_ms(graph, args.warmup, args.reps)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

@@ -55,16 +55,7 @@ def _graph_ms(fn: Callable[[int], torch.Tensor], copies: int, args: argparse.Nam
     with torch.cuda.graph(graph):
         for i in range(args.calls):
             fn(i % copies)
-    out = []
-    for i in range(args.warmup + args.reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        if i >= args.warmup:
-            out.append(start.elapsed_time(end) / args.calls)
-    return out
+    return [t / args.calls for t in benchutil.replay_ms(graph, args.warmup, args.reps)]
 
 
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:

@@ -112,6 +112,21 @@ def summary(values_s: Sequence[float]) -> dict[str, float | int]:
     }
 
 
+def replay_ms(graph: torch.cuda.CUDAGraph, warmup: int, reps: int) -> list[float]:
+    """Milliseconds of each of `reps` replays of a captured CUDA graph, after `warmup` untimed ones
+    (CUDA events around each replay, which then syncs)."""
+    out = []
+    for i in range(warmup + reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        if i >= warmup:
+            out.append(float(start.elapsed_time(end)))
+    return out
+
+
 def format_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     """A GitHub-flavoured Markdown table (also readable on a terminal)."""
 

@@ -1,6 +1,7 @@
 // Pieces shared by the paged decode-attention kernels (decode_attention.cu: variants 1 and 2, and the
 // dispatch; decode_attention_staged.cu: variant 3): element conversions, a lane's vector of a row, and
-// the kernel that merges the split-K partials. Device code only; each includer instantiates what it uses.
+// the kernel that merges the split-K partials. Device code only; each includer instantiates what it uses
+// (gemv.cu takes the element conversions).
 #pragma once
 
 #include <cuda_bf16.h>

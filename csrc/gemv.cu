@@ -10,6 +10,7 @@
 // Weights are loaded with L1::no_allocate so they do not evict x. One kernel, no workspace, no host
 // synchronisation: CUDA-graph safe.
 #include "cuda_check.h"
+#include "decode_attention_common.cuh"  // attn::to_float / from_float
 #include "gemv.h"
 
 #include <cuda_bf16.h>
@@ -50,17 +51,6 @@ __device__ __forceinline__ float dot8(const uint4& a, const uint4& b, float acc)
     acc = fmaf(fa.y, fb.y, acc);
   }
   return acc;
-}
-
-template <typename T>
-__device__ __forceinline__ T cast(float v);
-template <>
-__device__ __forceinline__ __nv_bfloat16 cast<__nv_bfloat16>(float v) {
-  return __float2bfloat16_rn(v);
-}
-template <>
-__device__ __forceinline__ __half cast<__half>(float v) {
-  return __float2half_rn(v);
 }
 
 template <typename T, int M, int R>
@@ -121,8 +111,8 @@ __global__ void __launch_bounds__(kWarps * 32)
     for (int r = 0; r < R; ++r) {
       const int row = row0 + r;
       if (lane == m * R + r && row < n) {
-        const float b = bias == nullptr ? 0.f : static_cast<float>(bias[row]);
-        y[static_cast<int64_t>(m) * n + row] = cast<T>(acc[m][r] + b);
+        const float b = bias == nullptr ? 0.f : attn::to_float<T>(bias[row]);
+        y[static_cast<int64_t>(m) * n + row] = attn::from_float<T>(acc[m][r] + b);
       }
     }
   }
