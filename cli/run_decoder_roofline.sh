@@ -39,12 +39,19 @@ lengths = torch.full((b,), s, dtype=torch.long, device="cuda")
 q = torch.randn(b, kvh * g, hd, device="cuda").bfloat16()
 for v in (2, 3, 4):
     kv_cuda.decode_attention(q, kv, slots, lengths, hd**-0.5, variant=v)
+for v in (4, 5):  # the fused merge (opt-in)
+    kv_cuda.decode_attention(q, kv, slots, lengths, hd**-0.5, variant=v, fused_merge=True)
+if hasattr(kv_cuda.module(), "gemv"):  # the GEMV (opt-in) at batch 1: gate-up and down of the 4B shape
+    from tandem.csrc import linear
+    for n, k in ((19456, 2560), (2560, 9728)):
+        w = torch.randn(n, k, device="cuda").bfloat16()
+        linear.linear(torch.randn(1, k, device="cuda").bfloat16(), w, max_rows=8)
 torch.cuda.synchronize()
 PY
-  timeout 240 ncu --clock-control none -k regex:decode_partial -c 3 --section SpeedOfLight \
+  timeout 240 ncu --clock-control none -k regex:"decode_partial|gemv" -c 7 --section SpeedOfLight \
     --section MemoryWorkloadAnalysis --section Occupancy --section WarpStateStats --section LaunchStats \
     python3 /tmp/ncu_attn.py > "$out/ncu-attention.txt" 2>&1 || rc=$?
-  grep -E "decode_partial|Memory Throughput|DRAM Throughput|Duration|Achieved Occupancy|Registers|Stall|L1/TEX Hit|Theoretical Occ" "$out/ncu-attention.txt" | head -40
+  grep -E "decode_partial|gemv_kernel|Memory Throughput|DRAM Throughput|Duration|Achieved Occupancy|Registers|Stall|L1/TEX Hit|Theoretical Occ" "$out/ncu-attention.txt" | head -70
 fi
 if [[ ,$steps, == *,merge,* ]]; then
   python3 -m tandem.cli.bench_decode_attention --variants 4,5 --merges kernel,fused --chunks 0,128,256,512 \
