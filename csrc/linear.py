@@ -3,9 +3,10 @@
 Why: at small batch a decode step's projections only stream their weights, and cuBLAS's kernels for
 these shapes read them at ~68 % of HBM on an H200 (issue 14). Up to `GEMV_MAX_ROWS` rows of x go
 through `tandem.csrc._cuda_kernels.gemv` when it can run them (CUDA, the module built, float16/bfloat16,
-contiguous 16-byte-aligned tensors of one dtype and device, K a multiple of 8); everything else, the CPU
-included, is `torch.nn.functional.linear`, which is also what the tests hold the kernel to (float32
-accumulation in both; the order of the additions differs, so results agree to the dtype's rounding).
+contiguous 16-byte-aligned tensors of one dtype and device, K a multiple of 8, no gradient to track);
+everything else, the CPU included, is `torch.nn.functional.linear`, which is also what the tests hold
+the kernel to (float32 accumulation in both; the order of the additions differs, so results agree to
+the dtype's rounding).
 
 $TANDEM_GEMV_ROWS sets `GEMV_MAX_ROWS` for a process. The default is 0 (every call to cuBLAS): the
 kernel passes its CPU-side checks and compiles for sm_90, but no GPU has run it yet (no device was
@@ -58,6 +59,8 @@ def gemv_runs(
     tensors = [x, weight] if bias is None else [x, weight, bias]
     if bias is not None and bias.shape != (weight.shape[0],):
         return False
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return False  # the kernel has no backward: autograd keeps F.linear
     return all(
         t.dtype == x.dtype and t.device == x.device and t.is_contiguous() and t.data_ptr() % 16 == 0
         for t in tensors

@@ -92,6 +92,10 @@ def test_gemv_falls_back_where_it_cannot_run() -> None:
     assert not lin.gemv_runs(x, w[::2], max_rows=8)
     assert not lin.gemv_runs(torch.randn(9, 32, device="cuda", dtype=torch.bfloat16), w, max_rows=16)
     assert not lin.gemv_runs(x, w[:0], max_rows=8)  # N = 0: F.linear's empty result
+    tracked = w.clone().requires_grad_()
+    assert not lin.gemv_runs(x, tracked, max_rows=8)  # no backward in the kernel
+    with torch.no_grad():
+        assert lin.gemv_runs(x, tracked, max_rows=8)
     torch.testing.assert_close(lin.linear(x, w[::2], max_rows=8), F.linear(x, w[::2]))
 
 
