@@ -29,8 +29,7 @@ from typing import cast
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.nn.attention.bias import causal_lower_right
+from torch.nn.attention import sdpa_kernel
 
 from tandem.csrc import kv_cuda, triton_ops
 from tandem.csrc.linear import linear
@@ -38,13 +37,9 @@ from tandem.csrc.linear import linear
 from .config import ModelConfig
 from .kv_pool import KVLayout, KVPool
 from .layers import Body, DecoderLayer, rope_cos_sin
+from .prefill_attention import PREFILL_BACKENDS, attend_gpu, plan_cudnn
 from .rope import inv_freq as rope_inv_freq
 from .uploads import upload
-
-# Prefill's SDPA backends: flash (causal, no cached prefix) and memory-efficient (masked) kernels have
-# no per-shape setup, while backends that build a plan per new sequence length (cuDNN attention) would
-# pay it on the first prompt of every length a server sees. Math stays as the fallback of last resort.
-_PREFILL_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 # attend(layer, q [N, nh, hd], k [N, kvh, hd], v [N, kvh, hd]) -> attention output [N, nh*hd]
 _Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -60,44 +55,6 @@ def _sdpa(
     return F.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=q.shape[1] != k.shape[1]
     )
-
-
-# Whether flash attention takes grouped K/V itself (`enable_gqa`), per dtype, probed on the first GPU
-# prefill of that dtype: where it does, K and V are not expanded to one copy per query head (2 x T x nh
-# x hd per layer). Flash has no float32 kernel, so float32 always expands.
-_FLASH_GQA: dict[torch.dtype, bool] = {}
-
-
-def _prefill_attention_gpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
-    """Causal attention of one prompt on a GPU: q [t, nh, hd] over k/v [start + t, kvh, hd] -> [t, nh*hd].
-
-    Fused kernels only: without a cached prefix flash attention (grouped K/V native where this torch
-    supports it, else expanded per query head as HF's repeat_kv); with one, a lower-right causal bias
-    rather than a boolean mask, which flash and memory-efficient attention take without falling back
-    to the math backend."""
-    t, group = q.shape[0], q.shape[1] // k.shape[1]
-    qh = q.transpose(0, 1)[None]
-    native = _FLASH_GQA.get(q.dtype)
-    if not start and group > 1 and native is not False:
-        kh, vh = k.transpose(0, 1)[None], v.transpose(0, 1)[None]
-        try:
-            with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
-                o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=True)
-        except RuntimeError:
-            if native:
-                raise
-            _FLASH_GQA[q.dtype] = False
-        else:
-            _FLASH_GQA[q.dtype] = True
-            return o[0].transpose(0, 1).reshape(t, -1)
-    if group > 1:
-        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    kh, vh = k.transpose(0, 1)[None], v.transpose(0, 1)[None]
-    if start:
-        o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=causal_lower_right(t, start + t))
-    else:
-        o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True)
-    return o[0].transpose(0, 1).reshape(t, -1)
 
 
 @dataclass(frozen=True)
@@ -335,7 +292,7 @@ class Decoder(nn.Module):
             """One prompt's attention: q [t, nh, hd] over k/v [start + t, kvh, hd] (its prefix first)."""
             t = q.shape[0]
             if on_gpu:
-                return _prefill_attention_gpu(q, k, v, start)
+                return attend_gpu(q, k, v, start)
             mask = None
             if start:
                 q_pos = torch.arange(start, start + t, device=q.device)
@@ -357,7 +314,7 @@ class Decoder(nn.Module):
                 outs.append(one(q[o : o + t], kk, vv, st))
             return outs[0] if len(outs) == 1 else torch.cat(outs)
 
-        with sdpa_kernel(_PREFILL_BACKENDS):
+        with sdpa_kernel(PREFILL_BACKENDS):
             if self._fused_on(x):
 
                 def attend_fused(
@@ -383,11 +340,16 @@ class Decoder(nn.Module):
     # being 1 or a multiple of 16 and on a pointer being 16-byte aligned (a prompt after an odd-length
     # cached prefix passes an unaligned slice of its slots), so these cover every variant a prefill meets.
     WARM_PREFILLS = ((1, 0), (16, 0), (17, 0), (1, 1), (16, 1), (17, 1))
+    # The longest prompt `warm_up` plans cuDNN prefill attention for (when it is switched on): the
+    # engines' default `prefill_batch_rows`; a longer prompt runs flash attention.
+    CUDNN_PLAN_ROWS = 8192
 
     @torch.inference_mode()
     def warm_up(self, pool: KVPool) -> float:
         """Run each GPU kernel's first call before the engine serves: one prefill per `WARM_PREFILLS`
-        shape and an eager decode step at batch 1 and 2, on pages taken from `pool` and given back.
+        shape and an eager decode step at batch 1 and 2, on pages taken from `pool` and given back,
+        then (only with `TANDEM_PREFILL_ATTENTION=cudnn`) cuDNN's prefill-attention plans
+        (`prefill_attention.plan_cudnn`, up to `CUDNN_PLAN_ROWS`).
 
         Why: a fused Triton kernel's first call with a new specialisation compiles it (seconds on an
         H200), and the engine's loop would stall its streams that long: the first prompts of a fresh
@@ -420,6 +382,15 @@ class Decoder(nn.Module):
         finally:
             for p in pages:
                 pool.free(p)
+        # Opt-in cuDNN prefill attention: its plans, one per padded length (a no-op by default).
+        plan_cudnn(
+            self.device,
+            cfg.torch_dtype,
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            min(cfg.max_position_embeddings, self.CUDNN_PLAN_ROWS),
+        )
         took = time.perf_counter() - t0
         logging.getLogger("tandem").info("kernels warmed up in %.1f s (first calls compile them)", took)
         return took

@@ -41,14 +41,14 @@ from typing import Any, TypeVar
 
 import torch
 
-from tandem.backend import decoder as decoder_module
+from tandem.backend import prefill_attention
 from tandem.backend.config import ModelConfig
 from tandem.backend.cuda_graphs import GraphedDecode
 from tandem.backend.decoder import Decoder
 from tandem.backend.kv_pool import KVLayout, KVPool
 from tandem.backend.sampling import SamplingParams, sample
 from tandem.cli import benchutil, decoder_roofline
-from tandem.csrc import kv_cuda
+from tandem.csrc import kv_cuda, linear
 
 _T = TypeVar("_T")
 FLOOR_TOK_S = 42.0  # design.md §5: every stream must sustain >= 42 rows/s
@@ -212,10 +212,9 @@ def sdpa_enabled() -> dict[str, bool]:
     return flags
 
 
-def sdpa_prefill_backends() -> list[str] | None:
+def sdpa_prefill_backends() -> list[str]:
     """The SDPA backends `Decoder.prefill` restricts itself to, when the decoder declares them."""
-    backends = getattr(decoder_module, "_PREFILL_BACKENDS", None)
-    return None if backends is None else [getattr(b, "name", str(b)) for b in backends]
+    return [getattr(b, "name", str(b)) for b in prefill_attention.PREFILL_BACKENDS]
 
 
 def bench_decode(
@@ -471,6 +470,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.distinct_lengths:
         pool_tokens = max(pool_tokens, args.distinct_range[1])
     pool = _shuffled_pool(cfg, pool_tokens, args.page_size, device, args.seed)
+    # As the engines' warm-up does (a no-op unless TANDEM_PREFILL_ATTENTION=cudnn): cuDNN's plans for
+    # the prompt lengths timed here, so prefill times what a served prompt of that length runs.
+    prefill_attention.plan_cudnn(
+        device, cfg.torch_dtype, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, max(args.prompts, default=0)
+    )
     setup_s = time.perf_counter() - t0
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p)
 
@@ -552,7 +556,11 @@ def main(argv: list[str] | None = None) -> int:
         "cuda_graphs": bool(args.graphs and device.type == "cuda"),
         "kernels": "reference (torch modules, attention variant 2)"
         if args.reference_kernels
-        else f"fused={dec.fused}, attention variant {kv_cuda.KERNEL_VARIANT}",
+        else (
+            f"fused={dec.fused}, attention variant {kv_cuda.KERNEL_VARIANT}, "
+            f"merge {'fused' if kv_cuda.FUSED_MERGE else 'kernel'}, gemv rows <= {linear.GEMV_MAX_ROWS}, "
+            f"prefill attention {'cudnn' if prefill_attention.USE_CUDNN else 'flash'}"
+        ),
         "hbm_tb_s": args.hbm_tb_s,
         "tc_peak_tflops": args.tc_peak_tflops,
         "roofline_model": decoder_roofline.__doc__.split("\n\n")[1] if decoder_roofline.__doc__ else "",

@@ -5,13 +5,14 @@
 # (main's step), with a kernel-family breakdown. Writes logs and JSON/PNG into OUT; prints the tables.
 #
 # Steps added for the opt-in kernels (not in the default list until a GPU has measured them):
+# prefill (prefill with flash and with cuDNN padded to buckets, TANDEM_PREFILL_ATTENTION),
 # linear (tandem-bench-linear per preset: cuBLAS, cuBLASLt and the GEMV), merge (the attention with
 # the split-K merge fused and as its own kernel, tokens-per-split swept, against a copy/sum of the
 # same bytes), and decoder kinds gemv (TANDEM_GEMV_ROWS=8), fused (TANDEM_DECODE_ATTENTION_MERGE=fused)
 # and gemv-fused (both) beside decoder.
 #
 #   cli/run_decoder_roofline.sh OUT [PRESETS] [STEPS: tests,attention,ncu,decoder,reference]
-#   e.g. cli/run_decoder_roofline.sh OUT qwen3-4b-shape,orpheus-3b-shape tests,linear,merge,decoder,gemv,fused,gemv-fused
+#   e.g. cli/run_decoder_roofline.sh OUT qwen3-4b-shape,orpheus-3b-shape tests,merge,linear,prefill,ncu,decoder,gemv,fused,gemv-fused
 set -uo pipefail
 out=${1:?output dir}; presets=${2:-qwen3-4b-shape}; steps=${3:-tests,attention,ncu,decoder,reference}
 source "$(dirname "$0")/device_env.sh" - "$out" || exit 1
@@ -20,7 +21,7 @@ rc=0
 if [[ ,$steps, == *,tests,* ]]; then
   timeout 400 python3 -m pytest -m gpu -q -p no:cacheprovider -x tests/unit/test_triton_ops.py \
     tests/unit/test_fused_decoder.py tests/unit/test_decode_attention.py tests/unit/test_cuda_graphs.py \
-    tests/unit/test_decoder.py tests/unit/test_gpu_kernels.py tests/unit/test_linear.py \
+    tests/unit/test_decoder.py tests/unit/test_gpu_kernels.py tests/unit/test_linear.py tests/unit/test_prefill_attention.py \
     > "$out/gpu-tests.log" 2>&1 || rc=$?
   tail -15 "$out/gpu-tests.log"
 fi
@@ -65,6 +66,17 @@ for p in ${presets//,/ }; do
     tail -95 "$out/linear-$p.log"
   fi
 done
+if [[ ,$steps, == *,prefill,* ]]; then  # prefill attention: flash (default) against cuDNN padded to buckets
+  for p in ${presets//,/ }; do
+    for mode in flash cudnn; do
+      TANDEM_PREFILL_ATTENTION=$mode python3 -m tandem.cli.bench_decoder --preset "$p" --device cuda \
+        --forward-only --batches 1 --context 2048 --steps 10 --warmup 2 --prefill-reps 7 \
+        --prompts 128,1024,1100,1500,2048,4096 --prefill-breakdown 2048 --out "$out" \
+        --name "prefill-$p-$mode" > "$out/prefill-$p-$mode.log" 2>&1 || rc=$?
+      grep -A9 "^prefill" "$out/prefill-$p-$mode.log" | head -12
+    done
+  done
+fi
 # kinds: decoder (this tree's step), reference (main's: torch modules, attention variant 2), and the
 # opt-in kernels: gemv, fused, gemv-fused.
 for p in ${presets//,/ }; do
