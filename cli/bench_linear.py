@@ -63,6 +63,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     device = torch.device(args.device)
     dtype = getattr(torch, benchutil.DTYPE_ALIASES.get(args.dtype, args.dtype))
     gen = torch.Generator(device=device).manual_seed(0)
+    before = torch.backends.cuda.preferred_blas_library()  # restored after each timed backend
     results = []
     for name, n, k in shapes(cfg):
         wbytes = n * k * torch.empty((), dtype=dtype).element_size()
@@ -94,7 +95,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                         return F.linear(x, ws[i])
 
                 ms = _graph_ms(call, copies, args)
-                torch.backends.cuda.preferred_blas_library("cublas")
+                torch.backends.cuda.preferred_blas_library(before)
                 s = benchutil.summary([t / 1e3 for t in ms])
                 tb_s = wbytes / (s["median_ms"] / 1e3) / 1e12
                 results.append(

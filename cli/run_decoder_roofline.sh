@@ -9,10 +9,10 @@
 # linear (tandem-bench-linear per preset: cuBLAS, cuBLASLt and the GEMV), merge (the attention with
 # the split-K merge fused and as its own kernel, tokens-per-split swept, against a copy/sum of the
 # same bytes), and decoder kinds gemv (TANDEM_GEMV_ROWS=8), fused (TANDEM_DECODE_ATTENTION_MERGE=fused)
-# and gemv-fused (both) beside decoder.
+# gemv-fused (both) and lt (TANDEM_BLAS=cublaslt) beside decoder.
 #
 #   cli/run_decoder_roofline.sh OUT [PRESETS] [STEPS: tests,attention,ncu,decoder,reference]
-#   e.g. cli/run_decoder_roofline.sh OUT qwen3-4b-shape,orpheus-3b-shape tests,merge,linear,prefill,ncu,decoder,gemv,fused,gemv-fused
+#   e.g. cli/run_decoder_roofline.sh OUT qwen3-4b-shape,orpheus-3b-shape tests,merge,linear,prefill,ncu,decoder,gemv,fused,gemv-fused,lt
 set -uo pipefail
 out=${1:?output dir}; presets=${2:-qwen3-4b-shape}; steps=${3:-tests,attention,ncu,decoder,reference}
 source "$(dirname "$0")/device_env.sh" - "$out" || exit 1
@@ -80,12 +80,13 @@ fi
 # kinds: decoder (this tree's step), reference (main's: torch modules, attention variant 2), and the
 # opt-in kernels: gemv, fused, gemv-fused.
 for p in ${presets//,/ }; do
-  for kind in decoder reference gemv fused gemv-fused; do
+  for kind in decoder reference gemv fused gemv-fused lt; do
     [[ ,$steps, == *,$kind,* ]] || continue
     flag=""; [ "$kind" = reference ] && flag="--reference-kernels"
     gemv=0; [[ $kind == gemv* ]] && gemv=8
     merge=kernel; [[ $kind == *fused ]] && merge=fused
-    TANDEM_GEMV_ROWS=$gemv TANDEM_DECODE_ATTENTION_MERGE=$merge python3 -m tandem.cli.bench_decoder --preset "$p" --device cuda --graphs \
+    blas=default; [ "$kind" = lt ] && blas=cublaslt
+    TANDEM_BLAS=$blas TANDEM_GEMV_ROWS=$gemv TANDEM_DECODE_ATTENTION_MERGE=$merge python3 -m tandem.cli.bench_decoder --preset "$p" --device cuda --graphs \
       --forward-only $flag --breakdown 1x2048,64x2048 --batches 1,8,32,64,128 --context 2048 --prompts "" \
       --steps 20 --warmup 3 --out "$out" --name "roofline-$p-$kind" \
       > "$out/roofline-$p-$kind.log" 2> "$out/roofline-$p-$kind.err" || rc=$?

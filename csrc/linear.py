@@ -8,6 +8,12 @@ everything else, the CPU included, is `torch.nn.functional.linear`, which is als
 the kernel to (float32 accumulation in both; the order of the additions differs, so results agree to
 the dtype's rounding).
 
+$TANDEM_BLAS picks the library torch's GEMMs go through for the whole process: unset or `default`
+leaves torch's choice (cuBLAS), `cublas` or `cublaslt` call
+`torch.backends.cuda.preferred_blas_library` at import. Why: at batch 64 the 4B step's GEMMs read 8.0
+GB in 2.64 ms (63 % of HBM) through cuBLAS; cuBLASLt's heuristics pick other kernels, and
+`tandem-bench-linear` times both per shape. Opt-in until measured.
+
 $TANDEM_GEMV_ROWS sets `GEMV_MAX_ROWS` for a process. The default is 0 (every call to cuBLAS): the
 kernel passes its CPU-side checks and compiles for sm_90, but no GPU has run it yet (no device was
 lent the session that wrote it); `tandem-bench-linear` and the GPU tests in tests/unit/test_linear.py
@@ -23,7 +29,7 @@ import torch.nn.functional as F
 
 from tandem.csrc import kv_cuda
 
-__all__ = ["GEMV_MAX_ROWS", "gemv_runs", "linear"]
+__all__ = ["BLAS", "GEMV_MAX_ROWS", "gemv_runs", "linear"]
 
 _DTYPE_CODES = {torch.float16: 1, torch.bfloat16: 2}
 _KERNEL_ROWS = 8  # csrc/gemv.h's kGemvMaxRows
@@ -41,6 +47,14 @@ def _max_rows() -> int:
 
 
 GEMV_MAX_ROWS = _max_rows()
+
+BLAS = os.environ.get("TANDEM_BLAS", "default").strip() or "default"
+if BLAS not in ("default", "cublas", "cublaslt"):
+    raise ValueError(f"TANDEM_BLAS must be default, cublas or cublaslt, got {BLAS!r}")
+if BLAS != "default":
+    if torch.version.cuda is None:
+        raise ValueError(f"TANDEM_BLAS={BLAS} needs a CUDA build of torch; this one is {torch.__version__}")
+    torch.backends.cuda.preferred_blas_library(BLAS)
 
 
 def gemv_runs(
