@@ -410,10 +410,7 @@ void decode_attention(const void* q, const void* kv, int64_t pool_rows, const in
   if (splits > 65535 || batch * kv_heads > 0x7fffffff) {
     throw std::runtime_error("decode_attention: grid too large (lower s_max or raise chunk)");
   }
-  int previous = 0;
-  check(cudaGetDevice(&previous), "cudaGetDevice");
-  if (previous != device) check(cudaSetDevice(device), "cudaSetDevice");
-  try {
+  on_device(device, [&] {
     const int n = static_cast<int>(splits);
     if (variant == 4 || variant == 5) {
       decode_attention_mma(q, kv, pool_rows, slots, s_max, lengths, batch, kv_heads, group, head_dim, dtype, scale,
@@ -436,11 +433,7 @@ void decode_attention(const void* q, const void* kv, int64_t pool_rows, const in
                                    scale, chunk, n, part_acc, part_ml, out, stream);
       }
     }
-  } catch (...) {
-    if (previous != device) cudaSetDevice(previous);
-    throw;
-  }
-  if (previous != device) check(cudaSetDevice(previous), "cudaSetDevice (restore)");
+  });
 }
 
 }  // namespace tandem

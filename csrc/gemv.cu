@@ -179,16 +179,8 @@ void gemv(const void* x, const void* w, const void* bias, void* y, int64_t m, in
     throw std::runtime_error("gemv: need k > 0 a multiple of 8 and 0 < n < 2^31, got n " + std::to_string(n) +
                              ", k " + std::to_string(k));
   }
-  int previous = 0;
-  check(cudaGetDevice(&previous), "cudaGetDevice");
-  if (previous != device) check(cudaSetDevice(device), "cudaSetDevice");
-  try {
-    static int sm_counts[64] = {};  // per device, read once (0: not yet)
-    int sms = device >= 0 && device < 64 ? sm_counts[device] : 0;
-    if (sms == 0) {
-      check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "cudaDeviceGetAttribute");
-      if (device >= 0 && device < 64) sm_counts[device] = sms;
-    }
+  on_device(device, [&] {
+    const int sms = sm_count(device);
     if (dtype == 1) {
       launch<__half>(m, x, w, bias, y, n, k, sms, stream);
     } else if (dtype == 2) {
@@ -196,11 +188,7 @@ void gemv(const void* x, const void* w, const void* bias, void* y, int64_t m, in
     } else {
       throw std::runtime_error("gemv: dtype " + std::to_string(dtype) + " is not float16 (1) or bfloat16 (2)");
     }
-  } catch (...) {
-    if (previous != device) cudaSetDevice(previous);
-    throw;
-  }
-  if (previous != device) check(cudaSetDevice(previous), "cudaSetDevice (restore)");
+  });
 }
 
 }  // namespace tandem

@@ -211,16 +211,9 @@ void checksum_rows(const void* src, const int64_t* slots, int64_t src_rows, int6
   if (reinterpret_cast<uintptr_t>(src) % 8 != 0) {
     throw std::invalid_argument("checksum_rows needs an 8-byte aligned source pointer");
   }
-  int previous = 0;
-  check(cudaGetDevice(&previous), "cudaGetDevice");
-  if (previous != device) check(cudaSetDevice(device), "cudaSetDevice");
-  try {
+  on_device(device, [&] {
     dispatch(src, slots, src_rows, num_lt, n_tokens, row_bytes, reinterpret_cast<u64*>(out), device, stream);
-  } catch (...) {
-    if (previous != device) cudaSetDevice(previous);
-    throw;
-  }
-  if (previous != device) check(cudaSetDevice(previous), "cudaSetDevice (restore)");
+  });
 }
 
 }  // namespace tandem

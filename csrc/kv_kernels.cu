@@ -80,21 +80,6 @@ void launch(const void* src, const int64_t* src_slots, int64_t src_rows, void* d
   check(cudaGetLastError(), "copy_rows launch");
 }
 
-// Runs `body` with `device` current, restoring the caller's device (also when it throws).
-template <typename F>
-void on_device(int device, F&& body) {
-  int previous = 0;
-  check(cudaGetDevice(&previous), "cudaGetDevice");
-  if (previous != device) check(cudaSetDevice(device), "cudaSetDevice");
-  try {
-    body();
-  } catch (...) {
-    if (previous != device) cudaSetDevice(previous);
-    throw;
-  }
-  if (previous != device) check(cudaSetDevice(previous), "cudaSetDevice (restore)");
-}
-
 }  // namespace
 
 int vector_bytes(const void* src, const void* dst, int64_t row_bytes) {
