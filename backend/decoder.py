@@ -339,6 +339,8 @@ class Decoder(nn.Module):
     # Prompt shapes `warm_up` runs: (rows, start). Triton specialises a kernel on an integer argument
     # being 1 or a multiple of 16 and on a pointer being 16-byte aligned (a prompt after an odd-length
     # cached prefix passes an unaligned slice of its slots), so these cover every variant a prefill meets.
+    # (rope_kv_write's row count is no longer specialised; the 1/16/17-row shapes stay until a GPU run
+    # shows which the other kernels and pointers still need.)
     WARM_PREFILLS = ((1, 0), (16, 0), (17, 0), (1, 1), (16, 1), (17, 1))
     # The longest prompt `warm_up` plans cuDNN prefill attention for (when it is switched on): the
     # engines' default `prefill_batch_rows`; a longer prompt runs flash attention.
@@ -382,18 +384,18 @@ class Decoder(nn.Module):
         finally:
             for p in pages:
                 pool.free(p)
-        # Opt-in cuDNN prefill attention: its plans, one per padded length (a no-op by default).
-        plan_cudnn(
-            self.device,
-            cfg.torch_dtype,
-            cfg.num_heads,
-            cfg.num_kv_heads,
-            cfg.head_dim,
-            min(cfg.max_position_embeddings, self.CUDNN_PLAN_ROWS),
-        )
+        self.plan_prefill_attention(min(cfg.max_position_embeddings, self.CUDNN_PLAN_ROWS))
         took = time.perf_counter() - t0
         logging.getLogger("tandem").info("kernels warmed up in %.1f s (first calls compile them)", took)
         return took
+
+    def plan_prefill_attention(self, max_rows: int) -> int:
+        """The opt-in cuDNN prefill attention's plans for this model's heads, up to `max_rows` rows
+        (`prefill_attention.plan_cudnn`; a no-op by default). Returns the lengths planned."""
+        cfg = self.cfg
+        return plan_cudnn(
+            self.device, cfg.torch_dtype, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, max_rows
+        )
 
     @torch.inference_mode()
     def decode(

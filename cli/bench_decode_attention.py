@@ -22,6 +22,7 @@ Writes <out>/<name>.json and prints the table.
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 from pathlib import Path
 from typing import Any
@@ -65,7 +66,7 @@ def _graph_ms(
     with torch.cuda.graph(graph):
         for _ in range(args.calls):
             kv_cuda.decode_attention(q, kv, slots, lengths, scale, **opts)
-    return benchutil.replay_ms(graph, args.warmup, args.reps)
+    return benchutil.event_ms(graph.replay, args.warmup, args.reps)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -80,38 +81,35 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     kv.normal_(0.0, 1.0, generator=gen)
     item = kv.element_size()
     out = []
-    for variant in args.variants:
-        for page in args.page_sizes:
-            for b in args.batches:
-                for ctx in args.context:
-                    slots = _slots(b, ctx, page, gen, device)
-                    lengths = torch.full((b,), ctx, dtype=torch.long, device=device)
-                    q = torch.randn(b, kvh * group, hd, generator=gen, device=device).to(tdtype)
-                    if not kv_cuda.decode_attention_supported(q, kv, variant):
-                        continue
-                    merges = args.merges if variant in (4, 5) else ["kernel"]
-                    for merge in merges:
-                        for chunk in args.chunks:
-                            ms = _graph_ms(
-                                q, kv, slots, lengths, variant, args, chunk or None, merge == "fused"
-                            )
-                            s = benchutil.summary([t / args.calls / 1e3 for t in ms])
-                            nbytes = b * ctx * 2 * kvh * hd * item
-                            tb_s = nbytes / (s["median_ms"] / 1e3) / 1e12
-                            out.append(
-                                {
-                                    "variant": variant,
-                                    "merge": merge,
-                                    "chunk": chunk or None,
-                                    "page_size": page,
-                                    "batch": b,
-                                    "context": ctx,
-                                    "kv_bytes": nbytes,
-                                    **s,
-                                    "tb_s": tb_s,
-                                    "hbm_fraction": tb_s / args.hbm_tb_s,
-                                }
-                            )
+    # Same order (and random draws) as one loop per axis: variant, page size, batch, context.
+    for variant, page, b, ctx in itertools.product(
+        args.variants, args.page_sizes, args.batches, args.context
+    ):
+        slots = _slots(b, ctx, page, gen, device)
+        lengths = torch.full((b,), ctx, dtype=torch.long, device=device)
+        q = torch.randn(b, kvh * group, hd, generator=gen, device=device).to(tdtype)
+        if not kv_cuda.decode_attention_supported(q, kv, variant):
+            continue
+        nbytes = b * ctx * 2 * kvh * hd * item
+        merges = args.merges if variant in (4, 5) else ["kernel"]
+        for merge, chunk in itertools.product(merges, args.chunks):
+            ms = _graph_ms(q, kv, slots, lengths, variant, args, chunk or None, merge == "fused")
+            s = benchutil.summary([t / args.calls / 1e3 for t in ms])
+            tb_s = nbytes / (s["median_ms"] / 1e3) / 1e12
+            out.append(
+                {
+                    "variant": variant,
+                    "merge": merge,
+                    "chunk": chunk or None,
+                    "page_size": page,
+                    "batch": b,
+                    "context": ctx,
+                    "kv_bytes": nbytes,
+                    **s,
+                    "tb_s": tb_s,
+                    "hbm_fraction": tb_s / args.hbm_tb_s,
+                }
+            )
     result: dict[str, Any] = {
         "shape": {"kv_heads": kvh, "head_dim": hd, "group": group, "dtype": dtype},
         "results": out,
@@ -131,16 +129,7 @@ def _ceiling(rows: torch.Tensor, args: argparse.Namespace) -> dict[str, Any]:
         ("copy", lambda: dst.copy_(src), 2 * nbytes),
         ("sum", lambda: src.sum(dtype=torch.float32), nbytes),
     ):
-        times = []
-        for i in range(args.warmup + args.reps):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            if i >= args.warmup:
-                times.append(start.elapsed_time(end) / 1e3)
-        s = benchutil.summary(times)
+        s = benchutil.summary([t / 1e3 for t in benchutil.event_ms(fn, args.warmup, args.reps)])
         tb_s = moved / (s["median_ms"] / 1e3) / 1e12
         out[name] = {**s, "bytes_moved": moved, "tb_s": tb_s, "hbm_fraction": tb_s / args.hbm_tb_s}
     return out

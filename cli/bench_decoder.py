@@ -472,9 +472,7 @@ def main(argv: list[str] | None = None) -> int:
     pool = _shuffled_pool(cfg, pool_tokens, args.page_size, device, args.seed)
     # As the engines' warm-up does (a no-op unless TANDEM_PREFILL_ATTENTION=cudnn): cuDNN's plans for
     # the prompt lengths timed here, so prefill times what a served prompt of that length runs.
-    prefill_attention.plan_cudnn(
-        device, cfg.torch_dtype, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, max(args.prompts, default=0)
-    )
+    dec.plan_prefill_attention(max(args.prompts, default=0))
     setup_s = time.perf_counter() - t0
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p)
 

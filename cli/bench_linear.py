@@ -55,7 +55,7 @@ def _graph_ms(fn: Callable[[int], torch.Tensor], copies: int, args: argparse.Nam
     with torch.cuda.graph(graph):
         for i in range(args.calls):
             fn(i % copies)
-    return [t / args.calls for t in benchutil.replay_ms(graph, args.warmup, args.reps)]
+    return [t / args.calls for t in benchutil.event_ms(graph.replay, args.warmup, args.reps)]
 
 
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:

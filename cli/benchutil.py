@@ -17,7 +17,7 @@ import shlex
 import statistics
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -112,14 +112,14 @@ def summary(values_s: Sequence[float]) -> dict[str, float | int]:
     }
 
 
-def replay_ms(graph: torch.cuda.CUDAGraph, warmup: int, reps: int) -> list[float]:
-    """Milliseconds of each of `reps` replays of a captured CUDA graph, after `warmup` untimed ones
-    (CUDA events around each replay, which then syncs)."""
+def event_ms(fn: Callable[[], object], warmup: int, reps: int) -> list[float]:
+    """Milliseconds of each of `reps` calls of `fn` on the current CUDA stream, after `warmup` untimed
+    ones (CUDA events around each call, which then syncs). A captured graph: `fn` = `graph.replay`."""
     out = []
     for i in range(warmup + reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        graph.replay()
+        fn()
         end.record()
         end.synchronize()
         if i >= warmup:

@@ -239,6 +239,21 @@ def print_tables(result: dict[str, Any]) -> None:
         )
 
 
+def _time_and_fraction_axes(
+    ax1: Any, ax2: Any, xs: list[int], xlabel: str, time_label: str, frac_label: str
+) -> None:
+    """Both plots' axes: a log2 x axis ticked at `xs`, time from 0 on the left, a 0..1 fraction right."""
+    for ax, title in ((ax1, time_label), (ax2, frac_label)):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(xs, labels=[str(x) for x in xs])
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(title)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+    ax1.set_ylim(bottom=0)
+    ax2.set_ylim(0, 1)
+
+
 def plot(result: dict[str, Any], path: Any) -> None:
     """Step time against roofline time per configuration (left) and the fraction reached (right)."""
     plt = benchutil.pyplot()
@@ -252,16 +267,14 @@ def plot(result: dict[str, Any], path: Any) -> None:
         ax1.plot(xs, [f["step_ms"] for f in pts], "o-", label=f"step, context {ctx}")
         ax1.plot(xs, [f["roofline"]["roofline_ms"] for f in pts], "k--", alpha=0.5, label=f"roofline, {ctx}")
         ax2.plot(xs, [f["roofline"]["fraction"] for f in pts], "o-", label=f"context {ctx}")
-    batches = sorted({f["batch"] for f in fw})
-    for ax, title in ((ax1, "ms per step"), (ax2, "fraction of roofline")):
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(batches, labels=[str(b) for b in batches])
-        ax.set_xlabel("decode batch (streams)")
-        ax.set_ylabel(title)
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=7)
-    ax1.set_ylim(bottom=0)
-    ax2.set_ylim(0, 1)
+    _time_and_fraction_axes(
+        ax1,
+        ax2,
+        sorted({f["batch"] for f in fw}),
+        "decode batch (streams)",
+        "ms per step",
+        "fraction of roofline",
+    )
     fig.suptitle(
         f"decode forward {meta['preset']} {meta['dtype']} on {meta['device']} ({meta.get('kernels', '')}, "
         f"commit {meta['commit'][:10]})",
@@ -287,18 +300,14 @@ def plot_prefill(results: list[tuple[str, dict[str, Any]]], path: Any) -> None:
         ax1.plot(xs, [p["tensor_cores"]["bound_ms"] for p in pts], "k--", alpha=0.4)
         ax2.plot(xs, [p["tensor_cores"]["tc_fraction"] for p in pts], "o-", label=label)
     peak = results[0][1]["meta"].get("tc_peak_tflops", H200_BF16_DENSE_TFLOPS)
-    for ax, title in (
-        (ax1, "ms per prefill (dashed: FLOPs at the peak)"),
-        (ax2, f"fraction of {peak:.0f} TFLOP/s"),
-    ):
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(sorted(rows), labels=[str(r) for r in sorted(rows)])
-        ax.set_xlabel("prompt rows (position 0)")
-        ax.set_ylabel(title)
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=7)
-    ax1.set_ylim(bottom=0)
-    ax2.set_ylim(0, 1)
+    _time_and_fraction_axes(
+        ax1,
+        ax2,
+        sorted(rows),
+        "prompt rows (position 0)",
+        "ms per prefill (dashed: FLOPs at the peak)",
+        f"fraction of {peak:.0f} TFLOP/s",
+    )
     fig.suptitle(f"prefill on {results[0][1]['meta']['device']}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

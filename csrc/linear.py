@@ -86,10 +86,11 @@ def linear(
 ) -> torch.Tensor:
     """`F.linear(x, weight, bias)` (x [..., K], weight [N, K], bias [N] or None -> [..., N]); x of at most
     `max_rows` (default `GEMV_MAX_ROWS`) rows runs the GEMV kernel when `gemv_runs` says it can."""
-    if (GEMV_MAX_ROWS if max_rows is None else max_rows) <= 0:
+    limit = GEMV_MAX_ROWS if max_rows is None else max_rows
+    if limit <= 0:
         return F.linear(x, weight, bias)  # switched off: no checks on the (ungraphed) prefill's path
     flat = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
-    if not gemv_runs(flat, weight, bias, max_rows):
+    if not gemv_runs(flat, weight, bias, limit):
         return F.linear(x, weight, bias)
     module = kv_cuda.module()
     assert module is not None
