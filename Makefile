@@ -45,7 +45,7 @@ lint: setup
 	$(VENV)/bin/ruff format --check .
 
 typecheck: setup
-	$(VENV)/bin/mypy backend transfer serving cli
+	$(VENV)/bin/mypy backend transfer serving gateway cli bench
 
 unit: setup
 	$(PY) -m pytest tests/unit -q

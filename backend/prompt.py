@@ -19,9 +19,9 @@ from typing import Any, overload
 
 import numpy as np
 
-from tandem.backend.config import Limits, ModelConfig
 from tandem.backend.errors import InvalidInput
-from tandem.backend.grammar import Grammar
+from tandem.backend.generation.grammar import Grammar
+from tandem.backend.model.config import Limits, ModelConfig
 from tandem.csrc import pack_rows, validate_rows
 
 # Request input names, as declared in the models' config.pbtxt.
@@ -236,7 +236,7 @@ def check_text(name: str, value: np.ndarray | None, default: str, max_bytes: int
 @dataclass(frozen=True)
 class TextRequest:
     """A request's TEXT and VOICE after validation: `text` has a non-blank character, `voice` is ""
-    for none. `backend/frontend.py` turns it into prompt rows."""
+    for none. `backend/text/frontend.py` turns it into prompt rows."""
 
     text: str
     voice: str
@@ -277,7 +277,7 @@ def check_text_request(
 @dataclass(frozen=True)
 class GenerationDefaults:
     """What a request that names no sampling input gets, and the model's stream policy (grammar,
-    stop ids). The request contract's values here; a checkpoint's from `backend/generation.py`."""
+    stop ids). The request contract's values here; a checkpoint's from `backend/generation/defaults.py`."""
 
     temperature: float = DEFAULT_TEMPERATURE
     top_p: float = DEFAULT_TOP_P

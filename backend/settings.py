@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from tandem.backend.config import Limits, VocoderConfig
+from tandem.backend.model.config import Limits, VocoderConfig
 
 
 @dataclass(frozen=True)
@@ -45,7 +45,7 @@ class BatchSettings:
     rate_floor_tok_s: float = 42.0
     rate_margin: float = 0.2  # admit only if predicted step time <= (1 - margin) / floor
     rate_admission: bool = True
-    cuda_graphs: bool = True  # replay captured decode steps on CUDA devices (backend/cuda_graphs.py)
+    cuda_graphs: bool = True  # replay captured decode steps on CUDA devices (backend/model/cuda_graphs.py)
     paged_attention: bool = True  # decode attention reads KV in place (csrc/decode_attention.cu) where built
     graph_warmup_context: int = 0  # >0: capture every bucket up to this context at start (no lazy stalls)
     # D, before its first admission: time this many steps of its own loop at a few batch sizes and
@@ -66,7 +66,7 @@ class RateSettings:
 
 @dataclass(frozen=True)
 class CodecSettings:
-    """The codec behind the vocoder seam (backend/codec.py, docs/codecs.md). D, the vocoder and the
+    """The codec behind the vocoder seam (backend/codec/base.py, docs/codecs.md). D, the vocoder and the
     monolithic engine must agree on it: D frames the rows, the vocoder decodes the frames.
 
     kind: "reference" (ReferenceVocoder, no weights; `tandem.vocoder.*` sets its clock) or "snac"
@@ -106,7 +106,8 @@ class TransferSettings:
 
 @dataclass(frozen=True)
 class FrontendSettings:
-    """The text front end (`backend/frontend.py`): TEXT/VOICE -> prompt rows, on `frontend` and `tts_mono`.
+    """The text front end (`backend/text/frontend.py`): TEXT/VOICE -> prompt rows, on `frontend`
+    and `tts_mono`.
 
     `tokenizer` is a `tokenizer.json`; a relative path is relative to the model's directory in the
     repository; "" means `<tandem.model.checkpoint>/tokenizer.json`, and without a checkpoint the
@@ -120,7 +121,9 @@ class FrontendSettings:
     family: str = "auto"
     voices: str = ""
     max_text_bytes: int = 4096
-    grammar: str = "auto"  # the audio-token grammar (backend/grammar.py): auto (on for Orpheus), off, orpheus
+    grammar: str = (
+        "auto"  # the audio-token grammar (backend/generation/grammar.py): auto (on for Orpheus), off, orpheus
+    )
 
 
 @dataclass(frozen=True)
@@ -238,7 +241,7 @@ def parse_settings(params: Mapping[str, str]) -> EngineSettings:
 
 def _with_rate_floor(settings: EngineSettings, explicit: bool) -> EngineSettings:
     """`batch.rate_floor_tok_s`, unless given (> 0), is the codec's real time over `rate.rtf`."""
-    from tandem.backend.codec_builder import codec_spec  # reads the codec's config; imports settings
+    from tandem.backend.codec.builder import codec_spec  # reads the codec's config; imports settings
 
     b = settings.batch
     if b.rate_floor_tok_s < 0 or not math.isfinite(b.rate_floor_tok_s):

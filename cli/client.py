@@ -17,9 +17,9 @@ import sys
 
 import numpy as np
 
+from tandem.backend.codec.reference import write_wav
 from tandem.backend.timing import FIRST_AUDIO_STAGES, waterfall
-from tandem.backend.vocoder import write_wav
-from tandem.cli.tts_client import TTSClient
+from tandem.gateway.client import TTSClient
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -3,7 +3,7 @@
     tandem-gateway --triton HOST:GRPC_PORT --port HTTP_PORT [--metrics-url URL] [--models tts,tts_mono]
 
 Speaks Triton gRPC streaming to the models (one stream id per request, set for the caller) and
-streams their audio to HTTP callers as it is produced; `serving/gateway.py` documents the routes.
+streams their audio to HTTP callers as it is produced; `gateway/app.py` documents the routes.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import sys
 
 import uvicorn
 
-from tandem.serving.gateway import GatewaySettings, create_app
+from tandem.gateway.app import GatewaySettings, create_app
 
 
 def main(argv: list[str] | None = None) -> int:

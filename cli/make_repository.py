@@ -25,12 +25,12 @@ import argparse
 import json
 from pathlib import Path
 
-from tandem.backend.checkpoint import config_from_hf
-from tandem.backend.codec import format_rate
-from tandem.backend.codec_builder import codec_spec, layout
-from tandem.backend.config import ModelConfig, preset
+from tandem.backend.codec.base import format_rate
+from tandem.backend.codec.builder import codec_spec, layout
+from tandem.backend.model.checkpoint import config_from_hf
+from tandem.backend.model.config import ModelConfig, preset
 from tandem.backend.settings import parse_settings
-from tandem.cli.families import FAMILIES, detect_family
+from tandem.backend.text.families import FAMILIES, detect_family
 from tandem.serving.repository import gpu_group, render, tensor_dims
 
 SOURCE = Path(__file__).resolve().parent.parent / "model_repository"

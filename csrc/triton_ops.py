@@ -12,7 +12,7 @@ replace them (docs/benchmarks, decoder-*-fused):
   one layer of the paged pool at `slots`; returns q [N, nh, hd].
 - `swiglu(gate_up)`: silu(gate) * up from the fused gate-up projection's output.
 
-Numerics follow the torch modules (`backend/layers.py`) step for step, each intermediate rounded to the
+Numerics follow the torch modules (`backend/model/layers.py`) step for step, each intermediate rounded to the
 model dtype where torch rounds it (the norm in float32, then cast, then times the weight; RoPE as
 x*cos + rotate_half(x)*sin with each product rounded), so results differ from the torch path only in
 the order of the norm's float32 sum. The `reference_*` functions are the torch definitions the GPU

@@ -4,7 +4,7 @@ Triton 2.51 answers its control APIs — load, unload and index the model reposi
 memory, change logging and trace settings, read statistics — for anyone who reaches its HTTP or gRPC
 port; one unauthenticated `unload` stops a unit. Triton can refuse them without a header
 (`--http-restricted-api` / `--grpc-restricted-protocol`, `<apis>:<header>=<value>`), so the launcher
-(`cli/tritonserver.py`) always adds both flags for `LOCKED_APIS`, keyed on this unit's key:
+(`serving/launcher.py`) always adds both flags for `LOCKED_APIS`, keyed on this unit's key:
 
 * HTTP: header `tandem-api-key: <key>`; refused with 403 "This API is restricted, expecting header ...";
 * gRPC: metadata `triton-grpc-protocol-tandem-api-key: <key>` (Triton adds the prefix); refused with

@@ -1,7 +1,7 @@
 """The vocoder's batched execute: the codec's side of the Triton <-> domain conversion.
 
 Beside `triton_io.py` (the rest of the conversion). D's and `tts_mono`'s chunks are rendered in their
-engine workers (`backend/engine_host.py`: `CODES`/`WINDOW` for the vocoder step, `AUDIO` for mono).
+engine workers (`backend/worker/host.py`: `CODES`/`WINDOW` for the vocoder step, `AUDIO` for mono).
 - `VocoderBatcher`: the `vocoder` step, stateless: the windows of every chunk queued meanwhile (of
   many streams) are decoded in one `Codec.decode` call, and each request's one response carries
   `TOKENS_OUT`, `AUDIO` and `TIMINGS_OUT`.
@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from tandem.backend.codec import Codec, CodecWindow
+from tandem.backend.codec.base import Codec, CodecWindow
 from tandem.backend.timing import now_ns
 from tandem.serving import triton_io as io
 

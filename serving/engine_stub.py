@@ -20,13 +20,13 @@ from typing import Any
 
 import numpy as np
 
-from tandem.backend.channel import Array, Submit
-from tandem.backend.codec_builder import codec_spec
-from tandem.backend.config import ModelConfig
+from tandem.backend.codec.builder import codec_spec
+from tandem.backend.engines.handoff import Handoff
 from tandem.backend.errors import InvalidInput, TandemError
-from tandem.backend.handoff import Handoff
 from tandem.backend.metrics import METRICS, WORKER_METRICS, Engine
+from tandem.backend.model.config import ModelConfig
 from tandem.backend.timing import Timings
+from tandem.backend.worker.channel import Array, Submit
 from tandem.serving import triton_io as io
 from tandem.serving.engine_worker import EngineWorker
 

@@ -3,7 +3,7 @@
 Triton 2.51's python backend aborts the whole server when a stub that stalled for seconds under
 arriving requests resumes (docs/failure-semantics.md, "Engines in processes of their own"), and never
 restarts a dead decoupled stub. So no stub runs an engine: each model instance's `initialize()` starts
-one worker process (`tandem-engine <model> <instance> ...`, `backend/engine_host.py`) and this object
+one worker process (`tandem-engine <model> <instance> ...`, `backend/worker/host.py`) and this object
 stands between Triton and it, modelled on vLLM V1's `MPClient` in front of its `EngineCoreProc`:
 
     execute thread: validate (engine_stub.py) -> `submit`: a req_id, the responder kept in `_pending`,
@@ -26,7 +26,7 @@ Published here, labelled `model` and `model_instance` (what `serving/health.py` 
 `tandem_engine_up` (1 only while UP) and `tandem_engine_restarts_total` (exported at 0 from start-up).
 
 Nothing here is specific to P, D or the monolithic engine beyond the `kind` word handed to the
-worker: a codec (the vocoder) can run in a worker the same way once `backend/engine_host.py` builds it.
+worker: a codec (the vocoder) can run in a worker the same way once `backend/worker/host.py` builds it.
 """
 
 from __future__ import annotations
@@ -48,10 +48,10 @@ from typing import Any, Protocol
 
 from tenacity import Retrying, retry_if_exception_type, wait_exponential
 
-from tandem.backend.channel import Array, Beat, Cancel, Channel, Fail, Init, Ready, Reply, Stop, Submit
 from tandem.backend.errors import ErrorCode, TandemError
 from tandem.backend.metrics import MetricsSink
 from tandem.backend.settings import WorkerSettings
+from tandem.backend.worker.channel import Array, Beat, Cancel, Channel, Fail, Init, Ready, Reply, Stop, Submit
 
 log = logging.getLogger("tandem")
 
@@ -257,7 +257,7 @@ class EngineWorker:
         argv = [
             python_executable(),
             "-m",
-            "tandem.cli.engine",
+            "tandem.backend.worker.main",
             self.model,
             self.instance,
             "--kind",

@@ -18,12 +18,12 @@ from typing import Any
 
 import numpy as np
 
-from tandem.backend.codec import CodecSpec, format_rate
-from tandem.backend.config import Limits, ModelConfig
+from tandem.backend.codec.base import CodecSpec, format_rate
+from tandem.backend.engines.stream import Chunk
 from tandem.backend.errors import ErrorCode, InvalidInput, TandemError
-from tandem.backend.frontend import TextFrontend, build_frontend, model_config
-from tandem.backend.generation import load_generation_defaults
+from tandem.backend.generation.defaults import load_generation_defaults
 from tandem.backend.metrics import METRICS, Engine, Kind, zero_series
+from tandem.backend.model.config import Limits, ModelConfig
 from tandem.backend.prompt import (
     CONTRACT_DEFAULTS,
     PROMPT,
@@ -36,7 +36,7 @@ from tandem.backend.prompt import (
     parse_params,
 )
 from tandem.backend.settings import EngineSettings, parse_settings, triton_parameters
-from tandem.backend.stream import Chunk
+from tandem.backend.text.frontend import TextFrontend, build_frontend, model_config
 from tandem.backend.timing import Timings
 from tandem.serving.repository import ROW_TENSORS
 
@@ -159,7 +159,7 @@ def text_frontend(args: Mapping[str, Any], settings: EngineSettings, cfg: ModelC
 def generation_defaults(
     args: Mapping[str, Any], settings: EngineSettings, cfg: ModelConfig, frontend: TextFrontend | None = None
 ) -> GenerationDefaults:
-    """The model's sampling defaults, grammar and stop ids (`backend/generation.py`), for the models
+    """The model's sampling defaults, grammar and stop ids (`backend/generation/defaults.py`), for the models
     that validate requests (`prefill`, `tts_mono`). Without a `frontend` one is built for the family
     (from the checkpoint's tokenizer) and dropped."""
     if frontend is None:
@@ -201,7 +201,7 @@ def stream_id(request: Any) -> int:
 
 def publish_parameters(cfg: ModelConfig, codec: CodecSpec) -> dict[str, str]:
     """What `tts`/`tts_mono` publish in their config so clients need not read code; the audio clock
-    is the codec's (backend/codec_builder.py `codec_spec`)."""
+    is the codec's (backend/codec/builder.py `codec_spec`)."""
     return {
         "row_width": str(cfg.row_width),
         "vocab_size": str(cfg.vocab_size),
@@ -337,7 +337,7 @@ def check_published(model_config: Mapping[str, Any], cfg: ModelConfig, codec: Co
 
 def sampling_params(params: RequestParams) -> Any:
     """Fix the request's seed here, at entry: every later process samples with the same one."""
-    from tandem.backend.sampling import SamplingParams
+    from tandem.backend.generation.sampling import SamplingParams
 
     seed = params.seed if params.seed is not None else int.from_bytes(np.random.bytes(7), "little")
     return SamplingParams(

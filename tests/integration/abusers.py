@@ -27,7 +27,7 @@ import numpy as np
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2, service_pb2
 
-from tandem.cli.tts_client import StreamResult, TTSClient, next_stream_id
+from tandem.gateway.client import StreamResult, TTSClient, next_stream_id
 from tests.integration.helpers import prompt
 from tests.integration.server import REPO
 from tests.integration.wire import Connection, Response, WireTensor, request

@@ -27,7 +27,7 @@ import numpy as np
 import tritonclient.grpc as grpcclient
 
 from tandem.backend.settings import TransferSettings
-from tandem.cli.tts_client import StreamResult, TTSClient
+from tandem.gateway.client import StreamResult, TTSClient
 from tandem.serving.health import parse_health
 from tandem.serving.repository import model_parameter
 from tests.integration.helpers import metric_value, metrics_text

@@ -6,7 +6,7 @@ import urllib.request
 
 import numpy as np
 
-from tandem.cli.tts_client import TTSClient
+from tandem.gateway.client import TTSClient
 
 TINY_W, TINY_V, SPR = 4, 1024, 1050  # published by the checked-in repository (tiny preset)
 

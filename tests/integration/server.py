@@ -72,7 +72,7 @@ class TritonProcess:
 
     def start(self, timeout_s: float = 180.0) -> TritonProcess:
         binary = Path(sys.executable).parent / "tritonserver"  # the launcher `make setup` installs
-        server = (str(binary),) if binary.exists() else (sys.executable, "-m", "tandem.cli.tritonserver")
+        server = (str(binary),) if binary.exists() else (sys.executable, "-m", "tandem.serving.launcher")
         env = dict(os.environ)
         run_dir = self.workdir / "run"
         run_dir.mkdir(mode=0o700, exist_ok=True)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tandem.cli.tts_client import run_concurrent
+from tandem.gateway.client import run_concurrent
 from tests.integration.helpers import metric_value, metrics_text, prompt, wait_metric
 from tests.integration.server import TritonProcess
 

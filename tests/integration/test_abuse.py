@@ -18,10 +18,10 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import pytest
 
-from tandem.backend.config import Limits
+from tandem.backend.model.config import Limits
 from tandem.backend.settings import BatchSettings
 from tandem.cli.make_repository import main as tandem_repo
-from tandem.cli.tts_client import StreamResult, TTSClient, next_stream_id
+from tandem.gateway.client import StreamResult, TTSClient, next_stream_id
 from tests.integration import abusers
 from tests.integration.abusers import Vanishing, one_shot, opening, sequence_batching, set_sequence_bounds
 from tests.integration.helpers import TINY_W, metric_value, metrics_text, prompt, wait_metric

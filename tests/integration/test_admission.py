@@ -17,11 +17,11 @@ from collections.abc import Iterator
 
 import pytest
 
-from tandem.cli.tts_client import TTSClient
-from tandem.serving.client_errors import ClientCode, ClientError
-from tandem.serving.gateway import Gateway, GatewaySettings, error_response
-from tandem.serving.gateway_audio import AudioFormat, Framer, StreamFormat
-from tandem.serving.gateway_stream import GatewayError, StreamRequest, new_stream_id, prompt_inputs
+from tandem.gateway.app import Gateway, GatewaySettings, error_response
+from tandem.gateway.audio import AudioFormat, Framer, StreamFormat
+from tandem.gateway.client import TTSClient
+from tandem.gateway.errors import ClientCode, ClientError
+from tandem.gateway.stream import GatewayError, StreamRequest, new_stream_id, prompt_inputs
 from tests.integration.helpers import TINY_W, prompt, run, wait_metric
 from tests.integration.server import TritonProcess
 

@@ -7,8 +7,8 @@ import math
 
 import pytest
 
-from tandem.cli.bench import capacities, main, parse_levels, stalls
-from tandem.cli.tts_client import StreamResult
+from tandem.bench.capacity import capacities, main, parse_levels, stalls
+from tandem.gateway.client import StreamResult
 
 
 def test_bench_smoke_produces_consistent_figures(server, tmp_path):

@@ -18,14 +18,14 @@ import numpy as np
 import pytest
 import torch
 
-from tandem.backend.checkpoint import save_checkpoint
-from tandem.backend.codec import CodecWindow
-from tandem.backend.config import ModelConfig
-from tandem.backend.decoder import Decoder
-from tandem.backend.orpheus_layout import AUDIO_BASE, CODEBOOK, SLOTS, OrpheusLayout
-from tandem.backend.snac_codec import SnacCodec, snac_spec
+from tandem.backend.codec.base import CodecWindow
+from tandem.backend.codec.orpheus import AUDIO_BASE, CODEBOOK, SLOTS, OrpheusLayout
+from tandem.backend.codec.snac import SnacCodec, snac_spec
+from tandem.backend.model.checkpoint import save_checkpoint
+from tandem.backend.model.config import ModelConfig
+from tandem.backend.model.decoder import Decoder
 from tandem.cli import make_repository
-from tandem.cli.tts_client import TTSClient, run_concurrent
+from tandem.gateway.client import TTSClient, run_concurrent
 from tests.fixtures.snac_dir import write_snac_dir
 from tests.integration.server import TritonProcess
 

@@ -1,6 +1,6 @@
 """What a gRPC client of `tts`/`tts_mono` can read of each error, through the real server: the code by
 `serving.client_errors.classify` for tandem's errors (behind Triton's ensemble prefix) and Triton
-core's own (no code in the message), as `tandem.cli.tts_client` reports them; and where TIMINGS is."""
+core's own (no code in the message), as `tandem.gateway.client` reports them; and where TIMINGS is."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 
-from tandem.cli.tts_client import TTSClient, build_inputs, next_stream_id
-from tandem.serving.client_errors import ClientCode, classify
+from tandem.gateway.client import TTSClient, build_inputs, next_stream_id
+from tandem.gateway.errors import ClientCode, classify
 from tests.integration.helpers import TINY_V, TINY_W, prompt
 
 

@@ -28,7 +28,7 @@ unit each: host_shm in direct mode, where P writes D's pool pages, and in region
 into D's receive arena as tcp and the proxy do; their volume rows are `TANDEM_FAULT_VOLUME_REGION` and
 `TANDEM_FAULT_VOLUME_TCP`, default 1000 each). The GPU paths `cuda_ipc`,
 `cuda_vmm` and `proxy` need `TANDEM_FAULT_GPUS=P,D` (e.g. `0,1`) and run on the device through
-`cli/run_fault_matrix.sh`; `proxy` also starts the unit's `tandem-proxy` sidecar. Rows about
+`bench/device/run_fault_matrix.sh`; `proxy` also starts the unit's `tandem-proxy` sidecar. Rows about
 quarantine, draining and held ACKs are skipped on a path where D itself writes every byte (`tcp`):
 there D frees a failed region at once and sends no ABORT, so nothing is held; the tcp-only row shows
 the late chunks being dropped instead. The tcp unit runs the cross-host form: P's control plane on a
@@ -50,7 +50,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 
-from tandem.cli.tts_client import StreamResult, TTSClient, build_inputs, next_stream_id
+from tandem.gateway.client import StreamResult, TTSClient, build_inputs, next_stream_id
 from tandem.serving.repository import gpu_group
 from tests.integration.faults import (
     Background,
@@ -401,7 +401,7 @@ def test_pause_proxy_then_resume_releases_by_p_answer(row):
     inside the proxy past D's deadline. The stream errors at the deadline; its region stays held for
     the whole pause (P cannot prove the copy over, and P's lock is no proof while P lives); after
     SIGCONT the proxy finishes the copy, P answers D's ABORT, and that answer frees the region.
-    Written for the GPU matrix (cli/run_fault_matrix.sh); not yet run on the device."""
+    Written for the GPU matrix (bench/device/run_fault_matrix.sh); not yet run on the device."""
     unit, base = row
     if unit.path != "proxy":
         pytest.skip(f"{unit.path}: no proxy sidecar in this unit")

@@ -43,7 +43,7 @@ import tritonclient.grpc as grpcclient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tandem.cli.tts_client import build_inputs, next_stream_id
+from tandem.gateway.client import build_inputs, next_stream_id
 from tests.integration.fuzz_cases import EITHER, INVALID, SEQUENCE, VALID, Case, Contract, cases, known
 from tests.integration.helpers import prompt
 from tests.integration.server import TritonProcess

@@ -22,12 +22,12 @@ import numpy as np
 import openai
 import pytest
 
-from tandem.backend.config import Limits, VocoderConfig
-from tandem.cli.tts_client import TTSClient
-from tandem.serving.client_errors import ClientCode
-from tandem.serving.gateway import Gateway, GatewaySettings, error_response
-from tandem.serving.gateway_audio import AudioFormat, Framer, StreamFormat, pcm16, wav_header
-from tandem.serving.gateway_stream import GatewayError, StreamRequest, new_stream_id, prompt_inputs
+from tandem.backend.model.config import Limits, VocoderConfig
+from tandem.gateway.app import Gateway, GatewaySettings, error_response
+from tandem.gateway.audio import AudioFormat, Framer, StreamFormat, pcm16, wav_header
+from tandem.gateway.client import TTSClient
+from tandem.gateway.errors import ClientCode
+from tandem.gateway.stream import GatewayError, StreamRequest, new_stream_id, prompt_inputs
 from tests.integration.gateway_process import gateway_process, http_get, http_post
 from tests.integration.helpers import TINY_V, TINY_W, metric_value, metrics_text, prompt, wait_metric
 from tests.integration.server import TritonProcess, free_port

@@ -31,12 +31,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tandem.backend.codec import CodecSpec
-from tandem.backend.grammar import ORPHEUS_AUDIO_BASE, ORPHEUS_CODES, ORPHEUS_SLOTS
-from tandem.backend.snac_codec import SNAC_24KHZ, snac_spec
+from tandem.backend.codec.base import CodecSpec
+from tandem.backend.codec.snac import SNAC_24KHZ, snac_spec
+from tandem.backend.generation.grammar import ORPHEUS_AUDIO_BASE, ORPHEUS_CODES, ORPHEUS_SLOTS
 from tandem.cli import make_repository
-from tandem.cli.tts_client import StreamResult, TTSClient
-from tandem.serving.gateway_audio import pcm16
+from tandem.gateway.audio import pcm16
+from tandem.gateway.client import StreamResult, TTSClient
 from tests.fixtures.text_models import ORPHEUS_VOICES, orpheus_checkpoint
 from tests.integration.gateway_process import gateway_process, http_get
 from tests.integration.server import TritonProcess

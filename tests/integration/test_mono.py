@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 
-from tandem.cli.tts_client import TTSClient, build_inputs
+from tandem.gateway.client import TTSClient, build_inputs
 from tests.integration.helpers import (
     SPR,
     TINY_V,

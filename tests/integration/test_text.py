@@ -16,10 +16,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tandem.backend.config import Limits, preset
-from tandem.backend.frontend import Family, TextFrontend
+from tandem.backend.model.config import Limits, preset
 from tandem.backend.prompt import TextRequest
-from tandem.backend.tokenizer import TextTokenizer
+from tandem.backend.text.frontend import Family, TextFrontend
+from tandem.backend.text.tokenizer import TextTokenizer
 from tandem.serving.repository import tensor_dims
 from tests.fixtures.text_models import CHECKED_IN_TOKENIZER, ORPHEUS_VOCAB, orpheus_checkpoint, orpheus_config
 from tests.integration.helpers import TINY_W, prompt, run

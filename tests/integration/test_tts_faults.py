@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 
-from tandem.cli.tts_client import build_inputs, next_stream_id, run_concurrent
+from tandem.gateway.client import build_inputs, next_stream_id, run_concurrent
 from tests.integration.helpers import TINY_W, metric_value, metrics_text, prompt, wait_metric
 from tests.integration.server import TritonProcess
 

@@ -21,9 +21,9 @@ from pathlib import Path
 import pytest
 from tritonclient.utils import InferenceServerException
 
-from tandem.cli.tts_client import TTSClient
-from tandem.cli.unit import http_base, option_values, with_explicit_control
+from tandem.gateway.client import TTSClient
 from tandem.serving.repository import get_parameter
+from tandem.serving.supervisor import http_base, option_values, with_explicit_control
 from tests.integration.faults import Background, children, find_stub, find_worker, process_state, stub_argv
 from tests.integration.helpers import TINY_W, metric_value, metrics_text, prompt, run
 from tests.integration.server import TritonProcess

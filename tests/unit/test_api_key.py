@@ -10,9 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tandem.cli import tritonserver
-from tandem.cli.tritonserver import LauncherError, build_command
-from tandem.cli.unit import Supervisor
+from tandem.serving import launcher as tritonserver
 from tandem.serving.api_key import (
     FILE_ENV,
     GRPC_HEADER,
@@ -23,7 +21,9 @@ from tandem.serving.api_key import (
     resolve,
     unit_of,
 )
+from tandem.serving.launcher import LauncherError, build_command
 from tandem.serving.repository import render
+from tandem.serving.supervisor import Supervisor
 from tandem.transfer.control import control_dir
 
 REPO = Path(__file__).resolve().parents[2] / "model_repository"

@@ -1,4 +1,4 @@
-"""The running batch's pipelined loop (`backend/batch.py`): `advance()` queues step n+1 from step n's
+"""The running batch's pipelined loop (`backend/engines/batch.py`): `advance()` queues step n+1 from step n's
 rows on the device before it waits for step n. These check that it produces exactly the serial
 loop's tokens and chunks, that a stream's pages come back only once no queued step can still write
 them, and what a stream joining, cancelling or failing between two `advance()` calls gets."""
@@ -11,16 +11,16 @@ import numpy as np
 import pytest
 import torch
 
-from tandem.backend.batch import DecodeBatch
-from tandem.backend.config import preset
-from tandem.backend.decoder import Decoder
-from tandem.backend.engine_parts import make_batch, make_pool
+from tandem.backend.engines.batch import DecodeBatch
+from tandem.backend.engines.parts import make_batch, make_pool
+from tandem.backend.engines.stream import Stream
 from tandem.backend.errors import Cancelled, StreamFailed
-from tandem.backend.kv_pool import KVPool
+from tandem.backend.generation.sampling import SamplingParams, sample
+from tandem.backend.kv.pool import KVPool
 from tandem.backend.metrics import RecordingMetrics
-from tandem.backend.sampling import SamplingParams, sample
+from tandem.backend.model.config import preset
+from tandem.backend.model.decoder import Decoder
 from tandem.backend.settings import BatchSettings, EngineSettings, PoolSettings
-from tandem.backend.stream import Stream
 from tandem.backend.timing import Timings
 from tests.unit.test_engines import ListSink
 
@@ -201,7 +201,7 @@ def test_cancel_and_fail_all_with_a_step_queued_release_each_stream_once():
 
 
 def test_graph_batch_buckets_end_at_max_batch():
-    from tandem.backend.cuda_graphs import batch_bucket, batch_buckets
+    from tandem.backend.model.cuda_graphs import batch_bucket, batch_buckets
 
     assert batch_buckets(64) == [1, 2, 4, 8, 16, 32, 64]
     assert batch_buckets(96) == [1, 2, 4, 8, 16, 32, 64, 96]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tandem.cli import bench_compare
+from tandem.bench import compare as bench_compare
 
 
 def _result(values: list[float | None]) -> dict:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tandem.cli import bench_decode_attention
+from tandem.bench import decode_attention as bench_decode_attention
 
 
 def test_slots_are_shuffled_whole_pages_without_overlap() -> None:

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from tandem.cli import bench_decode_loop
+from tandem.bench import decode_loop as bench_decode_loop
 
 SMALL = ["--preset", "tiny", "--device", "cpu", "--batches", "1,4", "--context", "24", "--steps", "8"]
 SMALL += ["--warmup", "1", "--host-ms", "0,1", "--calibrate", "--calibrate-steps", "3", "--probes", "2"]

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tandem.cli import bench_decoder
+from tandem.bench import decoder as bench_decoder
 
 SMALL = ["--preset", "tiny", "--device", "cpu", "--prompts", "64,128", "--batches", "1,2", "--context", "32"]
 SMALL += ["--steps", "2", "--warmup", "1", "--prefill-reps", "1", "--prefill-warmup", "1"]
@@ -84,9 +84,9 @@ def test_roofline_bytes_model() -> None:
     """Weights once (the tied table once, as the head; an untied table not at all) plus every stream's KV."""
     from dataclasses import replace
 
-    from tandem.backend.config import preset
-    from tandem.backend.decoder import Decoder
-    from tandem.cli import decoder_roofline
+    from tandem.backend.model.config import preset
+    from tandem.backend.model.decoder import Decoder
+    from tandem.bench import roofline as decoder_roofline
 
     tied = Decoder(replace(preset("tiny"), tie_word_embeddings=True))
     untied = Decoder(replace(preset("tiny"), tie_word_embeddings=False))
@@ -105,9 +105,9 @@ def test_roofline_bytes_model() -> None:
 
 
 def test_prefill_flop_model_counts_the_linear_weights_the_causal_triangle_and_the_last_rows_head() -> None:
-    from tandem.backend.config import PRESETS
-    from tandem.backend.decoder import Decoder
-    from tandem.cli import decoder_roofline
+    from tandem.backend.model.config import PRESETS
+    from tandem.backend.model.decoder import Decoder
+    from tandem.bench import roofline as decoder_roofline
 
     dec = Decoder.random(PRESETS["tiny"])
     # tiny: hidden 64, 4 heads and 2 KV heads of 16, intermediate 128, 2 layers, vocab 1024, 4 columns.
@@ -126,7 +126,7 @@ def test_prefill_flop_model_counts_the_linear_weights_the_causal_triangle_and_th
 
 
 def test_kernel_families_by_name() -> None:
-    from tandem.cli import decoder_roofline
+    from tandem.bench import roofline as decoder_roofline
 
     assert decoder_roofline.family("void tandem::decode_partial_staged<...>") == "attention"
     assert decoder_roofline.family("_rope_kv_write_kernel") == "fused norm/rope/swiglu (triton)"

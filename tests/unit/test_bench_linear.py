@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tandem.backend.config import PRESETS
-from tandem.backend.decoder import Decoder
-from tandem.cli import bench_linear
+from tandem.backend.model.config import PRESETS
+from tandem.backend.model.decoder import Decoder
+from tandem.bench import linear as bench_linear
 
 
 def test_shapes_are_the_decoders_weights() -> None:

@@ -15,10 +15,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tandem.backend.checkpoint import config_from_hf, load_checkpoint, save_checkpoint
-from tandem.backend.config import ModelConfig
-from tandem.backend.decoder import Decoder
-from tandem.backend.kv_pool import KVPool
+from tandem.backend.kv.pool import KVPool
+from tandem.backend.model.checkpoint import config_from_hf, load_checkpoint, save_checkpoint
+from tandem.backend.model.config import ModelConfig
+from tandem.backend.model.decoder import Decoder
 
 transformers = pytest.importorskip("transformers")
 

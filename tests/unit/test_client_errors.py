@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tandem.serving.client_errors import HTTP_STATUS, ClientCode, classify
+from tandem.gateway.errors import HTTP_STATUS, ClientCode, classify
 
 
 @pytest.mark.parametrize(

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tandem.backend.config import preset
-from tandem.backend.decoder import Decoder
-from tandem.backend.kv_pool import KVPool
+from tandem.backend.kv.pool import KVPool
+from tandem.backend.model.config import preset
+from tandem.backend.model.decoder import Decoder
 
 pytestmark = pytest.mark.gpu
 
@@ -21,7 +21,7 @@ def cuda() -> torch.device:
 
 @pytest.mark.parametrize("batches", [[1, 3, 8], [5, 2, 16, 9]])
 def test_graphed_decode_matches_eager(cuda, batches):
-    from tandem.backend.cuda_graphs import GraphedDecode
+    from tandem.backend.model.cuda_graphs import GraphedDecode
 
     dec = Decoder.random(preset("tiny"), cuda, seed=1)
     pool = KVPool(dec.kv_layout(), 512, 16, cuda)
@@ -51,7 +51,7 @@ def test_graphed_decode_matches_eager(cuda, batches):
 def test_a_batch_above_the_last_power_of_two_replays_the_max_batch_graph(cuda):
     """max_batch 12: batches 9-12 replay one graph of 12 rows (not the eager step, which is ~10x
     slower on a GPU), and equal the eager step."""
-    from tandem.backend.cuda_graphs import GraphedDecode
+    from tandem.backend.model.cuda_graphs import GraphedDecode
 
     dec = Decoder.random(preset("tiny"), cuda, seed=1)
     pool = KVPool(dec.kv_layout(), 256, 16, cuda)
@@ -70,7 +70,7 @@ def test_a_batch_above_the_last_power_of_two_replays_the_max_batch_graph(cuda):
 
 
 def test_warm_up_captures_every_bucket(cuda):
-    from tandem.backend.cuda_graphs import GraphedDecode
+    from tandem.backend.model.cuda_graphs import GraphedDecode
 
     dec = Decoder.random(preset("tiny"), cuda, seed=1)
     pool = KVPool(dec.kv_layout(), 64, 16, cuda)
@@ -83,7 +83,7 @@ def test_capture_while_another_thread_synchronises(cuda):
     (a 2xH200 fault-matrix run failed every capture with the default global capture mode)."""
     import threading
 
-    from tandem.backend.cuda_graphs import GraphedDecode
+    from tandem.backend.model.cuda_graphs import GraphedDecode
 
     dec = Decoder.random(preset("tiny"), cuda, seed=1)
     pool = KVPool(dec.kv_layout(), 64, 16, cuda)
@@ -108,7 +108,7 @@ def test_capture_while_another_thread_synchronises(cuda):
 
 
 def test_failed_capture_falls_back_to_eager(cuda, monkeypatch):
-    from tandem.backend.cuda_graphs import GraphedDecode
+    from tandem.backend.model.cuda_graphs import GraphedDecode
 
     dec = Decoder.random(preset("tiny"), cuda, seed=1)
     pool = KVPool(dec.kv_layout(), 64, 16, cuda)

@@ -15,9 +15,9 @@ from dataclasses import replace
 import pytest
 import torch
 
-from tandem.backend.config import PRESETS
-from tandem.backend.decoder import Decoder
-from tandem.backend.kv_pool import KVPool
+from tandem.backend.kv.pool import KVPool
+from tandem.backend.model.config import PRESETS
+from tandem.backend.model.decoder import Decoder
 from tandem.csrc import kv_cuda
 
 # float32 accumulation in both; the tolerance is the output dtype's rounding.
@@ -264,7 +264,7 @@ def test_gpu_prefill_many_matches_each_prompt_alone() -> None:
     """The GPU branch of `prefill_many` (per-head K/V, lower-right causal bias) with several prompts,
     some over a cached prefix, gives each prompt's own full-forward logits."""
     _need_cuda()
-    from tandem.backend.decoder import PrefillItem
+    from tandem.backend.model.decoder import PrefillItem
 
     dec = _gpu_decoder("float32")
     g = torch.Generator().manual_seed(6)

@@ -8,10 +8,10 @@ from dataclasses import replace
 
 import pytest
 
-from tandem.backend.decode_engine import DecodeEngine, DecodeRequest
+from tandem.backend.engines.decode.engine import DecodeEngine, DecodeRequest
+from tandem.backend.engines.prefill import PrefillEngine
 from tandem.backend.errors import Cancelled, InvalidInput, Overloaded
 from tandem.backend.metrics import RecordingMetrics
-from tandem.backend.prefill_engine import PrefillEngine
 from tandem.backend.timing import Timings
 from tests.unit.test_engines import ListSink, _handoff, _settings, _wait_until, decoder, started_pd  # noqa: F401
 

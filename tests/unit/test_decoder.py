@@ -8,10 +8,10 @@ import dataclasses
 import pytest
 import torch
 
-from tandem.backend.config import PRESETS, ModelConfig
-from tandem.backend.decoder import Decoder, PrefillItem
-from tandem.backend.kv_pool import KVPool
-from tandem.backend.prefix_cache import PrefixCache
+from tandem.backend.kv.pool import KVPool
+from tandem.backend.kv.prefix_cache import PrefixCache
+from tandem.backend.model.config import PRESETS, ModelConfig
+from tandem.backend.model.decoder import Decoder, PrefillItem
 
 CFG = dataclasses.replace(PRESETS["tiny"], vocab_size=256, rope_theta=10000.0)
 PAGE = 4

@@ -23,10 +23,10 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from tandem.backend.checkpoint import save_checkpoint
-from tandem.backend.config import preset
-from tandem.backend.decoder import Decoder
 from tandem.backend.metrics import BY_NAME
+from tandem.backend.model.checkpoint import save_checkpoint
+from tandem.backend.model.config import preset
+from tandem.backend.model.decoder import Decoder
 from tandem.cli.make_repository import main as tandem_repo
 from tandem.transfer.control import control_dir
 

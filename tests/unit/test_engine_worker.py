@@ -21,12 +21,12 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 
-from tandem.backend.channel import Array, Beat, Cancel, Channel, Reply, Submit
-from tandem.backend.engine_host import WorkerMetrics
 from tandem.backend.errors import TandemError
+from tandem.backend.generation.sampling import SamplingParams
 from tandem.backend.metrics import RecordingMetrics
-from tandem.backend.sampling import SamplingParams
 from tandem.backend.settings import WorkerSettings
+from tandem.backend.worker.channel import Array, Beat, Cancel, Channel, Reply, Submit
+from tandem.backend.worker.host import WorkerMetrics
 from tandem.serving.engine_worker import EngineWorker, WorkerState, merge_beats
 
 STALL_S = 1.0

@@ -14,18 +14,18 @@ import numpy as np
 import pytest
 import torch
 
-from tandem.backend.config import preset
-from tandem.backend.decode_engine import DecodeEngine, DecodeRequest
-from tandem.backend.decoder import Decoder
+from tandem.backend.engines.decode.engine import DecodeEngine, DecodeRequest
+from tandem.backend.engines.handoff import Handoff
+from tandem.backend.engines.mono import MonoEngine
+from tandem.backend.engines.prefill import PrefillEngine, PrefillRequest
+from tandem.backend.engines.stream import Chunk, EngineRequest
 from tandem.backend.errors import Cancelled, Overloaded, TandemError
-from tandem.backend.handoff import Handoff
-from tandem.backend.kv_pool import KVPool
+from tandem.backend.generation.sampling import SamplingParams, sample
+from tandem.backend.kv.pool import KVPool
 from tandem.backend.metrics import RecordingMetrics
-from tandem.backend.mono_engine import MonoEngine
-from tandem.backend.prefill_engine import PrefillEngine, PrefillRequest
-from tandem.backend.sampling import SamplingParams, sample
+from tandem.backend.model.config import preset
+from tandem.backend.model.decoder import Decoder
 from tandem.backend.settings import BatchSettings, EngineSettings, PoolSettings, TransferSettings
-from tandem.backend.stream import Chunk, EngineRequest
 from tandem.backend.timing import Timings, waterfall
 
 
@@ -215,8 +215,8 @@ def test_cancelled_stream_returns_its_pages(decoder, tmp_path):
 
 
 def test_d_seeds_its_step_model_before_its_first_admission(pd):
-    """D times its own loop at start (backend/calibration.py): the rate floor has a fitted model
-    before any stream arrives, and every page of the pool is free again."""
+    """D times its own loop at start (backend/engines/decode/calibration.py): the rate floor has a
+    fitted model before any stream arrives, and every page of the pool is free again."""
     _, d = pd
     assert d.step_model.ready
     assert d.pool.num_free_pages == d.pool.num_pages
@@ -226,7 +226,7 @@ def test_d_seeds_its_step_model_before_its_first_admission(pd):
 def test_a_failed_calibration_leaves_d_serving_on_live_steps(decoder, tmp_path, monkeypatch):
     """Calibration is an optimisation: if it fails with the pool as it was, D logs it, starts with an
     unseeded model (it learns from live steps) and serves."""
-    from tandem.backend import calibration
+    from tandem.backend.engines.decode import calibration
 
     def broken(batch, plan, steps, seed=0):
         raise RuntimeError("device hiccup")
@@ -251,7 +251,7 @@ def test_a_failed_calibration_leaves_d_serving_on_live_steps(decoder, tmp_path, 
 def test_a_calibration_that_leaves_the_pool_changed_stops_d_from_starting(decoder, tmp_path, monkeypatch):
     """A failure that left pages out (a bug in the calibration, not the device) must not be served
     on: D's start raises, and closing it afterwards is clean."""
-    from tandem.backend import calibration
+    from tandem.backend.engines.decode import calibration
 
     def leaky(batch, plan, steps, seed=0):
         batch.pool.allocate(1)

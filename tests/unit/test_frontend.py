@@ -10,12 +10,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tandem.backend.config import Limits, preset
 from tandem.backend.errors import InvalidInput
-from tandem.backend.frontend import Family, TextFrontend, build_frontend, detect_family, parse_family
+from tandem.backend.model.config import Limits, preset
 from tandem.backend.prompt import TextRequest, check_text_request
 from tandem.backend.settings import parse_settings
-from tandem.backend.tokenizer import TextTokenizer, TokenizerError
+from tandem.backend.text.frontend import Family, TextFrontend, build_frontend, detect_family, parse_family
+from tandem.backend.text.tokenizer import TextTokenizer, TokenizerError
 from tests.fixtures.text_models import (
     CHECKED_IN_TOKENIZER,
     ORPHEUS_VOICES,
@@ -179,8 +179,8 @@ def test_build_frontend_finds_the_tokenizer(tmp_path: Path, orpheus_tok: TextTok
 
 
 def test_tandem_repo_points_the_frontend_at_the_checkpoint(tmp_path: Path) -> None:
-    from tandem.backend.checkpoint import save_checkpoint
-    from tandem.backend.decoder import Decoder
+    from tandem.backend.model.checkpoint import save_checkpoint
+    from tandem.backend.model.decoder import Decoder
     from tandem.cli.make_repository import main
     from tandem.serving.repository import model_parameter
 

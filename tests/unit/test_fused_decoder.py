@@ -8,10 +8,10 @@ from dataclasses import replace
 import pytest
 import torch
 
-from tandem.backend.checkpoint import load_checkpoint, save_checkpoint
-from tandem.backend.config import PRESETS, ModelConfig, preset
-from tandem.backend.decoder import Decoder, PrefillItem
-from tandem.backend.kv_pool import KVPool
+from tandem.backend.kv.pool import KVPool
+from tandem.backend.model.checkpoint import load_checkpoint, save_checkpoint
+from tandem.backend.model.config import PRESETS, ModelConfig, preset
+from tandem.backend.model.decoder import Decoder, PrefillItem
 from tandem.csrc import kv_cuda, triton_ops
 
 TINY = PRESETS["tiny"]

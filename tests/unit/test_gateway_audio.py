@@ -10,8 +10,8 @@ import wave
 
 import numpy as np
 
-from tandem.serving.client_errors import ClientCode, ClientError
-from tandem.serving.gateway_audio import AudioFormat, Framer, StreamFormat, pcm16, wav_header
+from tandem.gateway.audio import AudioFormat, Framer, StreamFormat, pcm16, wav_header
+from tandem.gateway.errors import ClientCode, ClientError
 
 
 def test_pcm16_clips_and_scales():

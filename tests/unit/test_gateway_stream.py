@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from tandem.serving.client_errors import ClientCode, ClientError, classify
-from tandem.serving.gateway_stream import SpeechModel, openai_param
+from tandem.gateway.errors import ClientCode, ClientError, classify
+from tandem.gateway.stream import SpeechModel, openai_param
 
 
 @pytest.mark.parametrize(

@@ -30,7 +30,7 @@ from tandem.transfer import (
 from tandem.transfer.cuda_paths import CudaIpcPath, CudaVmmPath, register
 from tandem.transfer.proxy import ProxyClient
 from tandem.transfer.proxy_path import ProxyPath
-from tandem.transfer.testing import fake_kv, fake_pool
+from tests.support.transfer_fakes import fake_kv, fake_pool
 
 LAYOUT = WireLayout(4, 2, 64, "bfloat16")
 CTX = mp.get_context("spawn")

@@ -15,21 +15,21 @@ import numpy as np
 import pytest
 import torch
 
-from tandem.backend.config import preset
-from tandem.backend.decoder import Decoder
-from tandem.backend.frontend import Family, TextFrontend
-from tandem.backend.generation import load_generation_defaults, resolve_grammar
-from tandem.backend.grammar import (
+from tandem.backend.generation.defaults import load_generation_defaults, resolve_grammar
+from tandem.backend.generation.grammar import (
     ORPHEUS_END_OF_SPEECH,
     Grammar,
     allowed,
     check_vocab,
     orpheus_audio_id,
 )
+from tandem.backend.generation.sampling import SamplingParams, mark_seen, processed_logits, sample
+from tandem.backend.model.config import preset
+from tandem.backend.model.decoder import Decoder
 from tandem.backend.prompt import CONTRACT_DEFAULTS, REPETITION_PENALTY, GenerationDefaults, parse_params
-from tandem.backend.sampling import SamplingParams, mark_seen, processed_logits, sample
 from tandem.backend.settings import parse_settings
-from tandem.backend.tokenizer import TextTokenizer
+from tandem.backend.text.frontend import Family, TextFrontend
+from tandem.backend.text.tokenizer import TextTokenizer
 from tests.fixtures.text_models import llama3_tokenizer, orpheus_checkpoint, orpheus_config
 from tests.unit.test_batch import Job, _batch
 
@@ -244,8 +244,8 @@ def test_bad_generation_settings_are_load_errors(tmp_path: Path) -> None:
     ],
 )
 def test_bad_repetition_penalty(value: np.ndarray, needle: str) -> None:
-    from tandem.backend.config import Limits
     from tandem.backend.errors import InvalidInput
+    from tandem.backend.model.config import Limits
 
     with pytest.raises(InvalidInput, match=needle):
         parse_params({REPETITION_PENALTY: value}, preset("tiny"), Limits())

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tandem.backend.config import PRESETS
 from tandem.backend.errors import PoolExhausted
-from tandem.backend.kv_pool import KVLayout, KVPool
+from tandem.backend.kv.pool import KVLayout, KVPool
+from tandem.backend.model.config import PRESETS
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=4, dtype=torch.float32)
 

@@ -17,8 +17,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tandem.backend.config import PRESETS
-from tandem.backend.decoder import Decoder
+from tandem.backend.model.config import PRESETS
+from tandem.backend.model.decoder import Decoder
 from tandem.csrc import kv_cuda
 from tandem.csrc import linear as lin
 

@@ -63,9 +63,9 @@ def _series(families: list[_Family]) -> dict[tuple[str, tuple[tuple[str, str], .
 def _call_sites() -> list[tuple[str, str, str]]:
     """(file, name, arguments) of every sink call with a literal metric name under backend/."""
     out = []
-    for path in sorted((ROOT / "backend").glob("*.py")):
+    for path in sorted((ROOT / "backend").rglob("*.py")):
         for m in CALL.finditer(path.read_text()):
-            out.append((path.name, m.group(2), m.group(3)))
+            out.append((str(path.relative_to(ROOT)), m.group(2), m.group(3)))
     return out
 
 
@@ -102,7 +102,7 @@ def test_zero_series_are_counters_with_the_labels_their_call_sites_use() -> None
 
 
 def test_release_proofs_are_the_ones_decode_counts() -> None:
-    from tandem.backend.decode_metrics import _PROOFS
+    from tandem.backend.engines.decode.metrics import _PROOFS
 
     assert set(RELEASE_PROOFS) == set(_PROOFS.values())
 

@@ -1,6 +1,6 @@
 """The example alerts and the dashboard read only metrics that exist: every `tandem_*` name in
 docs/prometheus-rules.yaml and docs/grafana-dashboard.json is declared by the engines
-(backend/metrics.py) or the gateway (serving/gateway_metrics.py)."""
+(backend/metrics.py) or the gateway (gateway/metrics.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import yaml
 
 from tandem.backend.metrics import BY_NAME, Kind
-from tandem.serving.gateway_metrics import FIRST_AUDIO, NAMES
+from tandem.gateway.metrics import FIRST_AUDIO, NAMES
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 HISTOGRAMS = {n for n, m in BY_NAME.items() if m.kind == Kind.HISTOGRAM} | {FIRST_AUDIO}

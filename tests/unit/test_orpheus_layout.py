@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from tandem.backend.orpheus_layout import AUDIO_BASE, CODEBOOK, END_OF_SPEECH, OrpheusLayout
+from tandem.backend.codec.orpheus import AUDIO_BASE, CODEBOOK, END_OF_SPEECH, OrpheusLayout
 
 LAYOUT = OrpheusLayout()
 

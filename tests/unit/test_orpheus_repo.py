@@ -10,13 +10,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tandem.backend.checkpoint import save_checkpoint
-from tandem.backend.config import ModelConfig, preset
-from tandem.backend.decoder import Decoder
-from tandem.backend.snac_codec import SNAC_24KHZ
-from tandem.cli.families import detect_family
+from tandem.backend.codec.snac import SNAC_24KHZ
+from tandem.backend.model.checkpoint import save_checkpoint
+from tandem.backend.model.config import ModelConfig, preset
+from tandem.backend.model.decoder import Decoder
+from tandem.backend.text.families import detect_family
 from tandem.cli.make_repository import main
-from tandem.cli.tts_client import build_inputs
+from tandem.gateway.client import build_inputs
 from tandem.serving.repository import model_parameter
 
 _ORPHEUS_LIKE = ModelConfig(

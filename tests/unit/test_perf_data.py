@@ -8,9 +8,9 @@ from pathlib import Path
 
 import numpy as np
 
-from tandem.backend.config import Limits, preset
+from tandem.backend.model.config import Limits, preset
 from tandem.backend.prompt import check_prompt, parse_params
-from tandem.cli.perf_data import first_response_latencies, input_data
+from tandem.bench.perf_data import first_response_latencies, input_data
 
 ROOT = Path(__file__).resolve().parents[2]
 

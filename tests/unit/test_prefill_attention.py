@@ -1,4 +1,4 @@
-"""Prefill attention (backend/prefill_attention.py): the padded causal form the opt-in cuDNN path runs,
+"""Prefill attention (backend/model/prefill_attention.py): the padded causal form the opt-in cuDNN path runs,
 against plain causal attention; its buckets; its switch. The cuDNN plans and the GPU choice need CUDA
 and are skipped on the CPU."""
 
@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from tandem.backend import prefill_attention as pa
+from tandem.backend.model import prefill_attention as pa
 
 
 def _qkv(t: int, heads: int, kv_heads: int, dtype: torch.dtype, device: str, seed: int = 0):  # type: ignore[no-untyped-def]
@@ -69,7 +69,7 @@ def test_planning_is_a_no_op_on_the_cpu() -> None:
 def test_flash_is_the_default() -> None:
     env = {k: v for k, v in os.environ.items() if k != "TANDEM_PREFILL_ATTENTION"}
     proc = subprocess.run(
-        [sys.executable, "-c", "from tandem.backend import prefill_attention as p; print(p.USE_CUDNN)"],
+        [sys.executable, "-c", "from tandem.backend.model import prefill_attention as p; print(p.USE_CUDNN)"],
         env=env,
         capture_output=True,
         text=True,
@@ -80,7 +80,7 @@ def test_flash_is_the_default() -> None:
 def test_bad_switch_stops_the_import_naming_it() -> None:
     env = {**os.environ, "TANDEM_PREFILL_ATTENTION": "fast"}
     proc = subprocess.run(
-        [sys.executable, "-c", "import tandem.backend.prefill_attention"],
+        [sys.executable, "-c", "import tandem.backend.model.prefill_attention"],
         env=env,
         capture_output=True,
         text=True,

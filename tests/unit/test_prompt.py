@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 import tandem.csrc as csrc
-from tandem.backend.config import Limits, ModelConfig, preset
 from tandem.backend.errors import InvalidInput
+from tandem.backend.model.config import Limits, ModelConfig, preset
 from tandem.backend.prompt import (
     MAX_TOKENS,
     SEED,

@@ -114,7 +114,7 @@ def test_engines_proxy_path_is_their_units_sidecar(monkeypatch: pytest.MonkeyPat
     """The proxy path an engine builds serves `tandem.transfer.unit` (what `tandem-proxy --unit`
     serves), not $TANDEM_UNIT or "default", and carries the engine's KV layout (a GPU fault-matrix
     run found engines looking for the sidecar of the unit "default")."""
-    from tandem.backend.engine_parts import path_registry
+    from tandem.backend.engines.parts import path_registry
     from tandem.backend.settings import EngineSettings, TransferSettings
     from tandem.transfer import WireLayout
 

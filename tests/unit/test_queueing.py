@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from tandem.backend.errors import Overloaded, TandemError
-from tandem.backend.queueing import Intake
+from tandem.backend.scheduling.intake import Intake
 
 
 @dataclass

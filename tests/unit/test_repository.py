@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from tandem.backend.checkpoint import save_checkpoint
-from tandem.backend.config import preset
-from tandem.backend.decoder import Decoder
+from tandem.backend.model.checkpoint import save_checkpoint
+from tandem.backend.model.config import preset
+from tandem.backend.model.decoder import Decoder
 from tandem.cli.make_repository import main
 from tandem.serving.repository import ROW_TENSORS, render, set_dims, set_parameter
 from tandem.serving.triton_io import check_dims

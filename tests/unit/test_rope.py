@@ -15,10 +15,10 @@ from typing import Any
 import pytest
 import torch
 
-from tandem.backend.checkpoint import config_from_hf, load_checkpoint, save_checkpoint
-from tandem.backend.config import ModelConfig
-from tandem.backend.decoder import Decoder
-from tandem.backend.rope import RopeScaling, inv_freq, parse_rope
+from tandem.backend.model.checkpoint import config_from_hf, load_checkpoint, save_checkpoint
+from tandem.backend.model.config import ModelConfig
+from tandem.backend.model.decoder import Decoder
+from tandem.backend.model.rope import RopeScaling, inv_freq, parse_rope
 from tests.unit.test_checkpoint import COMMON, check_prefill_and_decode, hf_reference, scramble
 
 transformers = pytest.importorskip("transformers")

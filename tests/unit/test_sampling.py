@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tandem.backend.sampling import SamplingParams, sample, uniforms
+from tandem.backend.generation.sampling import SamplingParams, sample, uniforms
 
 V = 50
 

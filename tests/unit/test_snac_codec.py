@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 import torch
 
-from tandem.backend.codec import CodecWindow, Framing
-from tandem.backend.codec_builder import build_codec, codec_spec
-from tandem.backend.orpheus_layout import OrpheusLayout
+from tandem.backend.codec.base import CodecWindow, Framing
+from tandem.backend.codec.builder import build_codec, codec_spec
+from tandem.backend.codec.orpheus import OrpheusLayout
+from tandem.backend.codec.snac import SnacCodec, snac_spec
 from tandem.backend.settings import parse_settings
-from tandem.backend.snac_codec import SnacCodec, snac_spec
 from tests.fixtures.snac_dir import write_snac_dir
 
 FRAMES = 12

@@ -1,6 +1,7 @@
-"""D's rate-floor step model (`backend/step_model.py`) and its start-up seed (`backend/calibration.py`):
-what it admits, that a seeded model predicts before any live step, and that timing the real loop at
-start leaves the pool, the batch and the metrics exactly as they were."""
+"""D's rate-floor step model (`backend/scheduling/step_model.py`) and its start-up seed
+(`backend/engines/decode/calibration.py`): what it admits, that a seeded model predicts before any
+live step, and that timing the real loop at start leaves the pool, the batch and the metrics exactly
+as they were."""
 
 from __future__ import annotations
 
@@ -8,13 +9,13 @@ import numpy as np
 import pytest
 import torch
 
-from tandem.backend import calibration
-from tandem.backend.config import preset
-from tandem.backend.decoder import Decoder
-from tandem.backend.engine_parts import make_batch, make_pool
+from tandem.backend.engines.decode import calibration
+from tandem.backend.engines.parts import make_batch, make_pool
 from tandem.backend.metrics import RecordingMetrics
+from tandem.backend.model.config import preset
+from tandem.backend.model.decoder import Decoder
+from tandem.backend.scheduling.step_model import MIN_SAMPLES, StepTimeModel
 from tandem.backend.settings import BatchSettings, EngineSettings, PoolSettings
-from tandem.backend.step_model import MIN_SAMPLES, StepTimeModel
 
 
 def _linear(b: int, ctx: int) -> float:

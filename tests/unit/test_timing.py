@@ -7,10 +7,10 @@ import itertools
 import pytest
 
 from tandem.backend.timing import FIRST_AUDIO_STAGES, STAGES, Timings, waterfall
-from tandem.cli.bench import stream_record
-from tandem.cli.tts_client import StreamResult
+from tandem.bench.capacity import stream_record
+from tandem.gateway.client import StreamResult
 
-# P's copy end to D's pickup, split where D's threads see the transfer (backend/decode_transfers.py)
+# P's copy end to D's pickup, split where D's threads see the transfer (backend/engines/decode/transfers.py)
 KV_JOURNEY = ("copy_start", "copy_end", "d_done", "d_checksummed", "verified")
 
 

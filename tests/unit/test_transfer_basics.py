@@ -24,7 +24,7 @@ from tandem.transfer import (
 )
 from tandem.transfer.frames import FrameReader, MsgType, decode, encode
 from tandem.transfer.paths import HostShmPath
-from tandem.transfer.testing import FailingPath
+from tests.support.transfer_fakes import FailingPath
 
 
 @pytest.fixture
@@ -230,7 +230,7 @@ def test_select_path_require_never_falls_back() -> None:
 
 
 def test_checksum_bench_writes_equal_checksums_for_every_grouping(tmp_path: Path) -> None:
-    from tandem.cli import bench_checksum
+    from tandem.bench import checksum as bench_checksum
 
     assert bench_checksum.main(["--mib", "9", "--reps", "1", "--groups", "1,2", "--out", str(tmp_path)]) == 0
     result = json.loads((tmp_path / "checksum.json").read_text())

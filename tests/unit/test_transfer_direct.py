@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 
-from tandem.backend.kv_pool import KVLayout, KVPool
+from tandem.backend.kv.pool import KVLayout, KVPool
 from tandem.transfer import (
     ChecksumMismatch,
     HostShmPath,
@@ -34,7 +34,6 @@ from tandem.transfer import (
     TransferSender,
     TransferState,
     WireLayout,
-    testing,
 )
 from tandem.transfer._offer import Peer
 from tandem.transfer.checksum import kv_checksum, kv_checksum_rows
@@ -50,7 +49,8 @@ from tandem.transfer.frames import (
     send_frame,
 )
 from tandem.transfer.tcp_path import TcpPath
-from tandem.transfer.testing import HookControl, SenderProcess, fake_kv, fake_pool
+from tests.support import transfer_fakes
+from tests.support.transfer_fakes import HookControl, SenderProcess, fake_kv, fake_pool
 
 LAYOUT = WireLayout(num_layers=2, num_kv_heads=2, head_dim=16, dtype_name="bfloat16")
 POOL_SLOTS = 4096
@@ -59,7 +59,7 @@ BUSY = (TransferState.REQUESTED, TransferState.DONE)
 
 
 def wait_for(pred: Callable[[], bool], timeout: float = 5.0) -> bool:
-    return testing.wait_for(pred, timeout)
+    return transfer_fakes.wait_for(pred, timeout)
 
 
 def settle(r: TransferReceiver, h: TransferHandle, timeout: float = 5.0) -> TransferState:

@@ -22,9 +22,9 @@ from tandem.transfer import (
     TransferState,
     UnknownTransfer,
     WireLayout,
-    testing,
 )
-from tandem.transfer.testing import HookControl, fake_kv
+from tests.support import transfer_fakes
+from tests.support.transfer_fakes import HookControl, fake_kv
 
 LAYOUT = WireLayout(num_layers=2, num_kv_heads=2, head_dim=16, dtype_name="bfloat16")
 ARENA = 1 << 22
@@ -69,12 +69,12 @@ def test_a_dropped_offer_frees_its_source_at_once_and_is_never_pulled(unit: Unit
     r = unit.receiver()
     t0 = time.monotonic()
     assert r.drop(ticket)
-    assert testing.wait_for(lambda: ticket.transfer_id in unit.released, DROP_BOUND_S)
+    assert transfer_fakes.wait_for(lambda: ticket.transfer_id in unit.released, DROP_BOUND_S)
     print(f"\nDROP -> P's pages back in {(time.monotonic() - t0) * 1e3:.1f} ms")
     assert unit.s.stats().offers_dropped == 1 and unit.s.stats().offers_open == 0
     assert r.stats().drops_sent == 1
     late = r.request(ticket, 5.0)  # a PULL after the drop is refused: no copy for it ever starts
-    assert testing.wait_for(lambda: r.poll(late) is TransferState.FAILED)
+    assert transfer_fakes.wait_for(lambda: r.poll(late) is TransferState.FAILED)
     assert isinstance(late.error, UnknownTransfer) and "ABORTED" in str(late.error)
     r.complete(late)
     assert unit.released.count(ticket.transfer_id) == 1
@@ -90,17 +90,17 @@ def test_a_drop_naming_another_p_instance_is_refused_and_logged(
     with caplog.at_level(logging.INFO):
         assert r.drop(forged)  # D cannot know; P checks
         # D connects, sees P's instance differ from the ticket's and forgets it: nothing is sent
-        assert testing.wait_for(lambda: r.stats().drops_sent == 0 and unit.s.stats().connections == 1)
+        assert transfer_fakes.wait_for(lambda: r.stats().drops_sent == 0 and unit.s.stats().connections == 1)
         time.sleep(0.2)
     assert unit.s.stats().offers_dropped == 0 and ticket.transfer_id not in unit.released
     # the frame itself, as a peer that ignores D's own check would send it: P refuses and logs
     raw = _raw_drop(unit, ticket.transfer_id, forged.instance_id)
-    assert testing.wait_for(lambda: unit.s.stats().drops_refused == 1)
+    assert transfer_fakes.wait_for(lambda: unit.s.stats().drops_refused == 1)
     assert ticket.transfer_id not in unit.released and unit.s.stats().offers_open == 1
     assert any("refused DROP" in m and "names P instance" in m for m in _messages(caplog)), _messages(caplog)
     raw.close()
     h = r.request(ticket, 5.0)  # the real offer still serves its puller
-    assert testing.wait_for(lambda: r.poll(h) is TransferState.VERIFIED)
+    assert transfer_fakes.wait_for(lambda: r.poll(h) is TransferState.VERIFIED)
     r.complete(h)
 
 
@@ -112,7 +112,7 @@ def test_a_drop_of_an_unknown_offer_is_refused_and_logged(
     unknown = dataclasses.replace(ticket, transfer_id=secrets.token_hex(16))
     with caplog.at_level(logging.INFO):
         assert r.drop(unknown)
-        assert testing.wait_for(lambda: unit.s.stats().drops_refused == 1)
+        assert transfer_fakes.wait_for(lambda: unit.s.stats().drops_refused == 1)
     assert r.stats().drops_sent == 1 and unit.s.stats().offers_dropped == 0
     assert unit.s.stats().offers_open == 1 and ticket.transfer_id not in unit.released
     assert any("refused DROP" in m and "no such offer" in m for m in _messages(caplog)), _messages(caplog)
@@ -130,10 +130,10 @@ def test_a_drop_never_ends_an_offer_another_d_has_pulled(
     assert unit.hook.entered.wait(5.0)  # COPYING: the offer belongs to D1's transfer now
     with caplog.at_level(logging.INFO):
         assert d2.drop(ticket)
-        assert testing.wait_for(lambda: unit.s.stats().drops_refused == 1)
+        assert transfer_fakes.wait_for(lambda: unit.s.stats().drops_refused == 1)
     assert any("refused DROP" in m and "COPYING" in m for m in _messages(caplog)), _messages(caplog)
     unit.hook.gate.set()
-    assert testing.wait_for(lambda: d1.poll(h) is TransferState.VERIFIED)
+    assert transfer_fakes.wait_for(lambda: d1.poll(h) is TransferState.VERIFIED)
     d1.complete(h)
     assert unit.s.stats().offers_dropped == 0 and unit.released.count(ticket.transfer_id) == 1
 
@@ -151,7 +151,7 @@ def test_d_sends_no_drop_for_a_ticket_it_cannot_attribute_or_has_requested(
         assert not r.drop(ticket)  # requested: its transfer ends by its own rules
     assert any("no DROP" in m and "not in this unit" in m for m in _messages(caplog)), _messages(caplog)
     assert r.stats().drops_refused == 2 and r.stats().drops_sent == 0
-    assert testing.wait_for(lambda: r.poll(h) is TransferState.VERIFIED)
+    assert transfer_fakes.wait_for(lambda: r.poll(h) is TransferState.VERIFIED)
     r.complete(h)
     unit.receivers.remove(r)
     r.close()
@@ -165,12 +165,12 @@ def test_drops_for_an_unreachable_p_are_forgotten_and_the_ttl_stays_the_backstop
     r = unit.receiver()
     gone = dataclasses.replace(ticket, endpoint=ticket.endpoint.replace("p-p0.sock", "p-none.sock"))
     assert r.drop(gone)
-    assert testing.wait_for(
+    assert transfer_fakes.wait_for(
         lambda: not r._endpoints.get(gone.endpoint) or not r._endpoints[gone.endpoint].drops
     )
     assert r.stats().drops_sent == 0
     assert r.drop(ticket)  # the live P still hears its own
-    assert testing.wait_for(lambda: ticket.transfer_id in unit.released, DROP_BOUND_S)
+    assert transfer_fakes.wait_for(lambda: ticket.transfer_id in unit.released, DROP_BOUND_S)
 
 
 def _raw_drop(unit: Unit, tid: str, instance: str):

@@ -22,21 +22,21 @@ from tandem.transfer import (
     TransferTimeout,
     WireLayout,
     kv_checksum,
-    testing,
 )
 from tandem.transfer._conn import Connection
 from tandem.transfer.checksum import format_checksum
 from tandem.transfer.control import InstanceLock, endpoint_paths, listen_unix
 from tandem.transfer.frames import PROTOCOL_VERSION, MsgType
 from tandem.transfer.paths import HostPeerArena
-from tandem.transfer.testing import fake_kv
+from tests.support import transfer_fakes
+from tests.support.transfer_fakes import fake_kv
 
 LAYOUT = WireLayout(1, 2, 8, "float32")
 ARENA = 1 << 20
 
 
 def wait_for(pred: Callable[[], bool], timeout: float = 5.0) -> bool:
-    return testing.wait_for(pred, timeout)
+    return transfer_fakes.wait_for(pred, timeout)
 
 
 class ScriptedP:

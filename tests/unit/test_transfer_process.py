@@ -26,7 +26,7 @@ from tandem.transfer import (
     TransferState,
     WireLayout,
 )
-from tandem.transfer.testing import SenderProcess, fake_kv, wait_for
+from tests.support.transfer_fakes import SenderProcess, fake_kv, wait_for
 
 LAYOUT = WireLayout(2, 2, 32, "bfloat16")
 ARENA = 1 << 24

@@ -27,18 +27,18 @@ from tandem.transfer import (
     TransferTimeout,
     UnknownTransfer,
     WireLayout,
-    testing,
 )
 from tandem.transfer.control import connect_unix
 from tandem.transfer.frames import PROTOCOL_VERSION, FrameReader, MsgType, encode, send_frame
-from tandem.transfer.testing import HookControl, fake_kv
+from tests.support import transfer_fakes
+from tests.support.transfer_fakes import HookControl, fake_kv
 
 LAYOUT = WireLayout(num_layers=2, num_kv_heads=2, head_dim=16, dtype_name="bfloat16")
 ARENA = 1 << 22
 
 
 def wait_for(pred: Callable[[], bool], timeout: float = 5.0) -> bool:
-    return testing.wait_for(pred, timeout)
+    return transfer_fakes.wait_for(pred, timeout)
 
 
 def settle(r: TransferReceiver, h: TransferHandle, timeout: float = 5.0) -> TransferState:

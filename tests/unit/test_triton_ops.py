@@ -11,8 +11,8 @@ from functools import partial
 import pytest
 import torch
 
-from tandem.backend.layers import rope_cos_sin
-from tandem.backend.rope import inv_freq
+from tandem.backend.model.layers import rope_cos_sin
+from tandem.backend.model.rope import inv_freq
 from tandem.csrc import triton_ops
 
 # One rounding of the dtype (the kernels round where torch rounds; only the norm's sum order differs).
@@ -156,7 +156,7 @@ def test_cpu_runs_the_references() -> None:
 
 def test_reference_rope_is_the_layers_rope() -> None:
     """The reference is `Attention.qkv`'s maths: qk-norm then RoPE with rotate_half."""
-    from tandem.backend.layers import RMSNorm, apply_rope
+    from tandem.backend.model.layers import RMSNorm, apply_rope
 
     case = _rope_case(6, 4, 2, 16, torch.float32, "cpu", True, seed=5)
     qkv, cos, sin = case["qkv"], case["cos"], case["sin"]

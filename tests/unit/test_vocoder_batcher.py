@@ -11,9 +11,9 @@ from typing import Any
 
 import numpy as np
 
-from tandem.backend.codec import CodecSpec, CodecWindow
-from tandem.backend.config import VocoderConfig
-from tandem.backend.vocoder import ReferenceVocoder
+from tandem.backend.codec.base import CodecSpec, CodecWindow
+from tandem.backend.codec.reference import ReferenceVocoder
+from tandem.backend.model.config import VocoderConfig
 from tandem.serving.chunk_render import VocoderBatcher
 
 

@@ -1,4 +1,5 @@
-"""frontend: thin Triton adapter over tandem.backend.frontend (TEXT + VOICE -> rows; PROMPT as it came)."""
+"""frontend: thin Triton adapter over tandem.backend.text.frontend (TEXT + VOICE -> rows; PROMPT as
+it came)."""
 
 import triton_python_backend_utils as pb_utils
 

@@ -1,0 +1,65 @@
+"""One builder from typed settings to the codec: its spec (no weights), D's framing, the codec itself.
+
+`tandem.codec.kind` picks it (backend/settings.py `CodecSettings`):
+- `reference`: `ReferenceVocoder` (tones, no weights), one frame per row, no context; its clock is
+  `tandem.vocoder.sample_rate` / `rows_per_second`. The checked-in CPU default.
+- `snac`: SNAC from `tandem.codec.path` (backend/codec/snac.py), Orpheus' layout by default.
+No import side effects and no environment reads: every process (P, D, the vocoder, the monolithic
+engine) builds the same spec from the same parameters.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tandem.backend.codec.base import AudioLayout, Codec, CodecSpec, Framing, RowLayout
+from tandem.backend.codec.orpheus import OrpheusLayout
+from tandem.backend.settings import EngineSettings
+
+KINDS = ("reference", "snac")
+LAYOUTS: dict[str, type[RowLayout] | type[OrpheusLayout]] = {"rows": RowLayout, "orpheus": OrpheusLayout}
+_DEFAULTS = {"reference": ("rows", 0, 0), "snac": ("orpheus", 2, 1)}  # layout, lookback, lookahead
+
+
+def layout(name: str) -> AudioLayout:
+    try:
+        return LAYOUTS[name]()
+    except KeyError:
+        known = sorted(LAYOUTS)
+        raise ValueError(f"parameter 'codec.layout': unknown layout {name!r}; known: {known}") from None
+
+
+def codec_spec(settings: EngineSettings) -> CodecSpec:
+    """The configured codec's spec; raises ValueError naming the bad parameter (kind, path, layout)."""
+    c = settings.codec
+    if c.kind not in KINDS:
+        raise ValueError(f"parameter 'codec.kind': unknown codec {c.kind!r}; known: {list(KINDS)}")
+    default_layout, default_back, default_ahead = _DEFAULTS[c.kind]
+    name = c.layout or default_layout
+    rows_per_frame = layout(name).rows_per_frame
+    back = default_back if c.lookback_frames < 0 else c.lookback_frames
+    ahead = default_ahead if c.lookahead_frames < 0 else c.lookahead_frames
+    if c.kind == "reference":
+        v = settings.vocoder
+        return CodecSpec("reference", name, v.sample_rate, v.samples_per_row, rows_per_frame, back, ahead)
+    from tandem.backend.codec.snac import snac_spec
+
+    return snac_spec(c.path, name, back, ahead, rows_per_frame)
+
+
+def framing(settings: EngineSettings) -> Framing:
+    """D's (and the monolithic engine's) side of the codec: layout and context frames."""
+    spec = codec_spec(settings)
+    return Framing(layout(spec.layout), spec.lookback, spec.lookahead)
+
+
+def build_codec(settings: EngineSettings, device: torch.device) -> Codec:
+    """The codec itself, on `device` (SNAC loads its weights here; the reference codec has none)."""
+    spec = codec_spec(settings)
+    if spec.kind == "reference":
+        from tandem.backend.codec.reference import ReferenceVocoder
+
+        return ReferenceVocoder(settings.vocoder)
+    from tandem.backend.codec.snac import SnacCodec
+
+    return SnacCodec(settings.codec.path, spec, device)

@@ -1,0 +1,190 @@
+"""Rows of codec ids -> PCM audio, and how a stream is cut into chunks.
+
+The decode engine emits one row of `row_width` ids per step; the vocoder turns finished rows into
+audio in chunks as they arrive. The seam is `backend/codec/base.py` (`Codec`: windows of frames -> audio,
+with context frames sent by D); `ReferenceVocoder` below is the CPU default's codec: one frame per
+row and no context needed, so the streaming path, its tests and its benchmarks run without model
+weights. SNAC (backend/codec/snac.py) sits behind the same seam.
+
+Chunking contract: `synthesize` is a pure function of (rows, first_row). Audio for rows a..b-1
+followed by audio for rows b..c-1 is the audio for rows a..c-1, so chunk sizes (`ChunkPolicy`) are a
+latency/overhead trade-off only and never change what the client hears.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import wave
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+from tandem.backend.codec.base import CodecSpec, CodecWindow, Framing, RowLayout
+from tandem.backend.model.config import VocoderConfig
+
+
+class Vocoder(Protocol):
+    """Turns rows of a stream into audio; called by the streaming engine once per chunk.
+
+    Implementations must be stateless across calls (or keep state that makes the output depend on
+    nothing but the arguments): the engine may resend a chunk after a retry, skip ahead after a
+    cancel, or run chunks of different streams interleaved.
+    """
+
+    @property
+    def sample_rate(self) -> int: ...
+
+    @property
+    def samples_per_row(self) -> int: ...
+
+    def synthesize(self, rows: np.ndarray, first_row: int) -> np.ndarray:
+        """Audio for rows `first_row .. first_row + N - 1` of a stream.
+
+        Args:
+            rows: int64 [N, W] codec ids; read only, the caller keeps ownership.
+            first_row: absolute index of rows[0] in the stream (>= 0).
+
+        Returns:
+            A new float32 [N * samples_per_row] mono array in [-1, 1], owned by the caller.
+        """
+        ...
+
+
+# Tones span two octaves of whole-hertz frequencies from A3 (see ReferenceVocoder).
+_BASE_HZ = 220.0
+_SEMITONES = 24
+_LEVELS = 8
+_HEADROOM = 0.9  # peak amplitude: the sum of a row's partials never exceeds this
+
+
+class ReferenceVocoder:
+    """A deterministic, cheap stand-in for a neural codec decoder.
+
+    Each row becomes a short chord: column c's id picks a pitch (one of 24 semitones, shifted up
+    c octaves) and a loudness level; the partials are summed and scaled so the peak stays below
+    0.9. Frequencies are whole hertz and the phase is taken from the absolute sample index modulo
+    the sample rate in integer arithmetic, so the waveform is exact at any stream position (no float
+    drift after hours) and chunk boundaries are seamless. Each row fades in and out over a short
+    raised-cosine edge so pitch changes between rows do not click.
+
+    Cost: O(N * W * samples_per_row) numpy work, about a millisecond per second of audio.
+    """
+
+    def __init__(self, cfg: VocoderConfig, edge_ms: float = 5.0) -> None:
+        self._cfg = cfg
+        spr = cfg.samples_per_row
+        edge = max(1, min(spr // 2, round(cfg.sample_rate * edge_ms / 1000.0)))
+        ramp = 0.5 - 0.5 * np.cos(np.pi * (np.arange(edge) + 0.5) / edge)
+        window = np.ones(spr)
+        window[:edge] = ramp
+        window[spr - edge :] = np.minimum(window[spr - edge :], ramp[::-1])
+        self._window = window
+        nyquist = cfg.sample_rate // 2
+        self._semitone_hz = np.rint(_BASE_HZ * 2.0 ** (np.arange(_SEMITONES) / 12.0)).astype(np.int64)
+        if int(self._semitone_hz[-1]) >= nyquist:
+            raise ValueError(f"sample_rate {cfg.sample_rate} is too low for the reference vocoder's tones")
+        self._nyquist = nyquist
+
+    @property
+    def sample_rate(self) -> int:
+        return self._cfg.sample_rate
+
+    @property
+    def samples_per_row(self) -> int:
+        return self._cfg.samples_per_row
+
+    @property
+    def spec(self) -> CodecSpec:
+        """As a `Codec`: one frame per row, no context (each row's audio depends on it alone)."""
+        return CodecSpec("reference", "rows", self.sample_rate, self.samples_per_row, 1, 0, 0)
+
+    def decode(self, windows: list[CodecWindow]) -> list[np.ndarray]:
+        """`Codec.decode`: each window's emitted frames are rows; their audio is `synthesize`'s."""
+        out = []
+        for w in windows:
+            lo = w.emit_from - w.first_frame
+            out.append(self.synthesize(w.frames[lo : lo + w.emitted], w.emit_from))
+        return out
+
+    def synthesize(self, rows: np.ndarray, first_row: int) -> np.ndarray:
+        """See `Vocoder.synthesize`. Raises ValueError for non-2-D or non-integer rows, or first_row < 0."""
+        if rows.ndim != 2 or rows.dtype.kind not in "iu":
+            raise ValueError(f"rows must be an integer [N, W] array, got {rows.dtype} {list(rows.shape)}")
+        if first_row < 0:
+            raise ValueError(f"first_row must be >= 0, got {first_row}")
+        n, width = rows.shape
+        spr = self.samples_per_row
+        sr = self.sample_rate
+        ids = rows.astype(np.int64, copy=False)
+        octave = np.arange(width, dtype=np.int64) % 3  # keep high columns below the Nyquist frequency
+        hz = self._semitone_hz[ids % _SEMITONES] << octave  # [N, W] whole hertz
+        hz = np.where(hz < self._nyquist, hz, hz >> octave)
+        level = (ids // _SEMITONES) % _LEVELS  # [N, W]
+        amp = (0.25 + 0.75 * level / (_LEVELS - 1)) * (_HEADROOM / width)
+        # Absolute sample index of every output sample: this is what makes chunking invisible.
+        t = (first_row * spr + np.arange(n * spr, dtype=np.int64)).reshape(n, 1, spr)
+        cycles = (hz[:, :, None] * t) % sr  # exact integer phase, in units of 1/sr of a cycle
+        tone = np.sin(cycles * (2.0 * np.pi / sr))  # [N, W, spr]
+        pcm = np.einsum("nw,nws->ns", amp, tone) * self._window
+        return pcm.astype(np.float32).reshape(-1)
+
+
+@dataclass(frozen=True)
+class ChunkPolicy:
+    """How many rows go into each audio chunk of a stream.
+
+    The first chunk is small so the client hears audio quickly (time to first audio is one chunk of
+    decode steps plus one vocoder call); later chunks grow geometrically up to `max_rows`, because
+    every chunk costs a vocoder call and a response message whatever its size.
+    """
+
+    first_rows: int = 4
+    growth: float = 2.0
+    max_rows: int = 32
+    # How rows become codec frames and the context each chunk carries (backend/codec/base.py).
+    framing: Framing = field(default_factory=lambda: Framing(RowLayout()))
+
+    def __post_init__(self) -> None:
+        if self.first_rows < 1:
+            raise ValueError(f"first_rows must be >= 1, got {self.first_rows}")
+        if not (math.isfinite(self.growth) and self.growth >= 1.0):
+            raise ValueError(f"growth must be a finite number >= 1, got {self.growth}")
+        if self.max_rows < self.first_rows:
+            raise ValueError(f"max_rows ({self.max_rows}) must be >= first_rows ({self.first_rows})")
+
+    def next_size(self, chunk_index: int) -> int:
+        """Rows in chunk `chunk_index` (0-based): first_rows * growth**index, capped at max_rows."""
+        if chunk_index < 0:
+            raise ValueError(f"chunk_index must be >= 0, got {chunk_index}")
+        size = float(self.first_rows)
+        for _ in range(chunk_index):  # iterative, so huge indices cannot overflow a float power
+            size *= self.growth
+            if size >= self.max_rows:
+                return self.max_rows
+        return min(self.max_rows, max(1, round(size)))
+
+    def chunk_sizes(self, total_rows: int) -> list[int]:
+        """The chunk sizes for a stream of `total_rows` rows; the last chunk holds what is left."""
+        if total_rows < 0:
+            raise ValueError(f"total_rows must be >= 0, got {total_rows}")
+        sizes: list[int] = []
+        left = total_rows
+        while left > 0:
+            size = min(left, self.next_size(len(sizes)))
+            sizes.append(size)
+            left -= size
+        return sizes
+
+
+def write_wav(path: str | os.PathLike[str], pcm: np.ndarray, sample_rate: int) -> None:
+    """Write mono float PCM in [-1, 1] as a 16-bit WAV file (samples outside the range are clipped)."""
+    if pcm.ndim != 1:
+        raise ValueError(f"pcm must be 1-D mono, got shape {list(pcm.shape)}")
+    samples = np.rint(np.clip(pcm.astype(np.float64), -1.0, 1.0) * 32767.0).astype("<i2")
+    with wave.open(os.fspath(path), "wb") as out:
+        out.setnchannels(1)
+        out.setsampwidth(2)
+        out.setframerate(sample_rate)
+        out.writeframes(samples.tobytes())

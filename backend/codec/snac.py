@@ -1,0 +1,162 @@
+"""SNAC (the `snac` package) behind the codec seam, loaded from a local directory.
+
+The directory holds what `hubertsiuzdak/snac_24khz` ships: `config.json` (SNAC's constructor
+arguments, every one honoured, `noise` included: with `noise: true` the decoder adds fresh Gaussian
+noise in every call, as upstream does, so two decodes of one window differ slightly) and
+`pytorch_model.bin` (its state dict). Loading goes through `SNAC.from_pretrained(directory)`, the
+package's own loader, which reads a local directory without touching the network.
+
+A frame is one code of the coarsest level and `vq_strides[0] // s` codes of each level of stride s
+(24 kHz: 1 + 2 + 4 = 7 codes), `hop_length * vq_strides[0]` samples (2,048). Frames arrive in the
+canonical order: level by level, each level's codes in time order.
+
+Batching: `decode` stacks the windows of equal frame count (streams in their steady state all send
+the same window size) into one call on the codec's device; windows of other sizes go in their own
+call. Padding windows to one length would change the audio of their last frames (the decoder's
+convolutions see the padding), so it is not done.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from tandem.backend.codec.base import CodecSpec, CodecWindow
+
+CONFIG = "config.json"
+WEIGHTS = "pytorch_model.bin"
+# hubertsiuzdak/snac_24khz config.json: the codec Orpheus was trained with (19.5 M parameters).
+SNAC_24KHZ: dict[str, Any] = {
+    "sampling_rate": 24000,
+    "encoder_dim": 48,
+    "encoder_rates": [2, 4, 8, 8],
+    "decoder_dim": 1024,
+    "decoder_rates": [8, 8, 4, 2],
+    "attn_window_size": None,
+    "codebook_size": 4096,
+    "codebook_dim": 8,
+    "vq_strides": [4, 2, 1],
+    "noise": True,
+    "depthwise": True,
+}
+
+
+def write_random(path: str | Path, *, noise: bool = True, seed: int = 0) -> Path:
+    """A SNAC directory as hubertsiuzdak/snac_24khz ships it (the real 24 kHz config, `noise` as
+    given) with random weights (seeded): what tests and benchmarks use where no weights can be
+    downloaded. Writes config.json + pytorch_model.bin (~78 MB) into `path`; returns it."""
+    from snac import SNAC
+
+    directory = Path(path)
+    directory.mkdir(parents=True, exist_ok=True)
+    config = {**SNAC_24KHZ, "noise": noise}
+    torch.manual_seed(seed)
+    model = SNAC(**config)
+    (directory / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+    torch.save(model.state_dict(), directory / WEIGHTS)
+    return directory
+
+
+def read_config(path: str | Path) -> dict[str, Any]:
+    """SNAC's `config.json` in `path`; raises ValueError naming what is missing or malformed."""
+    directory = Path(path)
+    if not str(path) or not directory.is_dir():
+        raise ValueError(f"tandem.codec.path: {str(path)!r} is not a directory (SNAC's {CONFIG}, {WEIGHTS})")
+    for name in (CONFIG, WEIGHTS):
+        if not (directory / name).is_file():
+            raise ValueError(f"tandem.codec.path: {directory} has no {name}")
+    try:
+        config = json.loads((directory / CONFIG).read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"tandem.codec.path: cannot read {directory / CONFIG}: {exc}") from None
+    strides = config.get("vq_strides")
+    if not (isinstance(strides, list) and strides and all(isinstance(s, int) and s > 0 for s in strides)):
+        raise ValueError(f"{directory / CONFIG}: vq_strides must be a list of positive integers")
+    if any(strides[0] % s for s in strides):
+        raise ValueError(f"{directory / CONFIG}: every vq_stride must divide the first, got {strides}")
+    for key in ("sampling_rate", "encoder_rates"):
+        if key not in config:
+            raise ValueError(f"{directory / CONFIG}: no {key!r}")
+    return dict(config)
+
+
+def level_counts(config: dict[str, Any]) -> list[int]:
+    """Codes of each level in one frame ([1, 2, 4] for SNAC 24 kHz)."""
+    strides = config["vq_strides"]
+    return [strides[0] // s for s in strides]
+
+
+def snac_spec(path: str | Path, layout: str, lookback: int, lookahead: int, rows_per_frame: int) -> CodecSpec:
+    """The spec of the SNAC in `path` (reads config.json only; no weights, no torch work)."""
+    config = read_config(path)
+    hop = int(np.prod(config["encoder_rates"]))
+    return CodecSpec(
+        kind="snac",
+        layout=layout,
+        sample_rate=int(config["sampling_rate"]),
+        samples_per_frame=hop * int(config["vq_strides"][0]),
+        rows_per_frame=rows_per_frame,
+        lookback=lookback,
+        lookahead=lookahead,
+    )
+
+
+class SnacCodec:
+    """`Codec` over a SNAC model on one device; owned by one model instance (not thread-safe)."""
+
+    def __init__(self, path: str | Path, spec: CodecSpec, device: torch.device) -> None:
+        from snac import SNAC  # the package pulls einops; imported here so D never needs it
+
+        self._config = read_config(path)
+        self._spec = spec
+        self._counts = level_counts(self._config)
+        self._width = sum(self._counts)
+        self._codebook = int(self._config.get("codebook_size", 4096))
+        self.device = device
+        self.noise = bool(self._config.get("noise", True))  # SNAC's own default
+        self._model = SNAC.from_pretrained(str(path)).to(device).eval()
+
+    @property
+    def spec(self) -> CodecSpec:
+        return self._spec
+
+    def levels(self, frames: torch.Tensor) -> list[torch.Tensor]:
+        """Frames [B, N, K] (canonical order) -> SNAC's codes, one [B, N * count] tensor per level."""
+        b, n, _ = frames.shape
+        out, at = [], 0
+        for count in self._counts:
+            out.append(frames[:, :, at : at + count].reshape(b, n * count))
+            at += count
+        return out
+
+    def decode(self, windows: list[CodecWindow]) -> list[np.ndarray]:
+        """See `Codec.decode`: one SNAC call per distinct window length (windows emitting nothing
+        cost nothing)."""
+        out: list[np.ndarray | None] = [None] * len(windows)
+        groups: dict[int, list[int]] = defaultdict(list)
+        for i, w in enumerate(windows):
+            if w.frames.shape[1] != self._width:
+                width = w.frames.shape[1]
+                raise ValueError(f"SNAC frames have {self._width} codes, got a window of width {width}")
+            if w.frames.size and (w.frames.min() < 0 or w.frames.max() >= self._codebook):
+                raise ValueError(f"SNAC codes must lie in [0, {self._codebook})")
+            if w.emitted == 0:
+                out[i] = np.zeros(0, dtype=np.float32)
+            else:
+                groups[w.frames.shape[0]].append(i)
+        spf = self._spec.samples_per_frame
+        for members in groups.values():
+            stacked = np.stack([windows[i].frames for i in members])
+            codes = torch.from_numpy(stacked).to(self.device, non_blocking=True)
+            with torch.inference_mode():
+                audio = self._model.decode(self.levels(codes))[:, 0].float().cpu().numpy()
+            for row, i in enumerate(members):
+                w = windows[i]
+                lo = (w.emit_from - w.first_frame) * spf
+                out[i] = np.ascontiguousarray(audio[row, lo : lo + w.emitted * spf])
+        return [a if a is not None else np.zeros(0, dtype=np.float32) for a in out]

@@ -1,0 +1,333 @@
+"""D's admission: the thread that turns handoffs into members, the one lock, and what crosses it.
+
+A handoff's way in (docs/architecture.md, "D's engine"):
+
+    worker reader thread   DecodeEngine.submit -> Intake.submit (bounded: full -> UNAVAILABLE at once)
+    admission thread       DecodeAdmission: Intake.pull/admit in arrival order -> `_admit`:
+                           not draining, batch room, rate floor, pages for prompt + max_new_rows
+                           -> receiver.request(ticket): region + PULL on the wire -> `Admitted`
+    engine thread          takes `Admitted` from `admitted` (DecodeEngine._take_admitted)
+
+Admission has its own thread so that a handoff's pages are reserved and its PULL sent within about a
+millisecond of its arrival, whatever the engine thread is doing: the copy then overlaps the running
+step. This thread makes no torch call (each would wait for the GIL, a device copy also for the
+running step): the stream's slot table crosses to the engine thread as a numpy array.
+
+**The lock** (`Membership.lock`, one per D) guards exactly:
+- the pool's free list (`KVPool.allocate`/`free` are unlocked): the admission thread allocates, the
+  engine thread frees (streams leaving the batch or failing), the receiver's threads free through
+  `return_held` (direct mode: the proof that a failed transfer's prompt pages can be reused);
+- `members` (streams admitted and not gone: queued to the engine, waiting for KV, or running),
+  `admitted_ctx` (prompt tokens of members not yet in the batch) and `running_ctx`'s updates by
+  `join`; the admission thread reads members and context under it as one snapshot;
+- each Stream's `left` and `held_pages` (a stream leaves, and its held pages return, exactly once).
+It is never held across a call into the receiver, a sink or the device. `running_ctx` is also set
+without it by the engine thread (`set_running`: one assignment, read under the lock by admission).
+
+Narrowing it honestly: the rate-floor check (`StepTimeModel.admits`) runs under the lock only so that
+the count and context it judges are one snapshot; the model itself is refitted by the engine thread
+without the lock (it swaps its coefficient array in one assignment, so a reader sees the old fit or
+the new one). `_rate_holding` is the admission thread's alone and needs no lock. The pool's free
+list could take a lock of its own, but `reserve` must check room and allocate atomically with the
+member count, so one lock is the simplest honest choice; it is held for microseconds.
+
+**What crosses**, and who owns it afterwards:
+- execute -> admission: `DecodeRequest` through the intake; the request (its sink) belongs to the
+  intake until admitted, dropped, expired or failed (each exactly once). A request with a ticket
+  carries its `TicketClaim` (`backend/engines/decode/tickets.py`): `_admit` marks it pulled once the
+  receiver took the ticket; every end before that (a `fail` of its sink) has D tell P to drop it.
+- admission -> engine: `Admitted` through `admitted` (a SimpleQueue). With it the Stream and its
+  pages pass to the engine thread; the admission thread never touches the stream again, except that
+  the receiver may call `return_held` for it (under the lock) once the engine left it holding.
+- engine/receiver -> admission: `capacity` (an Event) is set when pages or batch room come back.
+
+Failure: a request `_admit` cannot place stays queued (False) and is offered again when capacity
+comes back or after 5 ms, until the intake's admission wait sheds it (UNAVAILABLE). An error while
+admitting one request fails that request only, with its pages back. A bug in the loop itself is
+logged and fails the whole queue; the thread keeps running.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from tandem.backend.engines.decode.tickets import TicketClaim
+from tandem.backend.engines.handoff import Handoff
+from tandem.backend.engines.stream import ChunkSink, Stream
+from tandem.backend.errors import PoolExhausted, StreamFailed
+from tandem.backend.kv.pool import KVPool
+from tandem.backend.scheduling.intake import Intake
+from tandem.backend.scheduling.step_model import StepTimeModel
+from tandem.backend.settings import EngineSettings
+from tandem.backend.timing import Timings
+from tandem.transfer import ArenaExhausted, TransferError, TransferHandle, TransferReceiver
+
+log = logging.getLogger("tandem")
+
+
+@dataclass
+class DecodeRequest:
+    """A handoff as D's engine receives it (the worker parsed HANDOFF; `submit` checks it fits)."""
+
+    stream_id: int
+    handoff: Handoff
+    sink: ChunkSink
+    timings: Timings
+    received_s: float = 0.0  # time.monotonic() at submit (the intake stamps it): the admission wait
+    claim: TicketClaim | None = None  # with a ticket: `sink` is this claim until the ticket is pulled
+
+
+@dataclass(frozen=True)
+class Admitted:
+    """What the admission thread hands the engine thread for one admitted stream (it owns it now)."""
+
+    stream: Stream
+    first_row: np.ndarray
+    handle: TransferHandle | None  # None: nothing to transfer (the stream ended at row 0) or refused
+    admission_ms: float
+    slots: np.ndarray  # the stream's slot table, on the host (the engine moves it to the device)
+    error: str | None = None  # the receiver refused the ticket: the engine fails the stream
+
+
+class Membership:
+    """D's members and the pool's free list, under the one lock (see the module docstring)."""
+
+    def __init__(self, pool: KVPool) -> None:
+        self.pool = pool
+        self.lock = threading.Lock()
+        self.members = 0
+        self.admitted_ctx = 0
+        self.running_ctx = 0  # the engine's last snapshot of the batch's context
+        self.capacity = threading.Event()  # set when pages or batch room come back
+
+    def reserve(self, capacity: int, prompt_len: int, fits: Callable[[int, int], bool]) -> list[int] | None:
+        """Admission thread: if `fits(members, context)` (called under the lock, on one snapshot) and
+        the pool has pages for `capacity` tokens, the caller's stream is a member holding them; else
+        None and nothing changed. A size the pool refuses raises ValueError (nothing changed)."""
+        with self.lock:
+            if not fits(self.members, self.running_ctx + self.admitted_ctx):
+                return None
+            try:
+                pages = self.pool.allocate(self.pool.pages_for(capacity))
+            except PoolExhausted:
+                return None
+            self.members += 1
+            self.admitted_ctx += prompt_len
+        return pages
+
+    def leave(self, stream: Stream, joined: bool, wake: bool = True, hold: bool = False) -> None:
+        """A member is gone (finished, failed or never started): its pages and batch room come back,
+        once whoever calls. Any thread; `joined` says whether it had entered the batch; `wake` tells
+        the admission thread that room came back. `hold` (direct mode, a transfer into its pages not
+        yet proven over): the prompt's pages stay out (`held_pages`) until `return_held`."""
+        with self.lock:
+            if stream.left:
+                return
+            stream.left = True
+            pages = stream.pages
+            if hold:
+                n = self.pool.pages_for(stream.prompt_len)
+                stream.held_pages, pages = pages[:n], pages[n:]
+            self.pool.free(pages)
+            self.members -= 1
+            if not joined:
+                self.admitted_ctx -= stream.prompt_len
+        if wake:
+            self.capacity.set()
+
+    def return_held(self, stream: Stream) -> None:
+        """Direct mode: the receiver's proof that no byte of a failed transfer can still land in these
+        pages (its `on_dest_free`, any thread), or the engine after a verified transfer of a stream
+        that had already failed. Once."""
+        with self.lock:
+            pages, stream.held_pages = stream.held_pages, None
+            if pages:
+                self.pool.free(pages)
+        if pages:
+            self.capacity.set()
+
+    def join(self, stream: Stream) -> None:
+        """Engine thread: a member's prompt KV is in the pool and it enters the batch now; its context
+        counts as running from now, not from the next launch's snapshot."""
+        with self.lock:
+            self.admitted_ctx -= stream.prompt_len
+            self.running_ctx += stream.prompt_len + 1
+
+    def set_running(self, context: int) -> None:
+        """Engine thread, each iteration: the queued step's context is the whole batch's now."""
+        self.running_ctx = context
+
+    def snapshot(self) -> tuple[int, int]:
+        """(members, context of running and admitted members); any thread."""
+        with self.lock:
+            return self.members, self.running_ctx + self.admitted_ctx
+
+
+class DecodeAdmission:
+    """The admission thread and its policy. `admitted` is read by the engine thread only."""
+
+    def __init__(
+        self,
+        settings: EngineSettings,
+        intake: Intake[DecodeRequest],
+        members: Membership,
+        receiver: TransferReceiver,
+        step_model: StepTimeModel,
+        eos_token_id: int | None,
+        direct: bool,
+    ) -> None:
+        self.settings = settings
+        self.intake = intake
+        self.members = members
+        self.pool = members.pool
+        self.receiver = receiver
+        self.step_model = step_model
+        self.eos_token_id = eos_token_id
+        self.direct = direct
+        self.admitted: queue.SimpleQueue[Admitted] = queue.SimpleQueue()
+        self._rate_holding = False  # the rate floor is holding newcomers (logged once per hold)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="tandem-decode-admit", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Stop admitting; waits up to `timeout_s` for the thread if it ever started."""
+        self._stop.set()
+        if self._thread.ident is not None:  # started (a start that failed never got there)
+            self._thread.join(timeout_s)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def draining(self) -> bool:
+        """Quarantined receive memory over `drain_held_fraction`: admit nothing until proofs free it.
+        Any thread (the receiver takes its own lock)."""
+        return self.receiver.held_fraction() > self.settings.transfer.drain_held_fraction
+
+    def admittable(self, n: int, context: int) -> int:
+        """How many more streams of this batch's typical context fit now (the scaling gauge)."""
+        b = self.settings.batch
+        if not b.rate_admission:
+            return max(0, b.max_batch - n)
+        typical = context // n if n else 1024
+        return self.step_model.admittable(n, context, typical, b.rate_floor_tok_s, b.rate_margin, b.max_batch)
+
+    def _loop(self) -> None:
+        """Waits for handoffs and admits them in arrival order (bounded wait, then UNAVAILABLE, in
+        `Intake`). A request that does not fit waits for `capacity` (pages or batch room back) or
+        5 ms, whichever comes first, then is offered again."""
+        while not self._stop.is_set():
+            try:
+                waiting = len(self.intake) > 0
+                self.intake.pull(0.0 if waiting else 0.05)
+                for _ in self.intake.admit(self._admit):
+                    pass
+                if len(self.intake):
+                    self.members.capacity.wait(0.005)
+                    self.members.capacity.clear()
+            except Exception:  # a bug here must not silently stop admission: log, fail the queue
+                log.exception("decode admission failed")
+                self.intake.fail_all(StreamFailed("decode admission failed (see the server log)"))
+
+    def _fits(self, h: Handoff, n: int, context: int) -> bool:
+        """Under the lock: batch room and the rate floor for one more stream of `h.prompt_len`."""
+        b = self.settings.batch
+        if n >= b.max_batch:
+            return False
+        if b.rate_admission and not self.step_model.admits(
+            n, context, h.prompt_len, b.rate_floor_tok_s, b.rate_margin
+        ):
+            self._note_rate_hold(n, context + h.prompt_len)
+            return False
+        self._rate_holding = False
+        return True
+
+    def _admit(self, req: DecodeRequest) -> bool:
+        """Reserve the stream's pages and send its PULL, or return False (no room)."""
+        h = req.handoff
+        if self.draining():
+            return False  # draining: quarantined memory must come back first
+        capacity = h.prompt_len + h.max_new_rows
+        try:
+            pages = self.members.reserve(capacity, h.prompt_len, functools.partial(self._fits, h))
+        except ValueError as exc:  # sizes submit() did not catch: this request only
+            req.sink.fail(StreamFailed(f"decode admission refused: {exc}"))
+            return True
+        if pages is None:
+            return False
+        stream = Stream(
+            stream_id=req.stream_id,
+            prompt_len=h.prompt_len,
+            sampling=h.sampling,
+            max_new_rows=h.max_new_rows,
+            sink=req.sink,
+            timings=req.timings,
+            eos_token_id=self.eos_token_id,
+            pages=pages,
+        )
+        try:
+            # Host work only on this thread (no torch call): each would wait for the GIL, and a device
+            # copy for the running step; the engine thread puts the slot table on the device.
+            slots = self.pool.slot_array(pages, capacity)
+            req.timings.mark("d_admit")
+            admission_ms = (time.monotonic() - req.received_s) * 1e3
+            handle: TransferHandle | None = None
+            error: str | None = None
+            if h.ticket is not None:
+                try:
+                    deadline = self.settings.transfer.deadline_s
+                    if self.direct:  # P writes the prompt's slots; they come back with proof
+                        back = functools.partial(self.members.return_held, stream)
+                        handle = self.receiver.request(h.ticket, deadline, slots[: h.prompt_len], back)
+                    else:
+                        handle = self.receiver.request(h.ticket, deadline)
+                    if req.claim is not None:  # from now on the transfer's own rules end it
+                        req.claim.pulled()
+                except ArenaExhausted:
+                    # No region free: give the pages back quietly (waking ourselves would spin) and
+                    # let the request wait for regions, which come back on D's own time.
+                    self.members.leave(stream, joined=False, wake=False)
+                    return False
+                except TransferError as exc:
+                    error = f"KV transfer {h.ticket.transfer_id} refused: {exc}"
+            admitted = Admitted(stream, h.first_row_array(), handle, admission_ms, slots, error)
+        except Exception as exc:  # a bug or a device error: this request fails, nothing leaks
+            self.members.leave(stream, joined=False)
+            log.exception("decode admission of stream %d failed", req.stream_id)
+            req.sink.fail(StreamFailed(f"decode admission failed: {type(exc).__name__}: {exc}"))
+            return True
+        self.admitted.put(admitted)
+        return True
+
+    def _note_rate_hold(self, n: int, context: int) -> None:
+        """Under the lock: the rate floor holds a newcomer. Logged once per hold (not per 5 ms retry)
+        with the model's numbers, so a server log shows why streams wait."""
+        if self._rate_holding:
+            return
+        self._rate_holding = True
+        b = self.settings.batch
+        coef = self.step_model.coef
+        log.info(
+            "decode: rate floor holds admission at %d streams, context %d: predicted step %.1f ms > "
+            "budget %.1f ms (model a=%.2f ms, b=%.3f ms/stream, c=%.3g ms/token)",
+            n + 1,
+            context,
+            self.step_model.predict(n + 1, context) * 1e3,
+            (1.0 - b.rate_margin) / b.rate_floor_tok_s * 1e3,
+            *(
+                (float(coef[0]) * 1e3, float(coef[1]) * 1e3, float(coef[2]) * 1e3)
+                if coef is not None
+                else (0, 0, 0)
+            ),
+        )

@@ -1,0 +1,136 @@
+"""Times D's real decode loop at start-up, to seed the step-time model before the first admission.
+
+Why: rate-floor admission (`backend/scheduling/step_model.py`) predicts the step time of the batch *with* a
+newcomer. Learning only from live steps, a fresh D has seen a few small batches when the first burst
+arrives and extrapolates from them: in every 2x H200 capacity run the first level after a server
+start queued at D (TTFA p95 1.3-2.4 s, D admission p99 1.3-2.3 s) while the model relearned.
+
+So before D admits anything it runs, for a few batch sizes and contexts, the loop it will run:
+synthetic streams over pages of its own pool filled with random KV, through the same
+`DecodeBatch.advance()` (graph replay, sampling with temperature and top-p, rows back to the host,
+chunk emission to a sink that drops them). Each timed step becomes a permanent sample of the model
+(`StepTimeModel.seed`). What this cannot see is what the real sinks (Triton responses) and the
+other threads add; the live fit learns that on top (its intercept covers p90 of live residuals).
+
+Called once, by the engine that owns the batch and pool, before any stream exists; the pool's pages
+all come back and are zeroed again afterwards.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from tandem.backend.engines.batch import DecodeBatch, FinishedStep
+from tandem.backend.engines.stream import Chunk, ChunkSink, Stream
+from tandem.backend.errors import TandemError
+from tandem.backend.generation.sampling import SamplingParams
+from tandem.backend.metrics import RecordingMetrics
+from tandem.backend.timing import Timings
+
+WARMUP_STEPS = 2  # the first steps of each point: the pipeline filling, first use of a graph bucket
+
+
+@dataclass(frozen=True)
+class Point:
+    batch: int
+    context: int  # tokens of KV per stream when its first timed step runs
+
+
+class _DropSink:
+    """Takes chunks and drops them: the calibration's streams have no client."""
+
+    def emit(self, chunk: Chunk) -> None:
+        pass
+
+    def fail(self, error: TandemError) -> None:
+        pass  # only after a step raised; time_steps re-raises that
+
+    def cancelled(self) -> bool:
+        return False
+
+
+def rows_per_stream(steps: int) -> int:
+    """Rows each calibration stream generates for `steps` timed steps: row 0 stands for P's, then one
+    step per row: WARMUP_STEPS untimed, `steps` timed, and a last one finished by `drain()` (its period
+    is not the loop's, so it is not timed either)."""
+    return WARMUP_STEPS + steps + 2
+
+
+def add_stream(
+    batch: DecodeBatch,
+    stream_id: int,
+    seed: int,
+    context: int,
+    rows: int,
+    sink: ChunkSink,
+    rng: np.random.Generator,
+) -> None:
+    """Adds a synthetic stream to `batch`: `context` tokens of prompt already in its pages (whatever
+    the pool holds there), `rows` rows to generate with temperature 0.8 / top-p 0.95 from a random
+    first row; its pages go back to the pool when it leaves. Also used by tandem-bench-decode-loop."""
+    pool, dec = batch.pool, batch.decoder
+    pages = pool.allocate(pool.pages_for(context + rows))
+    stream = Stream(
+        stream_id=stream_id,
+        prompt_len=context,
+        sampling=SamplingParams(temperature=0.8, top_p=0.95, seed=seed),
+        max_new_rows=rows,
+        sink=sink,
+        timings=Timings(),
+        pages=pages,
+        slots=pool.slots(pages, context + rows),
+    )
+    first = rng.integers(0, dec.cfg.vocab_size, size=dec.cfg.row_width, dtype=np.int64)
+    batch.add(stream, first, lambda: pool.free(pages))
+
+
+def points(max_batch: int, max_context: int, pool_tokens: int, steps: int, page_size: int) -> list[Point]:
+    """Batch sizes 1, max/4, max/2 and max, each at a short and a long context (max_context / 8 and
+    max_context), each shortened to what the pool holds for that many streams. The model is linear
+    in (batch, total context), so spread points are what its fit needs."""
+    out: list[Point] = []
+    for b in sorted({1, max(1, max_batch // 4), max(1, max_batch // 2), max_batch}):
+        per_stream = pool_tokens // b - rows_per_stream(steps) - page_size  # + a page of rounding
+        for c in sorted({max(1, max_context // 8), max_context}):
+            c = min(c, per_stream)
+            if c >= 1 and Point(b, c) not in out:
+                out.append(Point(b, c))
+    return out
+
+
+def time_steps(batch: DecodeBatch, plan: list[Point], steps: int, seed: int = 0) -> list[FinishedStep]:
+    """Runs every point of `plan` through `batch` (which must be empty): `steps` timed steps each after
+    WARMUP_STEPS untimed ones; returns the timed steps. Every page taken comes back."""
+    if len(batch):
+        raise RuntimeError("calibration needs an empty batch")
+    pool = batch.pool
+    gen = torch.Generator(device=pool.device).manual_seed(seed)
+    for layer in range(pool.kv.shape[0]):  # never time on zeros; layer by layer: no large temporary
+        pool.kv[layer].normal_(0.0, 1.0, generator=gen)
+    rng = np.random.default_rng(seed)
+    timed: list[FinishedStep] = []
+    # The calibration's steps and streams are not the service's: keep them out of its metrics.
+    live_metrics, busy_s = batch.metrics, batch.device_busy_s
+    batch.metrics = RecordingMetrics()
+    rows = rows_per_stream(steps)
+    try:
+        for pt in plan:
+            for i in range(pt.batch):
+                add_stream(batch, -(i + 1), i, pt.context, rows, _DropSink(), rng)
+            finished = []
+            while len(batch):
+                done = batch.advance()
+                if done is not None:
+                    finished.append(done)
+            batch.drain()
+            timed.extend(finished[WARMUP_STEPS : WARMUP_STEPS + steps])
+    finally:
+        batch.fail_all("calibration ended")  # only if a step raised: every stream leaves, pages back
+        batch.metrics, batch.device_busy_s = live_metrics, busy_s
+        pool.kv.zero_()
+        if pool.device.type == "cuda":
+            torch.cuda.synchronize(pool.device)
+    return timed

@@ -1,0 +1,64 @@
+"""What P hands D through the `tts` ensemble: the transfer ticket plus the stream's state.
+
+P samples the first row (it has the prompt's logits) and fixes the seed; D continues from there.
+Travels as the `HANDOFF` BYTES tensor (JSON), the only input of `decode` (ensemble rule: decode's
+inputs come from one ancestry). `ticket` is None when the stream already ended at its first row.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import numpy as np
+
+from tandem.backend.generation.sampling import SamplingParams
+from tandem.transfer import Ticket
+
+
+@dataclass(frozen=True)
+class Handoff:
+    ticket: Ticket | None
+    prompt_len: int
+    first_row: tuple[int, ...]
+    sampling: SamplingParams
+    max_new_rows: int
+    timings: dict[str, int]
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {
+                "ticket": None if self.ticket is None else json.loads(self.ticket.to_json()),
+                "prompt_len": self.prompt_len,
+                "first_row": list(self.first_row),
+                "sampling": self.sampling.to_wire(),
+                "max_new_rows": self.max_new_rows,
+                "timings": self.timings,
+            },
+            separators=(",", ":"),
+        )
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> Handoff:
+        """Raises ValueError on anything malformed (D turns it into a stream error)."""
+        try:
+            d = json.loads(text)
+            ticket = None if d["ticket"] is None else Ticket.from_json(json.dumps(d["ticket"]))
+            prompt_len, max_new_rows = int(d["prompt_len"]), int(d["max_new_rows"])
+            if prompt_len <= 0 or max_new_rows <= 0:
+                raise ValueError(f"prompt_len {prompt_len} and max_new_rows {max_new_rows} must be positive")
+            if ticket is not None and ticket.n_tokens != prompt_len:
+                raise ValueError(f"ticket carries {ticket.n_tokens} tokens, prompt_len says {prompt_len}")
+            return cls(
+                ticket=ticket,
+                prompt_len=prompt_len,
+                first_row=tuple(int(x) for x in d["first_row"]),
+                sampling=SamplingParams.from_wire(d["sampling"]),
+                max_new_rows=max_new_rows,
+                timings={str(a): int(b) for a, b in d["timings"].items()},
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"malformed handoff: {exc}") from exc
+
+    def first_row_array(self) -> np.ndarray:
+        return np.asarray(self.first_row, dtype=np.int64)

@@ -1,0 +1,112 @@
+"""The monolithic engine: prefill and decode share one device and one loop (the baseline PD beats).
+
+Each loop iteration first admits every pending request that fits (together in one prefill forward,
+with prefix caching, as P does), then runs one decode step over the running batch. A cold prompt's
+prefill therefore pauses every playing stream on the device — exactly the stall the PD split
+removes — and both engines share every other piece (decoder, batch, sampling, chunking), so `tts`
+and `tts_mono` produce identical tokens for identical requests (on a GPU, up to the float rounding
+of which prompts shared a forward).
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from tandem.backend.engines.parts import make_batch, make_intake, make_pool
+from tandem.backend.engines.stream import EngineRequest, Stream
+from tandem.backend.engines.thread import EngineThread
+from tandem.backend.errors import StreamFailed
+from tandem.backend.kv.prefix_cache import PrefixAllocation, PrefixCache
+from tandem.backend.metrics import MetricsSink, PublishTimer
+from tandem.backend.model.decoder import Decoder
+from tandem.backend.scheduling.prefill_batch import PrefillBatch
+from tandem.backend.settings import EngineSettings
+
+
+class MonoEngine:
+    def __init__(self, decoder: Decoder, settings: EngineSettings, metrics: MetricsSink) -> None:
+        self.decoder = decoder
+        self.settings = settings
+        self.metrics = metrics
+        self._publish_timer = PublishTimer()
+        self.pool = make_pool(decoder, settings)
+        self.cache = PrefixCache(self.pool, enabled=settings.pool.prefix_cache)
+        self.batch = make_batch(decoder, self.pool, settings, metrics)
+        self.intake = make_intake(settings, EngineRequest)
+        self._thread = EngineThread("tandem-mono", self._iterate, self._fault)
+
+    def start(self) -> None:
+        self.decoder.warm_up(self.pool)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._thread.stop()
+
+    def loop_age_s(self) -> float:
+        """Seconds the engine loop has been inside its current iteration (the worker's heartbeat)."""
+        return self._thread.age_s()
+
+    def submit(self, req: EngineRequest) -> None:
+        """Called by Triton's execute thread; raises Overloaded when the queue is full."""
+        self.intake.submit(req)
+
+    def _iterate(self) -> None:
+        self.intake.pull(0.0 if len(self.batch) else 0.05)
+        batch: PrefillBatch[EngineRequest] = PrefillBatch(self.cache, self.settings.batch, self.metrics)
+        room = self.settings.batch.max_batch - len(self.batch)
+        batch.run(
+            self.intake,
+            lambda req: (
+                len(batch) < room and batch.reserve(req, time.monotonic(), extra_tokens=req.max_new_rows)
+            ),
+            lambda: self._prefill(batch),
+        )
+        self.batch.advance()  # queue the next step, then finish the one before it (backend/engines/batch.py)
+        if self._publish_timer.due():
+            self._publish()
+
+    def _prefill(self, batch: PrefillBatch[EngineRequest]) -> None:
+        """One forward over the batch's prompts; each then joins the running batch with its row 0."""
+        tables = [
+            self.pool.slots(alloc.pages, req.prompt.shape[0] + req.max_new_rows)
+            for req, alloc in batch.members
+        ]
+        firsts = batch.forward(self.decoder, self.pool, tables)
+        batch.hand_on(lambda req, alloc, i: self._join(req, alloc, tables[i], firsts[i]))
+
+    def _join(
+        self, req: EngineRequest, alloc: PrefixAllocation, slots: torch.Tensor, first: np.ndarray
+    ) -> None:
+        """A prefilled prompt joins the running batch (which owns its pages from `add` on)."""
+        try:
+            self.cache.commit(alloc, req.prompt)
+        except Exception:
+            self.cache.release(alloc)
+            raise
+        stream = Stream(
+            stream_id=req.stream_id,
+            prompt_len=req.prompt.shape[0],
+            sampling=req.sampling,
+            max_new_rows=req.max_new_rows,
+            sink=req.sink,
+            timings=req.timings,
+            eos_token_id=self.decoder.cfg.eos_token_id,
+            pages=alloc.pages,
+            slots=slots,
+        )
+        self.batch.add(stream, first, lambda a=alloc: self.cache.release(a))
+
+    def _publish(self) -> None:
+        m = self.metrics
+        m.set("tandem_decode_eager", 1.0 if self.batch.graphs_failed else 0.0)
+        m.set("tandem_inflight_streams", len(self.batch))
+        m.set("tandem_queued_requests", len(self.intake))
+        m.set("tandem_free_pages", self.cache.available_pages)  # evictable cached pages count as free
+        m.set("tandem_admittable_streams", max(0, self.settings.batch.max_batch - len(self.batch)))
+
+    def _fault(self, reason: str) -> None:
+        self.batch.fail_all(reason)
+        self.intake.fail_all(StreamFailed(reason))

@@ -1,0 +1,260 @@
+"""P: prompt forward, first row, and the offer of the prompt's KV to D.
+
+A request's journey through P:
+    execute thread: validate + pack (native) -> Intake (bounded)      [off the forward loop]
+    engine thread:  prefix-cache allocate -> forward -> sample row 0 -> cache commit
+                    -> sender.offer(gather) -> HANDOFF response (ticket + row 0 + seed + timings)
+    sender threads: on D's PULL, gather the rows into staging and copy them across; then
+                    `on_source_released` -> the engine thread releases the prompt's pages.
+
+P's pages for a prompt belong to the transfer sender from `offer` until `on_source_released`;
+the engine releases them only then (on its own thread, via `_released`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from tandem.backend.engines.handoff import Handoff
+from tandem.backend.engines.parts import control_secret, make_intake, make_pool, transfer_path, wire_layout
+from tandem.backend.engines.thread import EngineThread
+from tandem.backend.errors import Cancelled, StreamFailed, TandemError
+from tandem.backend.generation.sampling import SamplingParams
+from tandem.backend.kv.prefix_cache import PrefixAllocation, PrefixCache
+from tandem.backend.metrics import MetricsSink, PublishTimer
+from tandem.backend.model.decoder import Decoder
+from tandem.backend.scheduling.prefill_batch import PrefillBatch
+from tandem.backend.settings import EngineSettings, FaultSettings
+from tandem.backend.timing import Timings
+from tandem.transfer import TransferSender
+
+log = logging.getLogger("tandem")
+
+
+class HandoffSink(Protocol):
+    def send(self, handoff: Handoff) -> None: ...
+
+    def fail(self, error: TandemError) -> None: ...
+
+    def cancelled(self) -> bool: ...
+
+
+@dataclass
+class PrefillRequest:
+    stream_id: int
+    prompt: np.ndarray  # int64 [T, W]
+    sampling: SamplingParams
+    max_new_rows: int
+    sink: HandoffSink
+    timings: Timings
+    received_s: float = 0.0
+
+
+class FaultInjector:
+    """P-side fault injection (settings.faults): delays and post-checksum corruption of chosen copies.
+
+    Runs on the sender's copy workers; the counter is shared, so "every Nth" counts copies in the
+    order they reach this point. With `faults.control_file` the settings are re-read whenever that
+    file is replaced (the fault-matrix tests switch faults on one running server this way).
+    """
+
+    def __init__(self, faults: FaultSettings) -> None:
+        self.faults = faults
+        self._lock = threading.Lock()
+        self._n = 0
+        self._live = faults
+        self._stamp: tuple[int, int, int] | None = None
+
+    def _current(self) -> FaultSettings:
+        """Called under `_lock`: the static settings, overridden by the control file if present."""
+        path = self.faults.control_file
+        if not path:
+            return self.faults
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            stamp = None
+        else:
+            stamp = (st.st_ino, st.st_mtime_ns, st.st_size)
+        if stamp != self._stamp:
+            self._stamp, self._n, self._live = stamp, 0, self.faults
+            if stamp is not None:
+                try:
+                    with open(path) as fh:
+                        values = json.load(fh)
+                    keys = ("delay_every", "delay_s", "corrupt_every")
+                    live = {k: values[k] for k in keys if k in values}
+                    self._live = dataclasses.replace(self.faults, **live)
+                except (OSError, ValueError, TypeError) as exc:
+                    log.error("fault injection: ignoring unreadable control file %s: %s", path, exc)
+            log.warning("fault injection now %s", self._live)
+        return self._live
+
+    def __call__(self, tid: str, staging: torch.Tensor) -> None:
+        with self._lock:
+            f = self._current()
+            self._n += 1
+            n = self._n
+        if f.corrupt_every and n % f.corrupt_every == 0:
+            flat = staging.reshape(-1).view(torch.uint8)
+            flat[flat.numel() // 2] ^= 0xFF
+            log.warning("fault injection: corrupted copy %d (%s) after its checksum", n, tid)
+        if f.delay_every and n % f.delay_every == 0:
+            log.warning("fault injection: delaying copy %d (%s) by %.2f s", n, tid, f.delay_s)
+            time.sleep(f.delay_s)
+
+
+class PrefillEngine:
+    def __init__(
+        self,
+        decoder: Decoder,
+        settings: EngineSettings,
+        metrics: MetricsSink,
+        slot: str,
+        on_fatal: Callable[[str], None],
+    ) -> None:
+        self.decoder = decoder
+        self.settings = settings
+        self.metrics = metrics
+        self._publish_timer = PublishTimer()
+        t = settings.transfer
+        self.path = transfer_path(settings, wire_layout(decoder))
+        # The proxy path writes D's pool from P's pool itself, so it must have allocated (registered) it.
+        n_slots = settings.pool.num_pages * settings.pool.page_size
+        direct = t.direct_write and self.path.direct_write
+        storage = self.path.source_storage(wire_layout(decoder), n_slots) if direct else None
+        self.pool = make_pool(decoder, settings, storage)
+        self.cache = PrefixCache(self.pool, enabled=settings.pool.prefix_cache)
+        self.intake = make_intake(settings, PrefillRequest)
+        self._open: dict[str, PrefixAllocation] = {}
+        self._released: queue.SimpleQueue[str] = queue.SimpleQueue()
+        self.sender = TransferSender(
+            wire_layout(decoder),
+            t.unit,
+            self.path,
+            on_source_released=self._released.put,
+            on_fatal=on_fatal,
+            slot=slot,
+            max_held_acks=t.max_held_acks,
+            copy_hook=FaultInjector(settings.faults) if settings.faults.active else None,
+            control=t.control,
+            bind_host=t.bind_host,
+            advertise_host=t.advertise_host or None,
+            secret=control_secret(settings),
+        )
+        self._thread = EngineThread("tandem-prefill", self._iterate, self._fault)
+
+    def start(self) -> None:
+        self.decoder.warm_up(self.pool)
+        self.sender.start()
+        self._thread.start()
+        log.info(
+            "prefill: transfer path %s, endpoint %s, instance %s",
+            self.path.name,
+            self.sender.endpoint,
+            self.sender.instance_id,
+        )
+
+    def close(self) -> None:
+        self._thread.stop()
+        self.sender.close()
+
+    def loop_age_s(self) -> float:
+        """Seconds the engine loop has been inside its current iteration (the worker's heartbeat)."""
+        return self._thread.age_s()
+
+    def submit(self, req: PrefillRequest) -> None:
+        self.intake.submit(req)
+
+    def _iterate(self) -> None:
+        self._release_sources()
+        self.intake.pull(0.02)
+        batch: PrefillBatch[PrefillRequest] = PrefillBatch(self.cache, self.settings.batch, self.metrics)
+        batch.run(self.intake, lambda req: batch.reserve(req, time.monotonic()), lambda: self._prefill(batch))
+        if self._publish_timer.due():
+            self._publish()
+
+    def _release_sources(self) -> None:
+        while True:
+            try:
+                tid = self._released.get_nowait()
+            except queue.Empty:
+                return
+            alloc = self._open.pop(tid, None)
+            if alloc is not None:
+                self.cache.release(alloc)
+
+    def _prefill(self, batch: PrefillBatch[PrefillRequest]) -> None:
+        """One forward over the batch's prompts, then per prompt: row 0, cache commit, the KV offer and
+        the HANDOFF. If the forward fails, every prompt of the batch fails and its pages come back."""
+        tables = [self.pool.slots(alloc.pages, req.prompt.shape[0]) for req, alloc in batch.members]
+        firsts = batch.forward(self.decoder, self.pool, tables)
+        batch.hand_on(lambda req, alloc, i: self._hand_off(req, alloc, tables[i], firsts[i]))
+
+    def _hand_off(
+        self, req: PrefillRequest, alloc: PrefixAllocation, slots: torch.Tensor, first: np.ndarray
+    ) -> None:
+        """Row 0 is known and the prompt's KV is in the pool: commit it to the prefix cache, offer it
+        to D (the sender owns the pages until it releases them) and send the HANDOFF. On any error the
+        pages come back (unless the sender owns them) and the client is told, then the error is raised."""
+        t = req.prompt.shape[0]
+        if req.sink.cancelled():  # nobody would pull the KV: offer nothing, the pages come back now
+            self.cache.release(alloc)
+            req.sink.fail(Cancelled("the request was cancelled before its hand-off"))
+            return
+        offered = False
+        try:
+            self.cache.commit(alloc, req.prompt)
+            eos = self.decoder.cfg.eos_token_id
+            last = int(first[0])
+            ends_now = req.max_new_rows <= 1 or last == eos or req.sampling.stops(last)
+            ticket = None
+            if not ends_now:
+                ticket = self.sender.offer(
+                    t,
+                    lambda out: self.pool.gather(slots, out),
+                    self.settings.transfer.ticket_ttl_s,
+                    rows=(self.pool.kv, slots),
+                )
+                self._open[ticket.transfer_id] = alloc
+                offered = True
+            req.timings.mark("ticket")
+            req.sink.send(
+                Handoff(
+                    ticket=ticket,
+                    prompt_len=t,
+                    first_row=tuple(int(x) for x in first),
+                    sampling=req.sampling,
+                    max_new_rows=req.max_new_rows,
+                    timings=req.timings.as_dict(),
+                )
+            )
+        except Exception as exc:
+            if not offered:
+                self.cache.release(alloc)
+            with contextlib.suppress(Exception):
+                req.sink.fail(StreamFailed(f"prefill hand-off failed: {type(exc).__name__}: {exc}"))
+            raise
+        if not offered:  # ended at row 0: nothing for D to pull
+            self.cache.release(alloc)
+
+    def _publish(self) -> None:
+        m = self.metrics
+        m.set("tandem_queued_requests", len(self.intake))
+        m.set("tandem_free_pages", self.cache.available_pages)
+
+    def _fault(self, reason: str) -> None:
+        self.intake.fail_all(StreamFailed(reason))

@@ -1,0 +1,211 @@
+"""Paged, per-token KV storage shared by every sequence one engine runs.
+
+Why paged: streams start and finish at arbitrary times and prompts vary from tens to thousands of rows,
+so one contiguous buffer per sequence would fragment device memory. Instead one big tensor is cut into
+fixed-size pages; a sequence owns a list of pages (in any order), and every token of it lives in one
+*slot* (a row of the token axis). Attention reads K/V by slot index, so a sequence's pages need not be
+adjacent. The layout is layer-major, `[L, 2, slots, kvh, hd]`, which makes `gather`/`scatter` of a whole
+sequence (what the prefill->decode hand-off moves) one row copy each over the token axis: the
+`tandem.csrc.kv_cuda` kernels on a GPU (torch `index_select`/`index_copy_` on the CPU or when the kernels
+are not built; bit-for-bit the same).
+
+The free list is a LIFO stack: the most recently freed page is handed out first. That keeps hot pages
+hot and makes fragmented allocations easy to provoke in tests (allocate, free every other page, allocate).
+Allocation and free are not locked: each engine calls them from one thread, or (D, whose admission
+thread allocates while its engine thread frees) under D's one lock (`backend/engines/decode/admission.py`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from tandem.backend.errors import PoolExhausted
+from tandem.backend.model.config import ModelConfig
+from tandem.backend.model.uploads import upload
+from tandem.csrc import kv_cuda
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """Shape of one token's KV across all layers; equal layouts can exchange KV byte for byte."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @property
+    def token_bytes(self) -> int:
+        """Bytes of K and V for one token over all layers (what the transfer path moves per token)."""
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * itemsize
+
+    def staging_shape(self, n_tokens: int) -> tuple[int, int, int, int, int]:
+        """Shape `(L, 2, T, kvh, hd)` of a contiguous buffer holding `n_tokens` tokens' KV.
+
+        Used by whoever allocates staging buffers for `KVPool.gather`/`KVPool.scatter`.
+        """
+        return (self.num_layers, 2, n_tokens, self.num_kv_heads, self.head_dim)
+
+    @classmethod
+    def from_model(cls, cfg: ModelConfig) -> KVLayout:
+        """The layout a decoder built from `cfg` reads and writes."""
+        return cls(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.torch_dtype)
+
+
+class KVPool:
+    """Paged per-token KV storage. kv: Tensor[num_layers, 2, num_pages*page_size, num_kv_heads, head_dim]
+    (layer-major; a 'slot' is one token row; page p owns slots p*page_size .. p*page_size+page_size-1)."""
+
+    kv: torch.Tensor
+    layout: KVLayout
+    num_pages: int
+    page_size: int
+    device: torch.device
+
+    def __init__(
+        self,
+        layout: KVLayout,
+        num_pages: int,
+        page_size: int,
+        device: torch.device | str,
+        storage: torch.Tensor | None = None,
+    ) -> None:
+        """Called once by an engine at start-up; the pool owns `kv` for its whole life.
+
+        `storage` (D in direct mode: the transfer receiver's arena, which P writes into) is used as
+        `kv` instead of a fresh tensor; it must have exactly `layout.staging_shape(num_pages *
+        page_size)`, the layout's dtype and `device`. Either way the storage is zero-filled so that
+        padded (masked) reads of never-written slots can never inject NaN/Inf from uninitialised
+        memory into attention.
+        """
+        if num_pages < 1 or page_size < 1:
+            raise ValueError("num_pages and page_size must be positive")
+        self.layout = layout
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.device = torch.device(device)
+        shape = layout.staging_shape(num_pages * page_size)
+        if storage is None:
+            self.kv = torch.zeros(shape, dtype=layout.dtype, device=self.device)
+        else:
+            d = storage.device
+            if (
+                tuple(storage.shape) != shape
+                or storage.dtype != layout.dtype
+                or d.type != self.device.type
+                or (self.device.index is not None and d.index != self.device.index)
+            ):
+                raise ValueError(
+                    f"pool storage is {tuple(storage.shape)} {storage.dtype} on {storage.device}, "
+                    f"expected {shape} {layout.dtype} on {self.device}"
+                )
+            self.kv = storage
+            self.kv.zero_()
+            if self.kv.is_cuda:  # another process writes this memory, ordered on nothing of ours
+                torch.cuda.synchronize(self.kv.device)
+        # Stack: pop() hands out the last element, so store pages in reverse to start with page 0.
+        self._free: list[int] = list(range(num_pages - 1, -1, -1))
+        self._is_free: list[bool] = [True] * num_pages
+
+    @property
+    def num_free_pages(self) -> int:
+        """Pages not owned by anyone; admission control compares this with `pages_for(...)`."""
+        return len(self._free)
+
+    def pages_for(self, n_tokens: int) -> int:
+        """Pages needed to hold `n_tokens` tokens (ceil division)."""
+        if n_tokens < 0:
+            raise ValueError("n_tokens must be >= 0")
+        return -(-n_tokens // self.page_size)
+
+    def allocate(self, n_pages: int) -> list[int]:
+        """Take `n_pages` free pages; the caller owns them until it passes them to `free`.
+
+        Raises PoolExhausted without taking any page when fewer than `n_pages` are free.
+        """
+        if n_pages < 0:
+            raise ValueError("n_pages must be >= 0")
+        if n_pages > len(self._free):
+            raise PoolExhausted(f"asked for {n_pages} KV pages, {len(self._free)} free of {self.num_pages}")
+        if n_pages == 0:
+            return []
+        pages = self._free[-n_pages:]
+        del self._free[-n_pages:]
+        pages.reverse()
+        for p in pages:
+            self._is_free[p] = False
+        return pages
+
+    def free(self, pages: Sequence[int]) -> None:
+        """Return pages to the pool; ownership ends here. Their contents are left as they are.
+
+        Validates the whole call first (ValueError on out-of-range, already-free or repeated pages),
+        so a bad call frees nothing. A later `allocate` hands these pages out in the order given.
+        """
+        seen: set[int] = set()
+        for p in pages:
+            if not 0 <= p < self.num_pages:
+                raise ValueError(f"page {p} out of range [0, {self.num_pages})")
+            if self._is_free[p] or p in seen:
+                raise ValueError(f"page {p} freed twice")
+            seen.add(p)
+        for p in pages:
+            self._is_free[p] = True
+        self._free.extend(reversed(pages))
+
+    def slot_array(self, pages: Sequence[int], n_tokens: int) -> np.ndarray:
+        """`slots` as a host int64 array: no torch call, no device. D's admission thread uses it (a
+        device copy there would wait for the running step and for the GIL, docs/benchmarks)."""
+        if n_tokens > len(pages) * self.page_size:
+            raise ValueError(f"{n_tokens} tokens do not fit in {len(pages)} pages of {self.page_size}")
+        page_a = np.asarray(pages, dtype=np.int64)
+        return (page_a[:, None] * self.page_size + np.arange(self.page_size, dtype=np.int64)).reshape(-1)[
+            :n_tokens
+        ]
+
+    def slots(self, pages: Sequence[int], n_tokens: int) -> torch.Tensor:
+        """Slot of each of the first `n_tokens` tokens stored in `pages` (in order), on the pool's device.
+
+        Returns a fresh LongTensor[n_tokens] the caller owns.
+        """
+        return self.slots_to_device(self.slot_array(pages, n_tokens))
+
+    def slots_to_device(self, arr: np.ndarray) -> torch.Tensor:
+        """A host slot array on the pool's device, ordered on the current stream (after the work
+        already queued there, before what follows). On a GPU the copy goes through pinned memory, so
+        the host does not wait for it (from pageable memory it would wait for the running step)."""
+        return upload(np.asarray(arr, dtype=np.int64), self.device)
+
+    def gather(self, slots: torch.Tensor, out: torch.Tensor) -> None:
+        """Copy the KV of `slots` (LongTensor[T], contiguous, on the pool's device) into
+        `out[L, 2, T, kvh, hd]` (`layout.staging_shape(T)`: contiguous, pool dtype, pool device).
+
+        Called by the prefill side before shipping a sequence's KV; `out` stays the caller's. Runs
+        `kv_cuda.gather` (the pool `[L, 2, S, kvh, hd]` is its `[L, 2, S, *row]`), ordered on the current
+        stream. Slots are not bounds-checked (that would sync the device): they must come from
+        `slots()` of pages this pool handed out. Raises ValueError/TypeError on a shape, dtype, device
+        or contiguity mismatch; T = 0 copies nothing.
+        """
+        if slots.numel() == 0:
+            return
+        kv_cuda.gather(self.kv, slots, out, check_bounds=False)
+
+    def scatter(self, slots: torch.Tensor, src: torch.Tensor) -> None:
+        """Write `src[L, 2, T, kvh, hd]` (`layout.staging_shape(T)`: contiguous, pool dtype, pool device)
+        into the pool at `slots` (LongTensor[T], contiguous, on the pool's device).
+
+        Called by the decode side when it receives a sequence's KV; `src` stays the caller's. Runs
+        `kv_cuda.scatter` without a bounds check (no device sync, so D's overlapped loop never stalls
+        here): slots must come from `slots()` of pages this pool handed out. The copy is ordered on the
+        current stream: work on that stream may reuse `src` at once, but a writer ordered on nothing of
+        ours (another process) only after the stream passed this point. Raises ValueError/TypeError on
+        a shape, dtype, device or contiguity mismatch; T = 0 copies nothing.
+        """
+        if slots.numel() == 0:
+            return
+        kv_cuda.scatter(src, self.kv, slots, check_bounds=False)

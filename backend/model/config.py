@@ -1,0 +1,185 @@
+"""Typed configuration: the decoder's shape, the vocoder's clock, the engines' limits.
+
+Every tunable lives here or in a model's `config.pbtxt` parameters (which are parsed into these
+dataclasses by `backend.settings`); nothing else hard-codes a size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from tandem.backend.model.rope import RopeScaling
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise ValueError(f"unknown dtype {name!r}; expected one of {sorted(_DTYPES)}") from None
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """A Llama/Qwen-family decoder over prompt rows of `row_width` ids.
+
+    Column c of a row is embedded with its own table (rows c*V..c*V+V-1 of one [W*V, H] matrix) and
+    the W embeddings are summed; the output head is one [W*V, H] matrix whose logits reshape to
+    [W, V]. With row_width=1 this is exactly a Hugging Face causal LM.
+    """
+
+    vocab_size: int
+    row_width: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rope_theta: float = 1_000_000.0
+    rope_scaling: RopeScaling | None = None  # None: unscaled RoPE; else Llama 3's (backend/model/rope.py)
+    rms_norm_eps: float = 1e-6
+    qk_norm: bool = False
+    attention_bias: bool = False
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 8192
+    dtype: str = "float32"
+    eos_token_id: int | None = None
+    name: str = "custom"
+
+    def __post_init__(self) -> None:
+        torch_dtype(self.dtype)
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError("num_heads must be a multiple of num_kv_heads")
+        if min(self.vocab_size, self.row_width, self.hidden_size, self.num_layers, self.head_dim) < 1:
+            raise ValueError("model dimensions must be positive")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return torch_dtype(self.dtype)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        itemsize = torch.empty((), dtype=self.torch_dtype).element_size()
+        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * itemsize
+
+    def with_dtype(self, dtype: str) -> ModelConfig:
+        return replace(self, dtype=dtype)
+
+
+PRESETS: dict[str, ModelConfig] = {
+    # CPU default: streams in milliseconds per step so CI can drive the real server.
+    "tiny": ModelConfig(
+        name="tiny",
+        vocab_size=1024,
+        row_width=4,
+        hidden_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        intermediate_size=128,
+        qk_norm=True,
+        max_position_embeddings=8192,
+    ),
+    # The seed's decoder shape: 36 x 2 x 8 x 128 x 2 bytes = 144 KiB of KV per token.
+    "qwen3-4b-shape": ModelConfig(
+        name="qwen3-4b-shape",
+        vocab_size=151936,
+        row_width=1,
+        hidden_size=2560,
+        num_layers=36,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        intermediate_size=9728,
+        qk_norm=True,
+        tie_word_embeddings=True,
+        max_position_embeddings=40960,
+        dtype="bfloat16",
+    ),
+    # The shapes TTS users serve (random weights; the head and table are vocab x hidden, tied):
+    # Orpheus-3B is Llama-3.2-3B with a 156,940-token vocabulary (text plus SNAC audio codes).
+    "orpheus-3b-shape": ModelConfig(
+        name="orpheus-3b-shape",
+        vocab_size=156940,
+        row_width=1,
+        hidden_size=3072,
+        num_layers=28,
+        num_heads=24,
+        num_kv_heads=8,
+        head_dim=128,
+        intermediate_size=8192,
+        rope_theta=500_000.0,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+        max_position_embeddings=131072,
+        dtype="bfloat16",
+    ),
+    # Llasa-1B's decoder: Llama-3.2-1B with its 128,256 text tokens plus XCodec2's 65,536 speech codes.
+    "llama-3.2-1b-shape": ModelConfig(
+        name="llama-3.2-1b-shape",
+        vocab_size=193800,
+        row_width=1,
+        hidden_size=2048,
+        num_layers=16,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=64,
+        intermediate_size=8192,
+        rope_theta=500_000.0,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+        max_position_embeddings=131072,
+        dtype="bfloat16",
+    ),
+    # CosyVoice2's and Spark-TTS's LM body: Qwen2.5-0.5B (qkv bias, 14 query heads on 2 KV heads).
+    "qwen2.5-0.5b-shape": ModelConfig(
+        name="qwen2.5-0.5b-shape",
+        vocab_size=151936,
+        row_width=1,
+        hidden_size=896,
+        num_layers=24,
+        num_heads=14,
+        num_kv_heads=2,
+        head_dim=64,
+        intermediate_size=4864,
+        attention_bias=True,
+        tie_word_embeddings=True,
+        max_position_embeddings=32768,
+        dtype="bfloat16",
+    ),
+}
+
+
+def preset(name: str) -> ModelConfig:
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ValueError(f"unknown model preset {name!r}; known: {sorted(PRESETS)}") from None
+
+
+@dataclass(frozen=True)
+class VocoderConfig:
+    sample_rate: int = 22050
+    rows_per_second: int = 21
+
+    def __post_init__(self) -> None:
+        if self.sample_rate % self.rows_per_second:
+            raise ValueError("sample_rate must be a whole multiple of rows_per_second")
+
+    @property
+    def samples_per_row(self) -> int:
+        return self.sample_rate // self.rows_per_second
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Per-request bounds every entry point enforces before allocating anything."""
+
+    max_prompt_rows: int = 4096
+    max_new_rows: int = 2048
+    default_new_rows: int = 256

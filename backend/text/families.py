@@ -1,0 +1,49 @@
+"""Model families `tandem-repo` knows, and how it recognises one from a checkpoint directory.
+
+A family fixes what the checkpoint alone does not say: the codec the LM was trained to drive and how
+its tokens carry that codec's codes (backend/codec/builder.py layouts). Recognised from the files a
+checkpoint ships, never from its directory name:
+- orpheus (canopyai/Orpheus-TTS): a Llama whose vocabulary is the Llama-3 text vocabulary plus the
+  custom tokens up to the 7 x 4096 audio tokens (156,940 ids), whose tokenizer, when shipped, names
+  id 128266 `<custom_token_10>` (SNAC code 0 of slot 0).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tandem.backend.codec.orpheus import AUDIO_BASE, CODEBOOK, SLOTS
+
+FAMILIES = {"orpheus": "SNAC 24 kHz: the hubertsiuzdak/snac_24khz directory"}
+_ORPHEUS_VOCAB = 156940
+
+
+def _tokenizer_names_audio_base(path: Path) -> bool | None:
+    """True/False when `tokenizer.json` says what id 128266 is; None without a tokenizer."""
+    tok = path / "tokenizer.json"
+    if not tok.is_file():
+        return None
+    try:
+        data = json.loads(tok.read_text())
+    except (OSError, ValueError):
+        return False
+    added = {t.get("id"): t.get("content") for t in data.get("added_tokens", [])}
+    vocab = data.get("model", {}).get("vocab", {})
+    name = added.get(AUDIO_BASE) or next((k for k, v in vocab.items() if v == AUDIO_BASE), None)
+    return name == f"<custom_token_{AUDIO_BASE - 128256}>"
+
+
+def detect_family(checkpoint: Path) -> str | None:
+    """The family of the checkpoint in `checkpoint` (its config.json and tokenizer.json), or None."""
+    try:
+        config = json.loads((checkpoint / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    vocab = int(config.get("vocab_size", 0))
+    if config.get("model_type") != "llama" or vocab < AUDIO_BASE + SLOTS * CODEBOOK:
+        return None
+    named = _tokenizer_names_audio_base(checkpoint)
+    if named is None:
+        return "orpheus" if vocab == _ORPHEUS_VOCAB else None
+    return "orpheus" if named else None

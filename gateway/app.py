@@ -1,0 +1,286 @@
+"""tandem-gateway: the unit's HTTP front door, OpenAI's speech API over Triton gRPC streaming.
+
+Routes (FastAPI on uvicorn; `cli/gateway.py` starts it):
+
+- `POST /v1/audio/speech`: OpenAI's body (`model`, `input`, `voice`, `response_format` `wav` (the
+  default here; OpenAI's is mp3) or `pcm`, `speed` 1.0 only, `stream_format` `audio` or `sse`,
+  `instructions` accepted and unused). The audio is streamed as the model produces it: the status
+  and headers wait for the first audio (or the error that comes instead, with its own status), then
+  each response's audio goes out at once. `X-Tandem-Stream-Id` is the stream id (Triton
+  `sequence_id`) the gateway chose; `X-Sample-Rate` the PCM rate. A caller who hangs up cancels the
+  stream (the gRPC call is cancelled; Triton tells the engines).
+- `GET /v1/models`, `GET /v1/models/{id}`: the served models, OpenAI's list format.
+- `GET /health`: 200 when Triton answers and the unit is ready by `serving.health` (every
+  `tandem_engine_up` 1, no `tandem_draining` 1), else 503 with the reasons.
+- `GET /metrics`: the gateway's own metrics (`gateway/metrics.py`).
+
+Errors are OpenAI's JSON, `{"error": {"message", "type", "param", "code"}}`, with `code` the tandem
+code (`gateway/errors.py`) and the HTTP status by it: 400 INVALID_ARG, 404 NOT_FOUND (unknown
+model), 503 UNAVAILABLE (over capacity, Triton not ready), 500 INTERNAL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import tritonclient.grpc.aio as aio
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel, ConfigDict, Field
+
+from tandem.gateway.audio import AudioFormat, Framer, StreamFormat
+from tandem.gateway.errors import HTTP_STATUS, ClientCode, ClientError
+from tandem.gateway.metrics import GatewayMetrics
+from tandem.gateway.stream import (
+    AudioPiece,
+    GatewayError,
+    SpeechModel,
+    StreamRequest,
+    discover,
+    new_stream_id,
+    refuse,
+    stream_audio,
+    text_inputs,
+)
+from tandem.serving.health import HealthUnavailable, fetch_health
+
+log = logging.getLogger("tandem.gateway")
+
+# Triton may still be starting or be restarted by tandem-unit: reconnect within ~2 s, not after gRPC's
+# default backoff (up to 120 s, during which every call fails at once); no message size limit.
+CHANNEL_ARGS = [
+    ("grpc.max_send_message_length", 2**31 - 1),
+    ("grpc.max_receive_message_length", 2**31 - 1),
+    ("grpc.initial_reconnect_backoff_ms", 250),
+    ("grpc.max_reconnect_backoff_ms", 2000),
+]
+
+
+@dataclass(frozen=True)
+class GatewaySettings:
+    triton_url: str  # HOST:GRPC_PORT
+    metrics_url: str  # Triton's metrics endpoint, for /health
+    models: tuple[str, ...] = ("tts", "tts_mono")
+    idle_timeout_s: float = 60.0  # no response from Triton for this long ends a stream (UNAVAILABLE)
+    retry_s: float = 1.0  # how often start-up asks Triton for the models' configs until it answers
+
+
+class VoiceRef(BaseModel):
+    id: str
+
+
+class SpeechBody(BaseModel):
+    """OpenAI's `POST /v1/audio/speech` body; unknown fields are refused, as OpenAI does."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str
+    input: str = Field(max_length=4096)
+    voice: str | VoiceRef
+    instructions: str | None = None
+    response_format: Literal["mp3", "opus", "aac", "flac", "wav", "pcm"] = "wav"
+    speed: float = 1.0
+    stream_format: Literal["audio", "sse"] = "audio"
+
+    @property
+    def voice_name(self) -> str:
+        return self.voice.id if isinstance(self.voice, VoiceRef) else self.voice
+
+
+def error_response(err: ClientError, param: str | None = None) -> JSONResponse:
+    status = HTTP_STATUS[err.code]
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    body = {"error": {"message": str(err), "type": kind, "param": param, "code": err.code.value}}
+    return JSONResponse(body, status_code=status)
+
+
+class Gateway:
+    """The app's state: one aio client to Triton, the models read at start-up, the metrics."""
+
+    def __init__(self, settings: GatewaySettings) -> None:
+        self.settings = settings
+        self.metrics = GatewayMetrics()
+        self.client: aio.InferenceServerClient | None = None
+        self.models: dict[str, SpeechModel] | None = None  # None until Triton answered
+        self._discovery: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        self.client = aio.InferenceServerClient(self.settings.triton_url, channel_args=CHANNEL_ARGS)
+        self._discovery = asyncio.create_task(self._discover())
+
+    async def _discover(self) -> None:
+        assert self.client is not None
+        waiting = False
+        while self.models is None:
+            try:
+                self.models = await discover(self.client, self.settings.models)
+                log.info("gateway: serving %s from %s", ", ".join(self.models), self.settings.triton_url)
+            except Exception as exc:  # Triton still starting: ask again (said once, not every second)
+                if not waiting:
+                    log.info("gateway: waiting for Triton at %s (%s)", self.settings.triton_url, exc)
+                waiting = True
+                await asyncio.sleep(self.settings.retry_s)
+
+    async def stop(self) -> None:
+        if self._discovery is not None:
+            self._discovery.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._discovery
+        if self.client is not None:
+            await self.client.close()
+
+    def model(self, name: str) -> SpeechModel:
+        if self.models is None:
+            raise refuse(ClientCode.UNAVAILABLE, f"Triton at {self.settings.triton_url} is not ready yet")
+        if name not in self.models:
+            raise refuse(
+                ClientCode.NOT_FOUND,
+                f"model {name!r} is not served here (served: {', '.join(self.models)})",
+                "model",
+            )
+        return self.models[name]
+
+    async def speech(self, body: SpeechBody) -> Response:
+        received = time.monotonic()
+        model = self.model(body.model)
+        if body.speed != 1.0:
+            raise refuse(ClientCode.INVALID_ARG, f"speed = {body.speed:g}: only 1.0 is supported", "speed")
+        if body.response_format not in {f.value for f in AudioFormat}:
+            raise refuse(
+                ClientCode.INVALID_ARG,
+                f"response_format {body.response_format!r} is not supported: use wav or pcm",
+                "response_format",
+            )
+        inputs = text_inputs(model, body.input, body.voice_name)
+        assert self.client is not None
+        req = StreamRequest(model.name, inputs, new_stream_id())
+        framer = Framer(
+            AudioFormat(body.response_format), StreamFormat(body.stream_format), model.sample_rate
+        )
+        return await self.respond(req, framer, received)
+
+    async def respond(self, req: StreamRequest, framer: Framer, received: float) -> Response:
+        """Waits for the first audio (an error before it is a JSON error with its status), then streams."""
+        assert self.client is not None
+        pieces = stream_audio(self.client, req, self.settings.idle_timeout_s)
+        try:
+            first: AudioPiece | None = await anext(pieces)
+        except StopAsyncIteration:
+            first = None
+        except BaseException:
+            await pieces.aclose()
+            raise
+        self.metrics.first_audio.observe(time.monotonic() - received)
+        headers = {"X-Tandem-Stream-Id": str(req.stream_id), "X-Sample-Rate": str(framer.sample_rate)}
+        return StreamingResponse(
+            self._body(first, pieces, framer), media_type=framer.media_type, headers=headers
+        )
+
+    async def _body(
+        self, first: AudioPiece | None, pieces: AsyncGenerator[AudioPiece, None], framer: Framer
+    ) -> AsyncIterator[bytes]:
+        status, rows = "499", 0  # unless the stream ends one way or the other below
+        self.metrics.streams.inc()
+        try:
+            if first is not None:
+                rows += first.rows
+                yield framer.piece(first.pcm)
+                async for piece in pieces:
+                    rows += piece.rows
+                    yield framer.piece(piece.pcm)
+            yield framer.end(rows)
+            status = "200"
+        except GatewayError as exc:
+            status = str(HTTP_STATUS[exc.error.code])
+            log.warning("gateway: stream failed after its first audio: %s", exc.error)
+            tail = framer.error(exc.error)
+            if tail is None:
+                raise  # the status is sent: end the body without its last chunk
+            yield tail
+        finally:
+            self.metrics.streams.dec()
+            self.metrics.requests.labels(status=status).inc()
+            await pieces.aclose()
+
+    async def health(self) -> JSONResponse:
+        assert self.client is not None
+        reasons: list[str] = []
+        try:
+            if not await self.client.is_server_ready():
+                reasons.append("Triton is not ready")
+        except Exception as exc:
+            reasons.append(f"Triton at {self.settings.triton_url} does not answer: {exc}")
+        if not reasons:
+            try:
+                unit = await asyncio.to_thread(fetch_health, self.settings.metrics_url)
+                reasons += unit.reasons
+            except HealthUnavailable as exc:
+                reasons.append(str(exc))
+        if self.models is None:
+            reasons.append("the served models' configs are not read yet")
+        ok = not reasons
+        return JSONResponse({"status": "ok" if ok else "unavailable", "reasons": reasons}, 200 if ok else 503)
+
+
+def create_app(settings: GatewaySettings) -> FastAPI:
+    gw = Gateway(settings)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await gw.start()
+        try:
+            yield
+        finally:
+            await gw.stop()
+
+    app = FastAPI(title="tandem-gateway", lifespan=lifespan)
+    app.state.gateway = gw
+
+    @app.exception_handler(GatewayError)
+    async def _gateway_error(_: Request, exc: GatewayError) -> JSONResponse:
+        gw.metrics.requests.labels(status=str(HTTP_STATUS[exc.error.code])).inc()
+        return error_response(exc.error, exc.param)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        first: dict[str, Any] = exc.errors()[0] if exc.errors() else {}
+        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        param = loc[0] if loc else None
+        detail = f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid request')}"
+        gw.metrics.requests.labels(status="400").inc()
+        return error_response(ClientError(ClientCode.INVALID_ARG, detail), param)
+
+    @app.post("/v1/audio/speech")
+    async def speech(body: SpeechBody) -> Response:
+        return await gw.speech(body)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        names = list(gw.models or {})
+        return {"object": "list", "data": [_model_card(n) for n in names]}
+
+    @app.get("/v1/models/{name}")
+    async def model(name: str) -> dict[str, Any]:
+        return _model_card(gw.model(name).name)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        return await gw.health()
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(gw.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+def _model_card(name: str) -> dict[str, Any]:
+    return {"id": name, "object": "model", "created": 0, "owned_by": "tandem"}

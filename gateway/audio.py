@@ -1,0 +1,98 @@
+"""How the gateway frames streamed audio for an HTTP caller (OpenAI's `response_format` x `stream_format`).
+
+- `pcm`: raw 16-bit signed little-endian mono samples at the model's `sample_rate` (OpenAI's is
+  fixed at 24 kHz; here the model's rate is in the `X-Sample-Rate` response header).
+- `wav`: a 44-byte RIFF/WAVE header, then the same samples. The length is unknown when the first
+  bytes go out, so both RIFF sizes are 0xFFFFFFFF (the streaming convention players accept); a
+  complete file's length is the bytes received.
+- `stream_format=sse`: every piece of the chosen format (the WAV header in the first) is one
+  `speech.audio.delta` event with the bytes base64-encoded, then one `speech.audio.done` event with
+  `usage.output_tokens` (rows generated); an error after the first audio is an `error` event.
+  With `stream_format=audio` the bytes go out as they are (chunked transfer encoding), and an error
+  after the first audio ends the response without its terminating chunk (the caller sees a
+  truncated body), since the HTTP status has been sent.
+
+Pure functions; `gateway/app.py` calls them.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import struct
+from dataclasses import dataclass
+from enum import Enum
+
+import numpy as np
+
+from tandem.gateway.errors import ClientError
+
+
+class AudioFormat(str, Enum):
+    WAV = "wav"
+    PCM = "pcm"
+
+
+class StreamFormat(str, Enum):
+    AUDIO = "audio"
+    SSE = "sse"
+
+
+MEDIA_TYPES = {AudioFormat.WAV: "audio/wav", AudioFormat.PCM: "audio/pcm"}
+
+
+def pcm16(audio: np.ndarray) -> bytes:
+    """float32 PCM in [-1, 1] (clipped) -> 16-bit signed little-endian bytes."""
+    clipped = np.clip(np.asarray(audio, dtype=np.float32), -1.0, 1.0)
+    return (clipped * 32767.0).round().astype("<i2").tobytes()
+
+
+def wav_header(sample_rate: int, data_bytes: int = 0xFFFFFFFF) -> bytes:
+    """RIFF/WAVE header for mono 16-bit PCM; `data_bytes` unknown (streaming) by default."""
+    riff = 0xFFFFFFFF if data_bytes == 0xFFFFFFFF else 36 + data_bytes
+    return (
+        b"RIFF"
+        + struct.pack("<I", riff)
+        + b"WAVEfmt "
+        + struct.pack("<IHHIIHH", 16, 1, 1, sample_rate, sample_rate * 2, 2, 16)
+        + b"data"
+        + struct.pack("<I", data_bytes)
+    )
+
+
+def _sse(event: dict[str, object]) -> bytes:
+    return b"data: " + json.dumps(event, separators=(",", ":")).encode() + b"\n\n"
+
+
+@dataclass
+class Framer:
+    """One response's framing; `first` is True until the first piece went out."""
+
+    audio: AudioFormat
+    stream: StreamFormat
+    sample_rate: int
+    first: bool = True
+
+    @property
+    def media_type(self) -> str:
+        return "text/event-stream" if self.stream is StreamFormat.SSE else MEDIA_TYPES[self.audio]
+
+    def piece(self, audio: np.ndarray) -> bytes:
+        data = pcm16(audio)
+        if self.first and self.audio is AudioFormat.WAV:
+            data = wav_header(self.sample_rate) + data
+        self.first = False
+        if self.stream is StreamFormat.SSE:
+            return _sse({"type": "speech.audio.delta", "audio": base64.b64encode(data).decode()})
+        return data
+
+    def end(self, rows: int) -> bytes:
+        if self.stream is StreamFormat.SSE:
+            return _sse({"type": "speech.audio.done", "usage": {"output_tokens": rows}})
+        return b""
+
+    def error(self, err: ClientError) -> bytes | None:
+        """The bytes that tell a caller of an error after the first audio; None: end the body instead."""
+        if self.stream is StreamFormat.SSE:
+            return _sse({"type": "error", "error": {"message": str(err), "code": err.code.value}})
+        return None

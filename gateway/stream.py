@@ -1,0 +1,203 @@
+"""The gateway's Triton side: which models it serves, how a speech request becomes `tts` inputs, and
+one gRPC stream per request with its audio yielded as it arrives.
+
+Who calls: `gateway/app.py` (the HTTP routes), `bench/gateway.py` and the tests. One
+`tritonclient.grpc.aio` client per gateway process; every request opens its own bidirectional stream
+(`stream_infer`) carrying exactly one Triton request with a stream id (`sequence_id`) the gateway
+picks, `sequence_start` and `sequence_end` set. The request side of the stream stays open until the
+final response has arrived, and closing the generator `stream_audio` returns (the HTTP caller hung
+up) cancels the gRPC call, which Triton passes on to the engines as a cancelled request.
+
+Text: OpenAI's `input` (text) goes to the model's `TEXT` BYTES [1] input and `voice` to `VOICE` BYTES
+[1] (and to `VOICE_ID`, the affinity and metrics label). `text_inputs` is that mapping; a model that
+publishes no `TEXT` input (read from its config at start-up) gets no tokenizer of ours in its place:
+the request is refused with INVALID_ARG. `prompt_inputs` builds a request from prompt rows instead,
+for callers inside the process (tests, the bench), never from HTTP. No `MAX_TOKENS` is sent: an HTTP
+request streams the model's default length (`tandem.limits.default_new_rows`).
+
+Errors the model reports name the Triton input first (`VOICE 'alloy' is not one of this model's
+voices: ...`, `TEXT makes 4097 prompt rows; ...`); `openai_param` turns that name into the OpenAI
+field the caller sent (`voice`, `input`), the error's `param`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import numpy as np
+import tritonclient.grpc as grpcclient
+import tritonclient.grpc.aio as aio
+
+from tandem.gateway.client import build_inputs
+from tandem.gateway.errors import ClientCode, ClientError, classify
+
+TEXT, VOICE, VOICE_ID = "TEXT", "VOICE", "VOICE_ID"
+OPENAI_PARAMS = {TEXT: "input", VOICE: "voice", VOICE_ID: "voice"}  # Triton input -> the body's field
+
+
+class GatewayError(Exception):
+    """A request the gateway cannot serve; `error` is what the caller is told."""
+
+    def __init__(self, error: ClientError, param: str | None = None) -> None:
+        super().__init__(str(error))
+        self.error = error
+        self.param = param
+
+
+def refuse(code: ClientCode, detail: str, param: str | None = None) -> GatewayError:
+    return GatewayError(ClientError(code, detail), param)
+
+
+@dataclass(frozen=True)
+class SpeechModel:
+    """What the gateway knows of one served model, read from its config once at start-up."""
+
+    name: str
+    sample_rate: int
+    row_width: int
+    inputs: frozenset[str]
+
+    @property
+    def takes_text(self) -> bool:
+        return TEXT in self.inputs
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any]) -> SpeechModel:
+        """`config`: the model's config as JSON (`get_model_config(..., as_json=True)["config"]`)."""
+        params = {k: v.get("string_value", "") for k, v in (config.get("parameters") or {}).items()}
+        name = str(config["name"])
+        outputs = {o["name"] for o in config.get("output", [])}
+        if "AUDIO" not in outputs or "sample_rate" not in params:
+            raise ValueError(f"model {name!r} is not a tandem speech model (no AUDIO output / sample_rate)")
+        return cls(
+            name=name,
+            sample_rate=int(params["sample_rate"]),
+            row_width=int(params.get("row_width", "1")),
+            inputs=frozenset(i["name"] for i in config.get("input", [])),
+        )
+
+
+async def discover(client: aio.InferenceServerClient, names: tuple[str, ...]) -> dict[str, SpeechModel]:
+    """Each named model's config; raises (tritonclient's exception) while Triton cannot answer."""
+    out = {}
+    for name in names:
+        cfg = await client.get_model_config(name, as_json=True)
+        out[name] = SpeechModel.from_config(cfg["config"])
+    return out
+
+
+def _bytes_input(name: str, value: str) -> grpcclient.InferInput:
+    t = grpcclient.InferInput(name, [1], "BYTES")
+    t.set_data_from_numpy(np.array([value.encode()], dtype=np.object_))
+    return t
+
+
+def text_inputs(model: SpeechModel, text: str, voice: str) -> list[grpcclient.InferInput]:
+    """OpenAI's `input` and `voice` as `model`'s inputs. Raises GatewayError (INVALID_ARG) when the
+    model takes no text."""
+    if not model.takes_text:
+        raise refuse(
+            ClientCode.INVALID_ARG,
+            f"model {model.name!r} takes no text: it publishes no {TEXT} input (serve a repository with "
+            "a text front end, e.g. the Orpheus one)",
+            "input",
+        )
+    if not text.strip():
+        raise refuse(ClientCode.INVALID_ARG, "input is empty", "input")
+    inputs = [_bytes_input(TEXT, text)]
+    if VOICE in model.inputs:
+        inputs.append(_bytes_input(VOICE, voice))
+    if VOICE_ID in model.inputs:
+        inputs.append(_bytes_input(VOICE_ID, voice))
+    return inputs
+
+
+def prompt_inputs(prompt: np.ndarray, **params: Any) -> list[grpcclient.InferInput]:
+    """Prompt rows (INT64 [N, W]) and the optional inputs of the client contract, for callers inside
+    the process; HTTP callers always send text."""
+    return build_inputs(prompt, **params)
+
+
+def openai_param(error: ClientError) -> str | None:
+    """The OpenAI body field an error of the model is about: its detail's first word names the
+    Triton input (`backend/prompt.py`, `backend/text/frontend.py`); None when it names none of ours."""
+    first = error.detail.split(" ", 1)[0] if error.code is ClientCode.INVALID_ARG else ""
+    return OPENAI_PARAMS.get(first)
+
+
+def new_stream_id() -> int:
+    """A random non-zero 63-bit id: unique across gateway processes sharing one server."""
+    return secrets.randbelow(2**63 - 1) + 1
+
+
+@dataclass(frozen=True)
+class AudioPiece:
+    """One response's audio: float32 PCM in [-1, 1] and the rows it was made of."""
+
+    pcm: np.ndarray
+    rows: int
+
+
+@dataclass(frozen=True)
+class StreamRequest:
+    model: str
+    inputs: list[grpcclient.InferInput]
+    stream_id: int
+
+
+async def stream_audio(
+    client: aio.InferenceServerClient, req: StreamRequest, idle_timeout_s: float = 60.0
+) -> AsyncGenerator[AudioPiece, None]:
+    """Yields each response's audio as it arrives and returns after Triton's final response.
+
+    Raises GatewayError on an error response (code by `classify`), on a broken stream (its gRPC
+    status), or when no response arrives for `idle_timeout_s` (UNAVAILABLE). Closing the generator
+    before the end cancels the gRPC call (Triton marks the request cancelled; the engines stop)."""
+    finished = asyncio.Event()
+
+    async def requests() -> AsyncIterator[dict[str, Any]]:
+        yield {
+            "model_name": req.model,
+            "inputs": req.inputs,
+            "request_id": str(req.stream_id),
+            "sequence_id": req.stream_id,
+            "sequence_start": True,
+            "sequence_end": True,
+        }
+        await finished.wait()  # half-closing the stream early would end it before the last response
+
+    responses = client.stream_infer(requests())
+    done = False
+    try:
+        while not done:
+            try:
+                result, error = await asyncio.wait_for(responses.__anext__(), idle_timeout_s)
+            except StopAsyncIteration:
+                raise refuse(
+                    ClientCode.UNAVAILABLE, "Triton closed the stream before its final response"
+                ) from None
+            except asyncio.TimeoutError:
+                raise refuse(
+                    ClientCode.UNAVAILABLE, f"no response from Triton for {idle_timeout_s:g} s"
+                ) from None
+            except grpc.RpcError as exc:  # the stream itself broke: its status is the code
+                raise GatewayError(classify(str(exc.details()), str(exc.code()))) from None
+            if error is not None:
+                done = True
+                refused = classify(error.message() or str(error), error.status())
+                raise GatewayError(refused, openai_param(refused))
+            params = result.get_response().parameters
+            done = "triton_final_response" in params and params["triton_final_response"].bool_param
+            audio = result.as_numpy("AUDIO")
+            tokens = result.as_numpy("TOKENS")
+            if audio is not None and audio.size:
+                yield AudioPiece(audio, 0 if tokens is None else int(tokens.shape[0]))
+    finally:
+        finished.set()
+        if not done:
+            responses.cancel()
