@@ -21,7 +21,8 @@ import numpy as np
 
 from tandem.backend.errors import InvalidInput
 from tandem.backend.generation.grammar import Grammar
-from tandem.backend.model.config import Limits, ModelConfig
+from tandem.backend.model.config import ModelConfig
+from tandem.backend.settings import Limits
 from tandem.csrc import pack_rows, validate_rows
 
 # Request input names, as declared in the models' config.pbtxt.
@@ -277,7 +278,7 @@ def check_text_request(
 @dataclass(frozen=True)
 class GenerationDefaults:
     """What a request that names no sampling input gets, and the model's stream policy (grammar,
-    stop ids). The request contract's values here; a checkpoint's from `backend/generation/defaults.py`."""
+    stop ids). The request contract's values here; a checkpoint's from `backend/text/defaults.py`."""
 
     temperature: float = DEFAULT_TEMPERATURE
     top_p: float = DEFAULT_TOP_P

@@ -13,7 +13,17 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from tandem.backend.model.config import Limits, VocoderConfig
+from tandem.backend.codec.builder import codec_spec
+from tandem.backend.codec.config import CodecSettings, VocoderConfig
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Per-request bounds every entry point enforces before allocating anything."""
+
+    max_prompt_rows: int = 4096
+    max_new_rows: int = 2048
+    default_new_rows: int = 256
 
 
 @dataclass(frozen=True)
@@ -62,23 +72,6 @@ class RateSettings:
     it plays (0.5: twice real time). `batch.rate_floor_tok_s` > 0 overrides it in tok/s."""
 
     rtf: float = 0.5
-
-
-@dataclass(frozen=True)
-class CodecSettings:
-    """The codec behind the vocoder seam (backend/codec/base.py, docs/codecs.md). D, the vocoder and the
-    monolithic engine must agree on it: D frames the rows, the vocoder decodes the frames.
-
-    kind: "reference" (ReferenceVocoder, no weights; `tandem.vocoder.*` sets its clock) or "snac"
-    (`path`: a directory with SNAC's config.json + pytorch_model.bin). layout: how the LM's rows carry
-    the codes ("" = the kind's own: reference -> rows, snac -> orpheus). lookback/lookahead_frames:
-    context decoded around each chunk (-1 = the kind's default: reference 0/0, snac 2/1)."""
-
-    kind: str = "reference"
-    path: str = ""
-    layout: str = ""
-    lookback_frames: int = -1
-    lookahead_frames: int = -1
 
 
 @dataclass(frozen=True)
@@ -236,13 +229,29 @@ def parse_settings(params: Mapping[str, str]) -> EngineSettings:
         (sections[section] if section else top)[name] = value
     built = {name: dataclasses.replace(getattr(base, name), **values) for name, values in sections.items()}
     explicit_floor = "batch.rate_floor_tok_s" in params
-    return _with_rate_floor(dataclasses.replace(base, **built, **top), explicit_floor)
+    settings = dataclasses.replace(base, **built, **top)
+    _check_transfer(settings.transfer)
+    return _with_rate_floor(settings, explicit_floor)
+
+
+def _check_transfer(t: TransferSettings) -> None:
+    """The transfer settings' cross-field rules (each engine that moves KV relies on them)."""
+    if t.control not in ("unix", "tcp"):
+        raise ValueError(f"parameter 'transfer.control': must be 'unix' or 'tcp', got {t.control!r}")
+    if t.bind_host in ("0.0.0.0", "::", "") and not t.advertise_host:
+        raise ValueError(
+            f"parameter 'transfer.bind_host': {t.bind_host!r} is a wildcard: set transfer.advertise_host "
+            "to the address peers should connect to"
+        )
+    if t.control == "tcp" and t.require_path != "tcp":
+        raise ValueError(
+            "parameter 'transfer.control': tcp needs transfer.require_path=tcp: across hosts only a path "
+            "where D writes every byte itself keeps the proofs (docs/protocol.md)"
+        )
 
 
 def _with_rate_floor(settings: EngineSettings, explicit: bool) -> EngineSettings:
     """`batch.rate_floor_tok_s`, unless given (> 0), is the codec's real time over `rate.rtf`."""
-    from tandem.backend.codec.builder import codec_spec  # reads the codec's config; imports settings
-
     b = settings.batch
     if b.rate_floor_tok_s < 0 or not math.isfinite(b.rate_floor_tok_s):
         raise ValueError(

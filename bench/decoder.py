@@ -42,7 +42,7 @@ from typing import Any, TypeVar
 import torch
 
 from tandem.backend.generation.sampling import SamplingParams, sample
-from tandem.backend.kv.pool import KVLayout, KVPool
+from tandem.backend.kv.pool import KVPool
 from tandem.backend.model import prefill_attention
 from tandem.backend.model.config import ModelConfig
 from tandem.backend.model.cuda_graphs import GraphedDecode
@@ -85,7 +85,7 @@ def _shuffled_pool(
 ) -> KVPool:
     """A pool for `n_tokens` whose free list hands pages out in random order, filled with random KV."""
     pages = -(-n_tokens // page_size)
-    pool = KVPool(KVLayout.from_model(cfg), pages, page_size, device)
+    pool = KVPool(cfg.kv_layout(), pages, page_size, device)
     every = pool.allocate(pages)
     random.Random(seed).shuffle(every)
     pool.free(every)  # allocate() now returns pages in this shuffled order

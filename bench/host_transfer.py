@@ -39,17 +39,19 @@ from typing import Any
 
 import torch
 
-from tandem.backend.kv.pool import KVLayout, KVPool
+from tandem.backend.kv.layout import KVLayout
+from tandem.backend.kv.pool import KVPool
 from tandem.backend.model.config import preset
 from tandem.bench import util as benchutil
 from tandem.transfer import (
+    PathOptions,
     Ticket,
     TransferReceiver,
     TransferSender,
     TransferState,
     WireLayout,
+    build_path,
     kv_checksum,
-    select_path,
 )
 
 CTX = mp.get_context("spawn")
@@ -97,7 +99,7 @@ def p_child(
     owned: dict[str, list[int]] = {}
     gather_s: dict[str, float] = {}
     sender = TransferSender(
-        wire, unit, select_path([], require=PATH), released.put, fatal.append, copy_workers=1
+        wire, unit, build_path([], PATH, PathOptions()), released.put, fatal.append, copy_workers=1
     )
     sender.start()
     pipe.send(("ready", sender.instance_id, torch.get_num_threads()))
@@ -198,13 +200,13 @@ def peak_rss_mib() -> float:
 def run_config(
     preset_name: str, page_size: int, n_tokens: int, reps: int, warmup: int, seed: int, xdg: str
 ) -> dict[str, Any]:
-    wire = wire_layout(KVLayout.from_model(preset(preset_name)))
+    wire = wire_layout(preset(preset_name).kv_layout())
     nbytes = wire.staging_nbytes(n_tokens)
     base = Baseline(nbytes)
     pool_tokens = 2 * n_tokens  # 2x headroom: shuffled pages spread over twice the request's span
     unit = f"bench{os.getpid()}-{preset_name.replace('-', '')[:12]}-{page_size}"
     child = ChildP(unit, xdg, wire, pool_tokens, page_size, seed)
-    path = select_path([], require=PATH)
+    path = build_path([], PATH, PathOptions())
     arena = -(-nbytes // 4096) * 4096
     receiver = TransferReceiver(wire, unit, arena, path)
     dpool = make_pool(wire, pool_tokens, page_size, seed + 1)

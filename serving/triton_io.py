@@ -21,9 +21,8 @@ import numpy as np
 from tandem.backend.codec.base import CodecSpec, format_rate
 from tandem.backend.engines.stream import Chunk
 from tandem.backend.errors import ErrorCode, InvalidInput, TandemError
-from tandem.backend.generation.defaults import load_generation_defaults
 from tandem.backend.metrics import METRICS, Engine, Kind, zero_series
-from tandem.backend.model.config import Limits, ModelConfig
+from tandem.backend.model.config import ModelConfig
 from tandem.backend.prompt import (
     CONTRACT_DEFAULTS,
     PROMPT,
@@ -35,7 +34,8 @@ from tandem.backend.prompt import (
     check_text_request,
     parse_params,
 )
-from tandem.backend.settings import EngineSettings, parse_settings, triton_parameters
+from tandem.backend.settings import EngineSettings, Limits, parse_settings, triton_parameters
+from tandem.backend.text.defaults import load_generation_defaults
 from tandem.backend.text.frontend import TextFrontend, build_frontend, model_config
 from tandem.backend.timing import Timings
 from tandem.serving.repository import ROW_TENSORS
@@ -159,7 +159,7 @@ def text_frontend(args: Mapping[str, Any], settings: EngineSettings, cfg: ModelC
 def generation_defaults(
     args: Mapping[str, Any], settings: EngineSettings, cfg: ModelConfig, frontend: TextFrontend | None = None
 ) -> GenerationDefaults:
-    """The model's sampling defaults, grammar and stop ids (`backend/generation/defaults.py`), for the models
+    """The model's sampling defaults, grammar and stop ids (`backend/text/defaults.py`), for the models
     that validate requests (`prefill`, `tts_mono`). Without a `frontend` one is built for the family
     (from the checkpoint's tokenizer) and dropped."""
     if frontend is None:

@@ -8,7 +8,6 @@ only with proof that no write for it can still land.
 from .arena import ALIGN, Region, RegionAllocator
 from .checksum import kv_checksum
 from .control import control_dir
-from .cuda_paths import register as _register_gpu_paths
 from .errors import (
     ArenaExhausted,
     ChecksumMismatch,
@@ -29,8 +28,9 @@ from .errors import (
 from .frames import FailReason, MsgType
 from .handle import TransferHandle
 from .layout import WireLayout
-from .paths import PATHS, ArenaExport, HostShmPath, LocalArena, PeerArena, TransferPath, select_path
+from .paths import ArenaExport, HostShmPath, LocalArena, PeerArena, TransferPath, select_path
 from .receiver import TransferReceiver
+from .registry import PathOptions, build_path, registry
 from .sender import TransferSender
 from .state import (
     OfferState,
@@ -45,7 +45,6 @@ from .state import (
 
 __all__ = [
     "ALIGN",
-    "PATHS",
     "ArenaExhausted",
     "ArenaExport",
     "ChecksumMismatch",
@@ -57,6 +56,7 @@ __all__ = [
     "MsgType",
     "OfferState",
     "PathMismatch",
+    "PathOptions",
     "PathUnavailable",
     "PeerArena",
     "PeerLost",
@@ -82,10 +82,9 @@ __all__ = [
     "UnknownTransfer",
     "UnsafeControlDir",
     "WireLayout",
+    "build_path",
     "control_dir",
     "kv_checksum",
+    "registry",
     "select_path",
 ]
-
-# GPU paths register by name; importing them touches no CUDA (a CPU host can still select host_shm).
-_register_gpu_paths(PATHS)

@@ -16,7 +16,7 @@ the region into its own pages (docs/transfer.md). They differ only in how D's me
 `copy_to_peer` returns only after the copy stream was synchronised, so DONE/FAILED/ABORT_ACK keep
 meaning "no byte can still land". `probe()` does a real transfer into a child process on another GPU
 plus a bandwidth self-test and raises `PathUnavailable` with the reason (not built, no CUDA, handle
-refused, bytes differ, bandwidth under `min_gbps`). `register(PATHS)` adds both paths to a registry.
+refused, bytes differ, bandwidth under `min_gbps`). `transfer/registry.py` builds them by name.
 """
 
 from __future__ import annotations
@@ -373,17 +373,6 @@ class CudaVmmPath(_GpuPath):
         return MappedPeer(ptr, nbytes, dev, unmap, f"D pid {meta.get('pid')} (cuda_vmm/{htype})")
 
 
-def register(paths_registry: dict[str, Callable[[], TransferPath]]) -> None:
-    """Add `cuda_ipc` and `cuda_vmm` (and `proxy`) to a registry such as `tandem.transfer.paths.PATHS`.
-
-    Importing never touches CUDA; each factory builds an unprobed path for torch's current device."""
-    from .proxy_path import ProxyPath
-
-    paths_registry[CudaIpcPath.name] = CudaIpcPath
-    paths_registry[CudaVmmPath.name] = CudaVmmPath
-    paths_registry[ProxyPath.name] = ProxyPath
-
-
 __all__ = [
     "DEFAULT_MIN_GBPS",
     "CudaIpcPath",
@@ -391,5 +380,4 @@ __all__ = [
     "GpuArena",
     "MappedPeer",
     "PathUnavailable",
-    "register",
 ]

@@ -300,16 +300,10 @@ class HostShmPath(TransferPath):
         return None
 
 
-PATHS: dict[str, Callable[[], TransferPath]] = {
-    HostShmPath.name: HostShmPath,
-    "tcp": lambda: __import__(f"{__package__}.tcp_path", fromlist=["TcpPath"]).TcpPath(),
-}
-
-
 def select_path(
     preferred: Sequence[str],
-    require: str | None = None,
-    registry: Mapping[str, Callable[[], TransferPath]] | None = None,
+    require: str | None,
+    registry: Mapping[str, Callable[[], TransferPath]],
 ) -> TransferPath:
     """Probe paths and return the first that works. Called once per process at engine start.
 
@@ -317,7 +311,7 @@ def select_path(
     candidates are probed in `preferred` order; each failure is logged as a warning (never silent) and
     `PathUnavailable` lists every reason if none works.
     """
-    reg = PATHS if registry is None else registry
+    reg = registry
     names = [require] if require is not None else list(preferred)
     reasons: list[str] = []
     for name in names:

@@ -62,15 +62,15 @@ class ProxyPath(TransferPath):
         socket_name: str = "proxy",
         direct: bool = False,
     ) -> None:
-        """`unit` defaults to $TANDEM_UNIT (else "default"); `layout`, when given, is sent with every
-        registration so the proxy refuses a P or D of another layout with a clear error.
+        """`unit`: the sidecar's (`tandem-proxy --unit`), "default" if None; `layout`, when given, is
+        sent with every registration so the proxy refuses a P or D of another layout with a clear error.
 
         `direct=True` offers direct mode (the sidecar's fused kernel writes D's pool from P's
         registered pool). Off by default: on 2x H200 it took 1.49-1.51 ms for 288 MiB against 1.34-1.46
         ms for gather + the sidecar's copy-engine copy + scatter (docs/transfer.md), the request path
         through the sidecar costing more than the two local passes it saves."""
         self.direct_write = direct
-        self.unit = unit or os.environ.get("TANDEM_UNIT", "default")
+        self.unit = unit or "default"
         self._device = device
         self.layout = layout
         self.min_gbps = min_gbps

@@ -1,7 +1,7 @@
 """The TCP path: the degraded / cross-host fallback, with the seed's "protocol v3" semantics.
 
 P streams a transfer's staging bytes as chunks over TCP to D's data listener (127.0.0.1 by default;
-`bind_host`, or `TANDEM_TCP_BIND`, for a cross-host unit). It is ~300x slower than a same-machine
+`bind_host`, for a cross-host unit). It is ~300x slower than a same-machine
 path and is never chosen silently: only when named in `transfer.paths` (and `select_path` logs any
 path it skipped to get here).
 
@@ -248,11 +248,11 @@ class TcpPath(TransferPath):
         advertise_host: str | None = None,
         secret_file: str | None = None,
     ) -> None:
-        """`bind_host`: D's data listener address (default $TANDEM_TCP_BIND, else loopback);
+        """`bind_host`: D's data listener address (default loopback);
         `advertise_host`: the address P is told to connect to (default `bind_host`; set it when binding
         a wildcard across hosts); `secret_file`: the unit secret both hosts mount (default: the unit's
         control directory, which only works on one host)."""
-        self.bind_host = bind_host or os.environ.get("TANDEM_TCP_BIND", "127.0.0.1")
+        self.bind_host = bind_host or "127.0.0.1"
         self.advertise_host = advertise_host
         self.secret_file = Path(secret_file) if secret_file else None
         if not 0 < chunk_bytes <= MAX_CHUNK:

@@ -1,6 +1,6 @@
 """One builder from typed settings to the codec: its spec (no weights), D's framing, the codec itself.
 
-`tandem.codec.kind` picks it (backend/settings.py `CodecSettings`):
+`tandem.codec.kind` picks it (`CodecSettings`, backend/codec/config.py):
 - `reference`: `ReferenceVocoder` (tones, no weights), one frame per row, no context; its clock is
   `tandem.vocoder.sample_rate` / `rows_per_second`. The checked-in CPU default.
 - `snac`: SNAC from `tandem.codec.path` (backend/codec/snac.py), Orpheus' layout by default.
@@ -10,13 +10,27 @@ engine) builds the same spec from the same parameters.
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 
 from tandem.backend.codec.base import AudioLayout, Codec, CodecSpec, Framing, RowLayout
+from tandem.backend.codec.config import CodecSettings, VocoderConfig
 from tandem.backend.codec.orpheus import OrpheusLayout
-from tandem.backend.settings import EngineSettings
 
 KINDS = ("reference", "snac")
+
+
+class CodecConfigured(Protocol):
+    """What the builder reads of an engine's settings (`EngineSettings` is one)."""
+
+    @property
+    def codec(self) -> CodecSettings: ...
+
+    @property
+    def vocoder(self) -> VocoderConfig: ...
+
+
 LAYOUTS: dict[str, type[RowLayout] | type[OrpheusLayout]] = {"rows": RowLayout, "orpheus": OrpheusLayout}
 _DEFAULTS = {"reference": ("rows", 0, 0), "snac": ("orpheus", 2, 1)}  # layout, lookback, lookahead
 
@@ -29,7 +43,7 @@ def layout(name: str) -> AudioLayout:
         raise ValueError(f"parameter 'codec.layout': unknown layout {name!r}; known: {known}") from None
 
 
-def codec_spec(settings: EngineSettings) -> CodecSpec:
+def codec_spec(settings: CodecConfigured) -> CodecSpec:
     """The configured codec's spec; raises ValueError naming the bad parameter (kind, path, layout)."""
     c = settings.codec
     if c.kind not in KINDS:
@@ -47,13 +61,13 @@ def codec_spec(settings: EngineSettings) -> CodecSpec:
     return snac_spec(c.path, name, back, ahead, rows_per_frame)
 
 
-def framing(settings: EngineSettings) -> Framing:
+def framing(settings: CodecConfigured) -> Framing:
     """D's (and the monolithic engine's) side of the codec: layout and context frames."""
     spec = codec_spec(settings)
     return Framing(layout(spec.layout), spec.lookback, spec.lookahead)
 
 
-def build_codec(settings: EngineSettings, device: torch.device) -> Codec:
+def build_codec(settings: CodecConfigured, device: torch.device) -> Codec:
     """The codec itself, on `device` (SNAC loads its weights here; the reference codec has none)."""
     spec = codec_spec(settings)
     if spec.kind == "reference":

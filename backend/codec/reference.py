@@ -22,7 +22,7 @@ from typing import Protocol
 import numpy as np
 
 from tandem.backend.codec.base import CodecSpec, CodecWindow, Framing, RowLayout
-from tandem.backend.model.config import VocoderConfig
+from tandem.backend.codec.config import VocoderConfig
 
 
 class Vocoder(Protocol):

@@ -16,7 +16,7 @@ transfers) while step n+1 runs. What that costs, and how it stays correct:
   A stream's `max_new_rows` is known in advance, so it is never queued past it.
 - That dropped step still writes the KV of the stream's last row into the stream's pages, so a
   stream leaving while a queued step includes it gets its `release` only when that step finished.
-- Every host -> device copy of a step goes through pinned memory (`backend/model/uploads.py`): from
+- Every host -> device copy of a step goes through pinned memory (`backend/device.py`): from
   pageable memory the host would wait for the step already running.
 - A stream joining between two `advance()` calls misses the step already queued: its first decode
   row comes one step later than a serial loop would give it.
@@ -39,6 +39,7 @@ import numpy as np
 import torch
 
 from tandem.backend.codec.reference import ChunkPolicy
+from tandem.backend.device import upload
 from tandem.backend.engines.stream import Chunk, Stream, StreamStatus
 from tandem.backend.errors import Cancelled, StreamFailed
 from tandem.backend.generation.sampling import mark_seen, sample_on_device
@@ -46,7 +47,6 @@ from tandem.backend.kv.pool import KVPool
 from tandem.backend.metrics import MetricsSink
 from tandem.backend.model.cuda_graphs import GraphedDecode
 from tandem.backend.model.decoder import Decoder
-from tandem.backend.model.uploads import upload
 
 log = logging.getLogger("tandem")
 

@@ -1,4 +1,5 @@
-"""The pieces every engine builds the same way from its settings.
+"""The pieces every engine builds the same way from its settings: the decoder, pool, batch, intake and
+transfer path.
 
 The monolithic engine, P and D each own a KV pool, most own a decode batch and a bounded intake, and P
 and D select a transfer path; building them here keeps the three engines from drifting apart (equal
@@ -7,7 +8,7 @@ settings must mean equal behaviour, or `tts` and `tts_mono` stop producing ident
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import logging
 from pathlib import Path
 from typing import TypeVar
 
@@ -18,16 +19,17 @@ from tandem.backend.codec.reference import ChunkPolicy
 from tandem.backend.engines.batch import DecodeBatch
 from tandem.backend.kv.pool import KVPool
 from tandem.backend.metrics import MetricsSink
+from tandem.backend.model.checkpoint import load_checkpoint
+from tandem.backend.model.config import preset
 from tandem.backend.model.decoder import Decoder
 from tandem.backend.scheduling.intake import Intake, _HasSink
 from tandem.backend.settings import EngineSettings
-from tandem.transfer import PATHS, TransferError, TransferPath, WireLayout, select_path
+from tandem.transfer import PathOptions, TransferError, TransferPath, WireLayout, build_path
 from tandem.transfer.auth import read_secret, unit_secret
 from tandem.transfer.control import control_dir
-from tandem.transfer.proxy_path import ProxyPath
-from tandem.transfer.tcp_path import TcpPath
 
 R = TypeVar("R", bound=_HasSink)
+log = logging.getLogger("tandem")
 
 
 def make_pool(decoder: Decoder, settings: EngineSettings, storage: torch.Tensor | None = None) -> KVPool:
@@ -63,44 +65,23 @@ def make_intake(settings: EngineSettings, _kind: type[R]) -> Intake[R]:
 
 def transfer_path(settings: EngineSettings, layout: WireLayout | None = None) -> TransferPath:
     """Probe the configured paths in order; with `require_path` set, that one or a start-up error.
-    The tcp path gets this unit's bind/advertise addresses and secret file; the proxy path this unit's
-    sidecar (`tandem.transfer.unit`, the name `tandem-proxy --unit` serves) and the KV layout, which
-    the sidecar checks on every registration."""
+    (The settings' cross-field rules were checked when they were parsed, `backend/settings.py`.)"""
     t = settings.transfer
-    if t.control not in ("unix", "tcp"):
-        raise TransferError(f"tandem.transfer.control must be 'unix' or 'tcp', got {t.control!r}")
-    if t.bind_host in ("0.0.0.0", "::", "") and not t.advertise_host:
-        raise TransferError(
-            f"tandem.transfer.bind_host={t.bind_host!r} is a wildcard: set tandem.transfer.advertise_host "
-            "to the address peers should connect to"
-        )
-    if t.control == "tcp" and t.require_path != "tcp":
-        raise TransferError(
-            "tandem.transfer.control=tcp needs tandem.transfer.require_path=tcp: across hosts only a path "
-            "where D writes every byte itself keeps the proofs (docs/protocol.md)"
-        )
-    registry = path_registry(settings, layout)
     names = [p.strip() for p in t.paths.split(",") if p.strip()]
-    return select_path(names, t.require_path or None, registry)
+    return build_path(names, t.require_path or None, path_options(settings, layout))
 
 
-def path_registry(
-    settings: EngineSettings, layout: WireLayout | None = None
-) -> dict[str, Callable[[], TransferPath]]:
-    """The path factories `transfer_path` chooses from: the library's, with the tcp and proxy paths
-    bound to this engine's settings (addresses and secret; unit and KV layout)."""
+def path_options(settings: EngineSettings, layout: WireLayout | None = None) -> PathOptions:
+    """What the paths need from this engine: the unit's sidecar and the KV layout it checks on every
+    registration (proxy), the addresses and secret file (tcp)."""
     t = settings.transfer
-    registry = {
-        **PATHS,
-        "tcp": lambda: TcpPath(
-            bind_host=t.bind_host,
-            advertise_host=t.advertise_host or None,
-            secret_file=t.secret_file or None,
-        ),
-    }
-    if ProxyPath.name in PATHS:
-        registry[ProxyPath.name] = lambda: ProxyPath(unit=t.unit, layout=layout)
-    return registry
+    return PathOptions(
+        unit=t.unit,
+        layout=layout,
+        bind_host=t.bind_host,
+        advertise_host=t.advertise_host,
+        secret_file=t.secret_file,
+    )
 
 
 def control_secret(settings: EngineSettings) -> bytes | None:
@@ -121,3 +102,21 @@ def wire_layout(decoder: Decoder) -> WireLayout:
     """The transfer library's view of this decoder's KV (it knows nothing of decoders)."""
     kv = decoder.kv_layout()
     return WireLayout(kv.num_layers, kv.num_kv_heads, kv.head_dim, str(kv.dtype).removeprefix("torch."))
+
+
+def build_decoder(settings: EngineSettings, device: torch.device) -> Decoder:
+    """The engine's decoder: a real checkpoint directory (config.json + safetensors), else a preset with
+    deterministic random weights; the same code path serves CPU and GPU instances."""
+    src = settings.model
+    if src.checkpoint:
+        decoder = load_checkpoint(src.checkpoint, device=device, dtype=src.dtype or None)
+        log.info("loaded checkpoint %s on %s", src.checkpoint, device)
+    else:
+        cfg = preset(src.preset)
+        if src.dtype:
+            cfg = cfg.with_dtype(src.dtype)
+        decoder = Decoder.random(cfg, device=device, seed=src.seed)
+        log.info("built preset %s (random weights, seed %d) on %s", src.preset, src.seed, device)
+    if settings.torch_threads > 0:
+        torch.set_num_threads(settings.torch_threads)
+    return decoder.eval()

@@ -23,8 +23,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from tandem.backend.device import upload
 from tandem.backend.generation.grammar import Grammar, allowed
-from tandem.backend.model.uploads import upload
 
 _MASK64 = (1 << 64) - 1
 

@@ -18,43 +18,14 @@ thread allocates while its engine thread frees) under D's one lock (`backend/eng
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from tandem.backend.device import upload
 from tandem.backend.errors import PoolExhausted
-from tandem.backend.model.config import ModelConfig
-from tandem.backend.model.uploads import upload
+from tandem.backend.kv.layout import KVLayout
 from tandem.csrc import kv_cuda
-
-
-@dataclass(frozen=True)
-class KVLayout:
-    """Shape of one token's KV across all layers; equal layouts can exchange KV byte for byte."""
-
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    dtype: torch.dtype
-
-    @property
-    def token_bytes(self) -> int:
-        """Bytes of K and V for one token over all layers (what the transfer path moves per token)."""
-        itemsize = torch.empty((), dtype=self.dtype).element_size()
-        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * itemsize
-
-    def staging_shape(self, n_tokens: int) -> tuple[int, int, int, int, int]:
-        """Shape `(L, 2, T, kvh, hd)` of a contiguous buffer holding `n_tokens` tokens' KV.
-
-        Used by whoever allocates staging buffers for `KVPool.gather`/`KVPool.scatter`.
-        """
-        return (self.num_layers, 2, n_tokens, self.num_kv_heads, self.head_dim)
-
-    @classmethod
-    def from_model(cls, cfg: ModelConfig) -> KVLayout:
-        """The layout a decoder built from `cfg` reads and writes."""
-        return cls(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.torch_dtype)
 
 
 class KVPool:

@@ -10,6 +10,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from tandem.backend.kv.layout import KVLayout
 from tandem.backend.model.rope import RopeScaling
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -65,6 +66,10 @@ class ModelConfig:
     def kv_bytes_per_token(self) -> int:
         itemsize = torch.empty((), dtype=self.torch_dtype).element_size()
         return self.num_layers * 2 * self.num_kv_heads * self.head_dim * itemsize
+
+    def kv_layout(self) -> KVLayout:
+        """The KV a decoder built from this config reads and writes, per token."""
+        return KVLayout(self.num_layers, self.num_kv_heads, self.head_dim, self.torch_dtype)
 
     def with_dtype(self, dtype: str) -> ModelConfig:
         return replace(self, dtype=dtype)
@@ -160,26 +165,3 @@ def preset(name: str) -> ModelConfig:
         return PRESETS[name]
     except KeyError:
         raise ValueError(f"unknown model preset {name!r}; known: {sorted(PRESETS)}") from None
-
-
-@dataclass(frozen=True)
-class VocoderConfig:
-    sample_rate: int = 22050
-    rows_per_second: int = 21
-
-    def __post_init__(self) -> None:
-        if self.sample_rate % self.rows_per_second:
-            raise ValueError("sample_rate must be a whole multiple of rows_per_second")
-
-    @property
-    def samples_per_row(self) -> int:
-        return self.sample_rate // self.rows_per_second
-
-
-@dataclass(frozen=True)
-class Limits:
-    """Per-request bounds every entry point enforces before allocating anything."""
-
-    max_prompt_rows: int = 4096
-    max_new_rows: int = 2048
-    default_new_rows: int = 256

@@ -20,9 +20,9 @@ from dataclasses import dataclass
 
 import torch
 
+from tandem.backend.device import upload
 from tandem.backend.kv.pool import KVPool
 from tandem.backend.model.decoder import Decoder
-from tandem.backend.model.uploads import upload
 
 log = logging.getLogger("tandem")
 

@@ -31,12 +31,13 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import sdpa_kernel
 
-from tandem.backend.kv.pool import KVLayout, KVPool
+from tandem.backend.device import upload
+from tandem.backend.kv.layout import KVLayout
+from tandem.backend.kv.pool import KVPool
 from tandem.backend.model.config import ModelConfig
 from tandem.backend.model.layers import Body, DecoderLayer, rope_cos_sin
 from tandem.backend.model.prefill_attention import PREFILL_BACKENDS, attend_gpu, plan_cudnn
 from tandem.backend.model.rope import inv_freq as rope_inv_freq
-from tandem.backend.model.uploads import upload
 from tandem.csrc import kv_cuda, triton_ops
 from tandem.csrc.linear import linear
 
@@ -137,7 +138,7 @@ class Decoder(nn.Module):
 
     def kv_layout(self) -> KVLayout:
         """The KV layout this decoder reads and writes; pools passed to prefill/decode must match it."""
-        return KVLayout.from_model(self.cfg)
+        return self.cfg.kv_layout()
 
     @property
     def device(self) -> torch.device:

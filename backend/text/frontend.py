@@ -31,9 +31,9 @@ import numpy as np
 
 from tandem.backend.errors import InvalidInput
 from tandem.backend.model.checkpoint import config_from_hf
-from tandem.backend.model.config import Limits, ModelConfig, preset
+from tandem.backend.model.config import ModelConfig, preset
 from tandem.backend.prompt import TextRequest
-from tandem.backend.settings import EngineSettings
+from tandem.backend.settings import EngineSettings, Limits
 from tandem.backend.text.tokenizer import TextTokenizer
 
 

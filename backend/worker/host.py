@@ -157,7 +157,8 @@ class EngineHost:
 
     def build(self) -> Ready:
         """Decoder on the instance's device, then the engine, started. Raises whatever failed."""
-        from tandem.backend.model.build import build_decoder, resolve_device  # torch: only in the worker
+        from tandem.backend.device import resolve_device
+        from tandem.backend.engines.parts import build_decoder
 
         i = self.init
         device = resolve_device(self.settings.device, i.instance_kind, i.device_id)

@@ -18,8 +18,7 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import pytest
 
-from tandem.backend.model.config import Limits
-from tandem.backend.settings import BatchSettings
+from tandem.backend.settings import BatchSettings, Limits
 from tandem.cli.make_repository import main as tandem_repo
 from tandem.gateway.client import StreamResult, TTSClient, next_stream_id
 from tests.integration import abusers

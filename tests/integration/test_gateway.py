@@ -22,7 +22,8 @@ import numpy as np
 import openai
 import pytest
 
-from tandem.backend.model.config import Limits, VocoderConfig
+from tandem.backend.codec.config import VocoderConfig
+from tandem.backend.settings import Limits
 from tandem.gateway.app import Gateway, GatewaySettings, error_response
 from tandem.gateway.audio import AudioFormat, Framer, StreamFormat, pcm16, wav_header
 from tandem.gateway.client import TTSClient

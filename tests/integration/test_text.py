@@ -16,8 +16,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tandem.backend.model.config import Limits, preset
+from tandem.backend.model.config import preset
 from tandem.backend.prompt import TextRequest
+from tandem.backend.settings import Limits
 from tandem.backend.text.frontend import Family, TextFrontend
 from tandem.backend.text.tokenizer import TextTokenizer
 from tandem.serving.repository import tensor_dims

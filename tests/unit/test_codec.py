@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from tandem.backend.codec.base import CodecSpec, CodecWindow, Framing, RowLayout, format_rate
+from tandem.backend.codec.config import VocoderConfig
 from tandem.backend.codec.orpheus import OrpheusLayout
 from tandem.backend.codec.reference import ReferenceVocoder
-from tandem.backend.model.config import VocoderConfig
 
 
 def _windows(framing: Framing, rows: np.ndarray, sizes: list[int]) -> list[CodecWindow]:

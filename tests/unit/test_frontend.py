@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from tandem.backend.errors import InvalidInput
-from tandem.backend.model.config import Limits, preset
+from tandem.backend.model.config import preset
 from tandem.backend.prompt import TextRequest, check_text_request
-from tandem.backend.settings import parse_settings
+from tandem.backend.settings import Limits, parse_settings
 from tandem.backend.text.frontend import Family, TextFrontend, build_frontend, detect_family, parse_family
 from tandem.backend.text.tokenizer import TextTokenizer, TokenizerError
 from tests.fixtures.text_models import (

@@ -11,7 +11,6 @@ import sys
 import time
 from collections.abc import Iterator
 from multiprocessing.connection import Connection
-from typing import Any
 
 import pytest
 import torch
@@ -27,9 +26,10 @@ from tandem.transfer import (
     TransferState,
     WireLayout,
 )
-from tandem.transfer.cuda_paths import CudaIpcPath, CudaVmmPath, register
+from tandem.transfer.cuda_paths import CudaIpcPath, CudaVmmPath
 from tandem.transfer.proxy import ProxyClient
 from tandem.transfer.proxy_path import ProxyPath
+from tandem.transfer.registry import NAMES, registry
 from tests.support.transfer_fakes import fake_kv, fake_pool
 
 LAYOUT = WireLayout(4, 2, 64, "bfloat16")
@@ -108,11 +108,10 @@ def sender_child(
 # ---- CPU-safe -----------------------------------------------------------------------------------------
 
 
-def test_register_adds_every_gpu_path() -> None:
-    reg: dict[str, Any] = {}
-    register(reg)
-    assert set(reg) == set(GPU_PATHS)
-    assert all(reg[n].name == n for n in GPU_PATHS)
+def test_the_registry_builds_every_path_by_its_name_without_touching_cuda() -> None:
+    reg = registry()
+    assert set(reg) == set(NAMES) and set(GPU_PATHS) <= set(reg)
+    assert all(reg[n]().name == n for n in NAMES)
 
 
 @pytest.mark.parametrize("cls", [CudaIpcPath, CudaVmmPath])

@@ -15,7 +15,6 @@ import numpy as np
 import pytest
 import torch
 
-from tandem.backend.generation.defaults import load_generation_defaults, resolve_grammar
 from tandem.backend.generation.grammar import (
     ORPHEUS_END_OF_SPEECH,
     Grammar,
@@ -28,6 +27,7 @@ from tandem.backend.model.config import preset
 from tandem.backend.model.decoder import Decoder
 from tandem.backend.prompt import CONTRACT_DEFAULTS, REPETITION_PENALTY, GenerationDefaults, parse_params
 from tandem.backend.settings import parse_settings
+from tandem.backend.text.defaults import load_generation_defaults, resolve_grammar
 from tandem.backend.text.frontend import Family, TextFrontend
 from tandem.backend.text.tokenizer import TextTokenizer
 from tests.fixtures.text_models import llama3_tokenizer, orpheus_checkpoint, orpheus_config
@@ -245,7 +245,7 @@ def test_bad_generation_settings_are_load_errors(tmp_path: Path) -> None:
 )
 def test_bad_repetition_penalty(value: np.ndarray, needle: str) -> None:
     from tandem.backend.errors import InvalidInput
-    from tandem.backend.model.config import Limits
+    from tandem.backend.settings import Limits
 
     with pytest.raises(InvalidInput, match=needle):
         parse_params({REPETITION_PENALTY: value}, preset("tiny"), Limits())

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from tandem.backend.errors import PoolExhausted
-from tandem.backend.kv.pool import KVLayout, KVPool
+from tandem.backend.kv.layout import KVLayout
+from tandem.backend.kv.pool import KVPool
 from tandem.backend.model.config import PRESETS
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=4, dtype=torch.float32)
@@ -16,8 +17,8 @@ def test_layout_sizes() -> None:
     assert LAYOUT.token_bytes == 2 * 2 * 2 * 4 * 4
     assert LAYOUT.staging_shape(7) == (2, 2, 7, 2, 4)
     tiny = PRESETS["tiny"]
-    assert KVLayout.from_model(tiny).token_bytes == tiny.kv_bytes_per_token
-    assert KVLayout.from_model(PRESETS["qwen3-4b-shape"]).token_bytes == 144 * 1024
+    assert tiny.kv_layout().token_bytes == tiny.kv_bytes_per_token
+    assert PRESETS["qwen3-4b-shape"].kv_layout().token_bytes == 144 * 1024
 
 
 def test_allocate_free_no_leak() -> None:

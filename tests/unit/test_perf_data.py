@@ -8,8 +8,9 @@ from pathlib import Path
 
 import numpy as np
 
-from tandem.backend.model.config import Limits, preset
+from tandem.backend.model.config import preset
 from tandem.backend.prompt import check_prompt, parse_params
+from tandem.backend.settings import Limits
 from tandem.bench.perf_data import first_response_latencies, input_data
 
 ROOT = Path(__file__).resolve().parents[2]

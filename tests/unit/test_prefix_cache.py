@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from tandem.backend.errors import PoolExhausted
-from tandem.backend.kv.pool import KVLayout, KVPool
+from tandem.backend.kv.layout import KVLayout
+from tandem.backend.kv.pool import KVPool
 from tandem.backend.kv.prefix_cache import PrefixCache
 
 LAYOUT = KVLayout(num_layers=1, num_kv_heads=1, head_dim=2, dtype=torch.float32)

@@ -14,7 +14,7 @@ import pytest
 
 import tandem.csrc as csrc
 from tandem.backend.errors import InvalidInput
-from tandem.backend.model.config import Limits, ModelConfig, preset
+from tandem.backend.model.config import ModelConfig, preset
 from tandem.backend.prompt import (
     MAX_TOKENS,
     SEED,
@@ -27,6 +27,7 @@ from tandem.backend.prompt import (
     pack_prompt,
     parse_params,
 )
+from tandem.backend.settings import Limits
 
 CFG: ModelConfig = preset("tiny")  # vocab 1024, row_width 4
 LIMITS = Limits(max_prompt_rows=16, max_new_rows=2048, default_new_rows=256)

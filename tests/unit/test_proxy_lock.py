@@ -112,15 +112,16 @@ def test_bad_hold_requests_get_clear_errors_and_keep_the_connection(unit: str) -
 
 def test_engines_proxy_path_is_their_units_sidecar(monkeypatch: pytest.MonkeyPatch) -> None:
     """The proxy path an engine builds serves `tandem.transfer.unit` (what `tandem-proxy --unit`
-    serves), not $TANDEM_UNIT or "default", and carries the engine's KV layout (a GPU fault-matrix
-    run found engines looking for the sidecar of the unit "default")."""
-    from tandem.backend.engines.parts import path_registry
+    serves), not "default", and carries the engine's KV layout (a GPU fault-matrix run found engines
+    looking for the sidecar of the unit "default")."""
+    from tandem.backend.engines.parts import path_options
     from tandem.backend.settings import EngineSettings, TransferSettings
-    from tandem.transfer import WireLayout
+    from tandem.transfer import WireLayout, registry
 
-    monkeypatch.delenv("TANDEM_UNIT", raising=False)
+    monkeypatch.setenv("TANDEM_UNIT", "not-this-one")  # no path reads the environment
     layout = WireLayout(num_layers=2, num_kv_heads=2, head_dim=16, dtype_name="float32")
-    path = path_registry(EngineSettings(transfer=TransferSettings(unit="u9")), layout)["proxy"]()
+    opts = path_options(EngineSettings(transfer=TransferSettings(unit="u9")), layout)
+    path = registry(opts)["proxy"]()
     assert isinstance(path, ProxyPath)
     assert path.unit == "u9" and path.layout == layout
     assert path.socket_path == str(control_dir("u9") / "proxy.sock")

@@ -221,10 +221,10 @@ def test_select_path_require_never_falls_back() -> None:
     registry = {"failing": FailingPath, "host_shm": HostShmPath}
     with pytest.raises(PathUnavailable):
         select_path(["failing", "host_shm"], require="failing", registry=registry)
-    assert select_path(["failing", "host_shm"], registry=registry).name == "host_shm"
+    assert select_path(["failing", "host_shm"], None, registry=registry).name == "host_shm"
     assert select_path([], require="host_shm", registry=registry).name == "host_shm"
     with pytest.raises(PathUnavailable):
-        select_path(["failing"], registry=registry)
+        select_path(["failing"], None, registry=registry)
     with pytest.raises(PathUnavailable):
         select_path(["nope"], require="nope", registry=registry)
 

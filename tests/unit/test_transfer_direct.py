@@ -21,7 +21,8 @@ import numpy as np
 import pytest
 import torch
 
-from tandem.backend.kv.pool import KVLayout, KVPool
+from tandem.backend.kv.layout import KVLayout
+from tandem.backend.kv.pool import KVPool
 from tandem.transfer import (
     ChecksumMismatch,
     HostShmPath,

@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tandem.backend.codec.config import VocoderConfig
 from tandem.backend.codec.reference import ChunkPolicy, ReferenceVocoder, Vocoder, write_wav
-from tandem.backend.model.config import VocoderConfig
 
 CFG = VocoderConfig()  # 22050 Hz, 21 rows/s -> 1050 samples per row
 

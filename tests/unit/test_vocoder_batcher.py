@@ -12,8 +12,8 @@ from typing import Any
 import numpy as np
 
 from tandem.backend.codec.base import CodecSpec, CodecWindow
+from tandem.backend.codec.config import VocoderConfig
 from tandem.backend.codec.reference import ReferenceVocoder
-from tandem.backend.model.config import VocoderConfig
 from tandem.serving.chunk_render import VocoderBatcher
 
 

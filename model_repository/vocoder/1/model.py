@@ -5,7 +5,7 @@ many streams in one codec call and answers each request once."""
 import triton_python_backend_utils as pb_utils
 
 from tandem.backend.codec.builder import build_codec
-from tandem.backend.model.build import resolve_device
+from tandem.backend.device import resolve_device
 from tandem.serving import triton_io as io
 from tandem.serving.chunk_render import VocoderBatcher
 

@@ -1,0 +1,38 @@
+"""The codec's configuration: which codec, its files, its token layout and context, and the reference
+codec's clock. Parsed by `backend/settings.py` (sections `codec` and `vocoder`); read by the builder.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class VocoderConfig:
+    sample_rate: int = 22050
+    rows_per_second: int = 21
+
+    def __post_init__(self) -> None:
+        if self.sample_rate % self.rows_per_second:
+            raise ValueError("sample_rate must be a whole multiple of rows_per_second")
+
+    @property
+    def samples_per_row(self) -> int:
+        return self.sample_rate // self.rows_per_second
+
+
+@dataclass(frozen=True)
+class CodecSettings:
+    """The codec behind the vocoder seam (backend/codec/base.py, docs/codecs.md). D, the vocoder and the
+    monolithic engine must agree on it: D frames the rows, the vocoder decodes the frames.
+
+    kind: "reference" (ReferenceVocoder, no weights; `tandem.vocoder.*` sets its clock) or "snac"
+    (`path`: a directory with SNAC's config.json + pytorch_model.bin). layout: how the LM's rows carry
+    the codes ("" = the kind's own: reference -> rows, snac -> orpheus). lookback/lookahead_frames:
+    context decoded around each chunk (-1 = the kind's default: reference 0/0, snac 2/1)."""
+
+    kind: str = "reference"
+    path: str = ""
+    layout: str = ""
+    lookback_frames: int = -1
+    lookahead_frames: int = -1
