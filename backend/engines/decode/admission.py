@@ -4,7 +4,7 @@ A handoff's way in (docs/architecture.md, "D's engine"):
 
     worker reader thread   DecodeEngine.submit -> Intake.submit (bounded: full -> UNAVAILABLE at once)
     admission thread       DecodeAdmission: Intake.pull/admit in arrival order -> `_admit`:
-                           not draining, batch room, rate floor, pages for prompt + max_new_rows
+                           the policy (not draining, batch room, rate floor), pages for the stream
                            -> receiver.request(ticket): region + PULL on the wire -> `Admitted`
     engine thread          takes `Admitted` from `admitted` (DecodeEngine._take_admitted)
 
@@ -24,10 +24,10 @@ running step): the stream's slot table crosses to the engine thread as a numpy a
 It is never held across a call into the receiver, a sink or the device. `running_ctx` is also set
 without it by the engine thread (`set_running`: one assignment, read under the lock by admission).
 
-Narrowing it honestly: the rate-floor check (`StepTimeModel.admits`) runs under the lock only so that
-the count and context it judges are one snapshot; the model itself is refitted by the engine thread
-without the lock (it swaps its coefficient array in one assignment, so a reader sees the old fit or
-the new one). `_rate_holding` is the admission thread's alone and needs no lock. The pool's free
+Narrowing it honestly: the policy's check (`DecodePolicy.fits`, backend/scheduling/decode_policy.py)
+runs under the lock only so that the count and context it judges are one snapshot; the step model it
+reads is refitted by the engine thread without the lock (it swaps its coefficient array in one
+assignment, so a reader sees the old fit or the new one). The pool's free
 list could take a lock of its own, but `reserve` must check room and allocate atomically with the
 member count, so one lock is the simplest honest choice; it is held for microseconds.
 
@@ -64,8 +64,8 @@ from tandem.backend.engines.handoff import Handoff
 from tandem.backend.engines.stream import ChunkSink, Stream
 from tandem.backend.errors import PoolExhausted, StreamFailed
 from tandem.backend.kv.pool import KVPool
+from tandem.backend.scheduling.decode_policy import DecodePolicy
 from tandem.backend.scheduling.intake import Intake
-from tandem.backend.scheduling.step_model import StepTimeModel
 from tandem.backend.settings import EngineSettings
 from tandem.backend.timing import Timings
 from tandem.transfer import ArenaExhausted, TransferError, TransferHandle, TransferReceiver
@@ -180,7 +180,7 @@ class DecodeAdmission:
         intake: Intake[DecodeRequest],
         members: Membership,
         receiver: TransferReceiver,
-        step_model: StepTimeModel,
+        policy: DecodePolicy,
         eos_token_id: int | None,
         direct: bool,
     ) -> None:
@@ -189,11 +189,10 @@ class DecodeAdmission:
         self.members = members
         self.pool = members.pool
         self.receiver = receiver
-        self.step_model = step_model
+        self.policy = policy
         self.eos_token_id = eos_token_id
         self.direct = direct
         self.admitted: queue.SimpleQueue[Admitted] = queue.SimpleQueue()
-        self._rate_holding = False  # the rate floor is holding newcomers (logged once per hold)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="tandem-decode-admit", daemon=True)
 
@@ -211,17 +210,9 @@ class DecodeAdmission:
         return self._thread.is_alive()
 
     def draining(self) -> bool:
-        """Quarantined receive memory over `drain_held_fraction`: admit nothing until proofs free it.
-        Any thread (the receiver takes its own lock)."""
-        return self.receiver.held_fraction() > self.settings.transfer.drain_held_fraction
-
-    def admittable(self, n: int, context: int) -> int:
-        """How many more streams of this batch's typical context fit now (the scaling gauge)."""
-        b = self.settings.batch
-        if not b.rate_admission:
-            return max(0, b.max_batch - n)
-        typical = context // n if n else 1024
-        return self.step_model.admittable(n, context, typical, b.rate_floor_tok_s, b.rate_margin, b.max_batch)
+        """Admitting nothing until proofs free quarantined memory. Any thread (the receiver takes its
+        own lock)."""
+        return self.policy.draining(self.receiver.held_fraction())
 
     def _loop(self) -> None:
         """Waits for handoffs and admits them in arrival order (bounded wait, then UNAVAILABLE, in
@@ -240,18 +231,9 @@ class DecodeAdmission:
                 log.exception("decode admission failed")
                 self.intake.fail_all(StreamFailed("decode admission failed (see the server log)"))
 
-    def _fits(self, h: Handoff, n: int, context: int) -> bool:
-        """Under the lock: batch room and the rate floor for one more stream of `h.prompt_len`."""
-        b = self.settings.batch
-        if n >= b.max_batch:
-            return False
-        if b.rate_admission and not self.step_model.admits(
-            n, context, h.prompt_len, b.rate_floor_tok_s, b.rate_margin
-        ):
-            self._note_rate_hold(n, context + h.prompt_len)
-            return False
-        self._rate_holding = False
-        return True
+    def _fits(self, prompt_len: int, members: int, context: int) -> bool:
+        """Under the lock (`Membership.reserve`): the policy's verdict on one snapshot."""
+        return self.policy.fits(members, context, prompt_len)
 
     def _admit(self, req: DecodeRequest) -> bool:
         """Reserve the stream's pages and send its PULL, or return False (no room)."""
@@ -260,7 +242,8 @@ class DecodeAdmission:
             return False  # draining: quarantined memory must come back first
         capacity = h.prompt_len + h.max_new_rows
         try:
-            pages = self.members.reserve(capacity, h.prompt_len, functools.partial(self._fits, h))
+            fits = functools.partial(self._fits, h.prompt_len)
+            pages = self.members.reserve(capacity, h.prompt_len, fits)
         except ValueError as exc:  # sizes submit() did not catch: this request only
             req.sink.fail(StreamFailed(f"decode admission refused: {exc}"))
             return True
@@ -309,25 +292,3 @@ class DecodeAdmission:
             return True
         self.admitted.put(admitted)
         return True
-
-    def _note_rate_hold(self, n: int, context: int) -> None:
-        """Under the lock: the rate floor holds a newcomer. Logged once per hold (not per 5 ms retry)
-        with the model's numbers, so a server log shows why streams wait."""
-        if self._rate_holding:
-            return
-        self._rate_holding = True
-        b = self.settings.batch
-        coef = self.step_model.coef
-        log.info(
-            "decode: rate floor holds admission at %d streams, context %d: predicted step %.1f ms > "
-            "budget %.1f ms (model a=%.2f ms, b=%.3f ms/stream, c=%.3g ms/token)",
-            n + 1,
-            context,
-            self.step_model.predict(n + 1, context) * 1e3,
-            (1.0 - b.rate_margin) / b.rate_floor_tok_s * 1e3,
-            *(
-                (float(coef[0]) * 1e3, float(coef[1]) * 1e3, float(coef[2]) * 1e3)
-                if coef is not None
-                else (0, 0, 0)
-            ),
-        )

@@ -67,6 +67,7 @@ from tandem.backend.engines.thread import EngineThread
 from tandem.backend.errors import InvalidInput, StreamFailed
 from tandem.backend.metrics import MetricsSink
 from tandem.backend.model.decoder import Decoder
+from tandem.backend.scheduling.decode_policy import DecodePolicy
 from tandem.backend.scheduling.step_model import StepTimeModel
 from tandem.backend.settings import EngineSettings
 from tandem.transfer import TransferReceiver
@@ -112,7 +113,7 @@ class DecodeEngine:
             self.intake,
             self.members,
             self.receiver,
-            self.step_model,
+            DecodePolicy(settings.batch, settings.transfer.drain_held_fraction, self.step_model),
             decoder.cfg.eos_token_id,
             self.direct,
         )
@@ -300,7 +301,7 @@ class DecodeEngine:
             free_pages=self.pool.num_free_pages,
             held_pages=-(-st.quarantined_bytes // page_bytes),
             draining=draining,
-            admittable=0 if draining else self.admission.admittable(n, context),
+            admittable=0 if draining else self.admission.policy.admittable(n, context),
             path=self.path.name,
         )
 

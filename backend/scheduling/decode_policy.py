@@ -1,0 +1,86 @@
+"""D's admission policy: whether one more stream may join, and how many more would fit.
+
+Pure decisions over numbers, no threads and no memory: D's admission thread
+(`backend/engines/decode/admission.py`) asks `fits` under its lock with one snapshot of the members
+and their context, and D's gauges ask `admittable`. The mechanism around it (reserving pages, sending
+the PULL) stays with the engine; what is decided lives here, beside the step-time model it reads.
+
+Rules, in order:
+- draining: quarantined receive memory above `transfer.drain_held_fraction` admits nothing until
+  proofs free it (docs/failure-semantics.md);
+- batch room: at most `batch.max_batch` members;
+- rate floor (`batch.rate_admission`): the step predicted with the newcomer must keep every member
+  at `batch.rate_floor_tok_s` less `batch.rate_margin` (`StepTimeModel.admits`).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from tandem.backend.scheduling.step_model import StepTimeModel
+from tandem.backend.settings import BatchSettings
+
+log = logging.getLogger("tandem")
+
+
+class DecodePolicy:
+    """Called by D's admission thread (`fits`, `draining`) and engine thread (`admittable`); the only
+    state it keeps is whether a rate hold was logged, touched by the admission thread alone."""
+
+    def __init__(self, batch: BatchSettings, drain_held_fraction: float, step_model: StepTimeModel) -> None:
+        self.batch = batch
+        self.drain_held_fraction = drain_held_fraction
+        self.step_model = step_model
+        self._rate_holding = False  # the rate floor is holding newcomers (logged once per hold)
+
+    def draining(self, held_fraction: float) -> bool:
+        """True while quarantined receive memory is over the drain threshold."""
+        return held_fraction > self.drain_held_fraction
+
+    def fits(self, members: int, context: int, prompt_len: int) -> bool:
+        """One more stream of `prompt_len` beside `members` streams of total `context`."""
+        b = self.batch
+        if members >= b.max_batch:
+            return False
+        if b.rate_admission and not self.step_model.admits(
+            members, context, prompt_len, b.rate_floor_tok_s, b.rate_margin
+        ):
+            self._note_rate_hold(members, context + prompt_len)
+            return False
+        self._rate_holding = False
+        return True
+
+    def admittable(self, members: int, context: int) -> int:
+        """How many more streams of this batch's typical context fit now (the scaling gauge)."""
+        b = self.batch
+        if not b.rate_admission:
+            return max(0, b.max_batch - members)
+        typical = context // members if members else 1024
+        return self.step_model.admittable(
+            members, context, typical, b.rate_floor_tok_s, b.rate_margin, b.max_batch
+        )
+
+    def _note_rate_hold(self, n: int, context: int) -> None:
+        """The rate floor holds a newcomer. Logged once per hold (not per 5 ms retry) with the model's
+        numbers, so a server log shows why streams wait."""
+        if self._rate_holding:
+            return
+        self._rate_holding = True
+        b = self.batch
+        coef = self.step_model.coef
+        a, per_stream, per_token = (
+            (float(coef[0]) * 1e3, float(coef[1]) * 1e3, float(coef[2]) * 1e3)
+            if coef is not None
+            else (0, 0, 0)
+        )
+        log.info(
+            "decode: rate floor holds admission at %d streams, context %d: predicted step %.1f ms > "
+            "budget %.1f ms (model a=%.2f ms, b=%.3f ms/stream, c=%.3g ms/token)",
+            n + 1,
+            context,
+            self.step_model.predict(n + 1, context) * 1e3,
+            (1.0 - b.rate_margin) / b.rate_floor_tok_s * 1e3,
+            a,
+            per_stream,
+            per_token,
+        )
