@@ -47,6 +47,7 @@ from tandem.backend.model import prefill_attention
 from tandem.backend.model.config import ModelConfig
 from tandem.backend.model.cuda_graphs import GraphedDecode
 from tandem.backend.model.decoder import Decoder
+from tandem.backend.model.warm_up import plan_prefill_attention
 from tandem.bench import roofline as decoder_roofline
 from tandem.bench import util as benchutil
 from tandem.csrc import kv_cuda, linear
@@ -473,7 +474,7 @@ def main(argv: list[str] | None = None) -> int:
     pool = _shuffled_pool(cfg, pool_tokens, args.page_size, device, args.seed)
     # As the engines' warm-up does (a no-op unless TANDEM_PREFILL_ATTENTION=cudnn): cuDNN's plans for
     # the prompt lengths timed here, so prefill times what a served prompt of that length runs.
-    dec.plan_prefill_attention(max(args.prompts, default=0))
+    plan_prefill_attention(dec, max(args.prompts, default=0))
     setup_s = time.perf_counter() - t0
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p)
 

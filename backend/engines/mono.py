@@ -22,6 +22,7 @@ from tandem.backend.errors import StreamFailed
 from tandem.backend.kv.prefix_cache import PrefixAllocation, PrefixCache
 from tandem.backend.metrics import MetricsSink, PublishTimer
 from tandem.backend.model.decoder import Decoder
+from tandem.backend.model.warm_up import warm_up
 from tandem.backend.scheduling.prefill_batch import PrefillBatch
 from tandem.backend.settings import EngineSettings
 
@@ -39,7 +40,7 @@ class MonoEngine:
         self._thread = EngineThread("tandem-mono", self._iterate, self._fault)
 
     def start(self) -> None:
-        self.decoder.warm_up(self.pool)
+        warm_up(self.decoder, self.pool)
         self._thread.start()
 
     def close(self) -> None:

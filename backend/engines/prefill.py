@@ -36,6 +36,7 @@ from tandem.backend.generation.sampling import SamplingParams
 from tandem.backend.kv.prefix_cache import PrefixAllocation, PrefixCache
 from tandem.backend.metrics import MetricsSink, PublishTimer
 from tandem.backend.model.decoder import Decoder
+from tandem.backend.model.warm_up import warm_up
 from tandem.backend.scheduling.prefill_batch import PrefillBatch
 from tandem.backend.settings import EngineSettings, FaultSettings
 from tandem.backend.timing import Timings
@@ -158,7 +159,7 @@ class PrefillEngine:
         self._thread = EngineThread("tandem-prefill", self._iterate, self._fault)
 
     def start(self) -> None:
-        self.decoder.warm_up(self.pool)
+        warm_up(self.decoder, self.pool)
         self.sender.start()
         self._thread.start()
         log.info(

@@ -13,7 +13,7 @@ backend instead, padded to a length bucket.
 - So prompts of at least `CUDNN_MIN_ROWS` rows are padded with zero rows up to a multiple of
   `CUDNN_BUCKET`. Causal attention never lets a real row see a later one, so the padding changes no
   real row's output.
-- `plan_cudnn` (called by `Decoder.warm_up`) builds every bucket's plan before the engine serves.
+- `plan_cudnn` (called by `warm_up.warm_up`) builds every bucket's plan before the engine serves.
 - Only a bucket planned there is ever sent to cuDNN; any other length keeps flash, so a plan is never
   built while serving.
 - Opt-in until a GPU measures it against flash in `tandem-bench-decoder --prompts` (no device was lent

@@ -155,7 +155,7 @@ def unit(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     workdir = tmp_path_factory.mktemp(f"faultunit-{path}-{mode or 'default'}")
     u = FaultUnit(workdir, overrides, GROUPS, proxy=path == "proxy", mono=label == PATHS[0])
     u.label = label
-    u.start()  # on a GPU the engines compile their kernels before they report ready (Decoder.warm_up)
+    u.start()  # on a GPU the engines compile their kernels before they report ready (model/warm_up.py)
     yield u
     u.stop()
 

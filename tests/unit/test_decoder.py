@@ -12,6 +12,7 @@ from tandem.backend.kv.pool import KVPool
 from tandem.backend.kv.prefix_cache import PrefixCache
 from tandem.backend.model.config import PRESETS, ModelConfig
 from tandem.backend.model.decoder import Decoder, PrefillItem
+from tandem.backend.model.warm_up import warm_up
 
 CFG = dataclasses.replace(PRESETS["tiny"], vocab_size=256, rope_theta=10000.0)
 PAGE = 4
@@ -186,4 +187,4 @@ def test_warm_up_is_a_no_op_on_the_cpu() -> None:
     """Nothing compiles on a CPU: `warm_up` runs nothing and leaves the pool as it was."""
     dec = Decoder.random(PRESETS["tiny"])
     pool = KVPool(dec.kv_layout(), num_pages=8, page_size=4, device="cpu")
-    assert dec.warm_up(pool) == 0.0 and pool.num_free_pages == 8
+    assert warm_up(dec, pool) == 0.0 and pool.num_free_pages == 8

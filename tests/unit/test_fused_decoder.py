@@ -12,6 +12,7 @@ from tandem.backend.kv.pool import KVPool
 from tandem.backend.model.checkpoint import load_checkpoint, save_checkpoint
 from tandem.backend.model.config import PRESETS, ModelConfig, preset
 from tandem.backend.model.decoder import Decoder, PrefillItem
+from tandem.backend.model.warm_up import warm_up
 from tandem.csrc import kv_cuda, triton_ops
 
 TINY = PRESETS["tiny"]
@@ -165,14 +166,14 @@ def _compiled_variants() -> int:
 
 @pytest.mark.gpu
 def test_warm_up_compiles_what_later_prompts_need_and_gives_its_pages_back() -> None:
-    """After `Decoder.warm_up` no prompt length or cached-prefix offset compiles a new kernel variant
+    """After `warm_up` no prompt length or cached-prefix offset compiles a new kernel variant
     (a compile inside the engine loop stalls every stream for seconds), and the pool is as it was."""
     _need_gpu()
     cfg = replace(preset("qwen3-4b-shape"), num_layers=1, dtype="bfloat16")
     dec = Decoder.random(cfg, device="cuda", seed=9)
     pool = KVPool(dec.kv_layout(), num_pages=64, page_size=16, device="cuda")
     free = pool.num_free_pages
-    assert dec.warm_up(pool) > 0
+    assert warm_up(dec, pool) > 0
     assert pool.num_free_pages == free
     compiled = _compiled_variants()
     g = torch.Generator().manual_seed(1)
@@ -191,6 +192,6 @@ def test_warm_up_skips_with_a_warning_when_the_pool_is_too_small(caplog) -> None
     dec = Decoder.random(cfg, device="cuda", seed=9)
     pool = KVPool(dec.kv_layout(), num_pages=3, page_size=16, device="cuda")
     with caplog.at_level("WARNING", logger="tandem"):
-        assert dec.warm_up(pool) == 0.0
+        assert warm_up(dec, pool) == 0.0
     assert pool.num_free_pages == 3
     assert "kernel warm-up skipped: it needs 4 free KV pages, the pool has 3" in caplog.text
