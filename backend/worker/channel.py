@@ -72,7 +72,7 @@ class Init(msgspec.Struct, frozen=True, tag=True):
 
     model: str
     instance: str
-    kind: str  # "prefill" | "decode" | "mono"
+    kind: str  # "prefill" | "decode" | "mono" | "voices"
     instance_kind: str  # Triton's "CPU" | "GPU"
     device_id: int
     model_config: str
@@ -89,7 +89,8 @@ class Ready(msgspec.Struct, frozen=True, tag=True):
 
 
 class Submit(msgspec.Struct, frozen=True, tag=True):
-    """A validated request. Prompt engines (P, mono) get `prompt` and sampling; D gets `handoff`."""
+    """A validated request. Prompt engines (P, mono) get `prompt` and sampling; D gets `handoff`;
+    the `voices` engine its inputs' bytes (`Array` "BYTES", `data` the raw bytes)."""
 
     req_id: int
     stream_id: int
@@ -98,6 +99,7 @@ class Submit(msgspec.Struct, frozen=True, tag=True):
     sampling: list[Any] = msgspec.field(default_factory=list)  # SamplingParams.to_wire()
     max_new_rows: int = 0
     handoff: str = ""
+    inputs: dict[str, Array] = msgspec.field(default_factory=dict)  # `voices`: its raw BYTES inputs
 
 
 class Cancel(msgspec.Struct, frozen=True, tag=True):

@@ -34,7 +34,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="tandem-engine", description=__doc__.splitlines()[0])
     parser.add_argument("model")
     parser.add_argument("instance")
-    parser.add_argument("--kind", required=True, choices=("prefill", "decode", "mono"))
+    parser.add_argument("--kind", required=True, choices=("prefill", "decode", "mono", "voices"))
     parser.add_argument("--fd", type=int, required=True, help="the stub's socket (inherited)")
     opts = parser.parse_args(args_in)
     # The stub alone ends this process (Stop, or the channel's end when it dies). A SIGTERM/SIGINT to

@@ -77,6 +77,7 @@ class TritonProcess:
         run_dir = self.workdir / "run"
         run_dir.mkdir(mode=0o700, exist_ok=True)
         env["XDG_RUNTIME_DIR"] = str(run_dir)  # a private transfer control dir per server
+        env["XDG_STATE_HOME"] = str(self.workdir / "state")  # its own voice store, kept across restarts
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(
                 [
