@@ -133,20 +133,14 @@ class TextFrontend:
         self._prefixes: dict[str, tuple[VoiceRecord, np.ndarray]] = {}
         self._lock = threading.Lock()
 
-    def is_builtin(self, voice: str) -> bool:
-        return voice in self.voices or ANY_VOICE in self.voices
-
-    def registered(self, voice: str) -> VoiceRecord | None:
-        """The registered voice `voice` as stored now (None: there is none)."""
-        return None if self.store is None or self.is_builtin(voice) else self.store.get(voice)
-
     def check_voice(self, voice: str) -> VoiceRecord | None:
-        """None for no voice or a built-in one; the record of a registered one; else InvalidInput
-        naming VOICE and listing the voices there are."""
-        if not voice or self.is_builtin(voice):
+        """None for no voice or a built-in one; the record of a registered one (which wins over
+        `*`, never over a listed name: registration refuses those); else InvalidInput naming VOICE
+        and listing the voices there are."""
+        if not voice or voice in self.voices:
             return None
-        record = self.registered(voice)
-        if record is not None:
+        record = self.store.get(voice) if self.store is not None else None
+        if record is not None or ANY_VOICE in self.voices:
             return record
         there = ", ".join([*self.voices, *(self.store.names() if self.store else [])]) or "none"
         raise InvalidInput(f"VOICE {voice!r} is not one of this model's voices: {there}")
@@ -188,7 +182,7 @@ class TextFrontend:
         head = self.prefix(record) if record is not None else np.zeros((0, self.cfg.row_width), np.int64)
         total = head.shape[0] + len(ids)
         if total > self.limits.max_prompt_rows:
-            voice = f" with VOICE {request.voice!r}'s {head.shape[0]}-row prefix" if record else ""
+            voice = f" with the {head.shape[0]}-row prefix of VOICE {request.voice!r}" if record else ""
             raise InvalidInput(
                 f"TEXT makes {total} prompt rows{voice}; the limit is {self.limits.max_prompt_rows}"
             )

@@ -1,42 +1,21 @@
-"""Reference recordings for the registered-voice tests (nothing can be downloaded here): a few
-seconds of speech-like audio synthesized with numpy — a voiced source at a gliding pitch (120-220
-Hz, with harmonics) through two moving formant-like resonances, in syllables of ~0.2 s with short
-pauses — written as a file of any rate and container PyAV writes (WAV via the stdlib, FLAC, ...)."""
+"""Reference recordings and HTTP helpers for the registered-voice tests: speech-like audio
+(`bench/reference_audio.py`) as WAV or, through PyAV, any other container (FLAC, ...), and a
+multipart upload to the gateway."""
 
 from __future__ import annotations
 
 import io
-import wave
+import json
+import urllib.error
+import urllib.request
+from typing import Any
 
 import av
 import numpy as np
 
+from tandem.bench.reference_audio import speech_like, wav_bytes
 
-def speech_like(seconds: float, rate: int, seed: int = 0) -> np.ndarray:
-    """float32 mono in [-0.8, 0.8]."""
-    rng = np.random.default_rng(seed)
-    n = int(seconds * rate)
-    t = np.arange(n) / rate
-    pitch = 170 + 50 * np.sin(2 * np.pi * 0.7 * t + rng.uniform(0, 6)) + 10 * rng.standard_normal()
-    phase = 2 * np.pi * np.cumsum(pitch) / rate
-    voiced = sum((0.6 / k) * np.sin(k * phase) for k in range(1, 12))
-    f1 = 500 + 300 * np.sin(2 * np.pi * 2.3 * t)
-    formant = 0.5 + 0.5 * np.sin(2 * np.pi * np.cumsum(f1) / rate)
-    syllables = (np.sin(2 * np.pi * 2.5 * t + rng.uniform(0, 6)) > -0.3).astype(np.float64)
-    envelope = np.convolve(syllables, np.hanning(int(0.03 * rate)) / (0.015 * rate), mode="same")
-    noise = 0.02 * rng.standard_normal(n)
-    x = (voiced * formant * envelope) + noise
-    return (0.8 * x / np.max(np.abs(x))).astype(np.float32)
-
-
-def wav_bytes(pcm: np.ndarray, rate: int) -> bytes:
-    buf = io.BytesIO()
-    with wave.open(buf, "wb") as w:
-        w.setnchannels(1)
-        w.setsampwidth(2)
-        w.setframerate(rate)
-        w.writeframes(np.rint(np.clip(pcm, -1, 1) * 32767).astype("<i2").tobytes())
-    return buf.getvalue()
+__all__ = ["encoded_bytes", "http_call", "multipart", "register_http", "speech_like", "wav_bytes"]
 
 
 def encoded_bytes(pcm: np.ndarray, rate: int, container: str = "flac", codec: str = "flac") -> bytes:
@@ -53,3 +32,45 @@ def encoded_bytes(pcm: np.ndarray, rate: int, container: str = "flac", codec: st
         for packet in stream.encode(None):
             out.mux(packet)
     return buf.getvalue()
+
+
+def multipart(fields: dict[str, str], file: bytes | None, filename: str = "ref.wav") -> tuple[bytes, str]:
+    """A multipart/form-data body of `fields` and an optional `file` part: (body, content type)."""
+    boundary = "tandem-test-boundary-7d1f"
+    parts = []
+    for key, value in fields.items():
+        parts.append(
+            f'--{boundary}\r\nContent-Disposition: form-data; name="{key}"\r\n\r\n{value}\r\n'.encode()
+        )
+    if file is not None:
+        head = (
+            f'--{boundary}\r\nContent-Disposition: form-data; name="file"; filename="{filename}"\r\n'
+            "Content-Type: application/octet-stream\r\n\r\n"
+        )
+        parts.append(head.encode() + file + b"\r\n")
+    parts.append(f"--{boundary}--\r\n".encode())
+    return b"".join(parts), f"multipart/form-data; boundary={boundary}"
+
+
+def http_call(
+    method: str, url: str, body: bytes | None = None, content_type: str | None = None, timeout: float = 300.0
+) -> tuple[int, dict[str, Any]]:
+    """An HTTP request: (status, JSON body), an error's included."""
+    headers = {"Content-Type": content_type} if content_type else {}
+    req = urllib.request.Request(url, body, headers, method=method)
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, json.load(r)
+    except urllib.error.HTTPError as e:
+        return e.code, json.load(e)
+
+
+def register_http(
+    base: str, name: str, transcript: str | None, file: bytes | None, timeout: float = 300.0
+) -> tuple[int, dict[str, Any]]:
+    """POST /v1/voices on the gateway at `base` (a field given as None is left out)."""
+    fields = {"name": name} if name is not None else {}
+    if transcript is not None:
+        fields["transcript"] = transcript
+    body, ctype = multipart(fields, file)
+    return http_call("POST", f"{base}/v1/voices", body, ctype, timeout)

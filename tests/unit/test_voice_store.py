@@ -110,5 +110,5 @@ def test_directory_setting() -> None:
     assert default_dir({**env, "XDG_STATE_HOME": "/var/state"}) == Path("/var/state/tandem/voices")
     assert resolve_dir("", env) == default_dir(env)
     assert resolve_dir("/srv/voices", env) == Path("/srv/voices")
-    with pytest.raises(ValueError, match="voices.dir.*absolute"):
+    with pytest.raises(ValueError, match=r"voices\.dir.*absolute"):
         resolve_dir("relative/voices", env)
