@@ -20,7 +20,7 @@ from tandem.backend.errors import TandemError
 from tandem.backend.metrics import WORKER_METRICS
 from tandem.backend.text.frontend import builtin_voices
 from tandem.backend.voices.request import parse_voice_request
-from tandem.backend.worker.channel import Array, Submit
+from tandem.backend.worker.channel import Array, EngineKind, Submit
 from tandem.serving import triton_io as io
 from tandem.serving.engine_stub import TritonResponder
 from tandem.serving.engine_worker import EngineWorker
@@ -37,7 +37,7 @@ class VoiceStub:
         metrics = io.TritonMetrics(pb, labels, names=())
         health = io.TritonMetrics(pb, labels, names=WORKER_METRICS)
         self.builtin = builtin_voices(self.settings)
-        self.worker = EngineWorker(args, "voices", self.settings.worker, metrics, health)
+        self.worker = EngineWorker(args, EngineKind.VOICES, self.settings.worker, metrics, health)
         self.worker.start()
 
     def execute(self, requests: list[Any]) -> None:

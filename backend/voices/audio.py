@@ -2,8 +2,9 @@
 
 Decoding is FFmpeg's, through PyAV (`av.open` on the bytes: WAV, FLAC, MP3, Ogg/Opus, AAC, ... any
 container and codec the wheel's FFmpeg reads); PyAV's resampler makes planar float at the file's own
-rate and layout and the channels' mean is the mono signal, and the rate is changed to the codec's with soxr (HQ), a kept resampler whose
-stop-band holds ~136 dB where FFmpeg's default swr gives ~27 dB near Nyquist.
+rate and layout, the channels' mean is the mono signal, and soxr (HQ) changes the rate to the
+codec's: a kept resampler whose stop-band holds ~136 dB where FFmpeg's default gives ~27 dB near
+Nyquist.
 
 Every refusal is `InvalidInput` naming AUDIO (the gateway's `file`): not audio, no audio stream,
 unreadable mid-way, shorter than `min_seconds`, longer than `max_seconds` (the container's header
