@@ -52,7 +52,7 @@ from tandem.gateway.stream import (
     stream_audio,
     text_inputs,
 )
-from tandem.gateway.voices import router as voices_router
+from tandem.gateway.voices import install as install_voice_routes
 from tandem.serving.health import HealthUnavailable, fetch_health
 
 log = logging.getLogger("tandem.gateway")
@@ -261,7 +261,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         gw.metrics.requests.labels(status="400").inc()
         return error_response(ClientError(ClientCode.INVALID_ARG, detail), param)
 
-    app.include_router(voices_router)  # POST/GET/DELETE /v1/voices (gateway/voices.py)
+    install_voice_routes(app)  # POST/GET/DELETE /v1/voices (gateway/voices.py)
 
     @app.post("/v1/audio/speech")
     async def speech(body: SpeechBody) -> Response:

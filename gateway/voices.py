@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import tritonclient.grpc.aio as aio
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse
 from starlette.datastructures import UploadFile
 from starlette.formparsers import MultiPartException
@@ -50,6 +50,19 @@ class VoiceLimits:
     max_file_bytes: int
 
 
+@dataclass
+class VoiceRoutes:
+    """The routes' state on `app.state.voices`: the limits, once the `voices` model answered."""
+
+    limits: VoiceLimits | None = None
+
+
+def install(app: FastAPI) -> None:
+    """Add the voice routes to the gateway's app (`gateway/app.py` calls this once)."""
+    app.state.voices = VoiceRoutes()
+    app.include_router(router)
+
+
 def _client(request: Request) -> aio.InferenceServerClient:
     client = request.app.state.gateway.client
     if client is None:
@@ -68,8 +81,8 @@ async def _call(request: Request, inputs: list[Any], timeout_s: float) -> dict[s
 
 
 async def _limits(request: Request) -> VoiceLimits:
-    state = request.app.state
-    limits: VoiceLimits | None = getattr(state, "voice_limits", None)
+    routes: VoiceRoutes = request.app.state.voices
+    limits = routes.limits
     if limits is None:
         try:
             cfg = await _client(request).get_model_config(MODEL, as_json=True)
@@ -78,7 +91,7 @@ async def _limits(request: Request) -> VoiceLimits:
         params = cfg["config"].get("parameters") or {}
         raw = params.get("tandem.voices.max_file_bytes", {}).get("string_value") or str(16 * 2**20)
         limits = VoiceLimits(int(raw))
-        state.voice_limits = limits
+        routes.limits = limits
     return limits
 
 
