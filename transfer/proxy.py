@@ -1,6 +1,6 @@
 """IPC proxy sidecar: copies P's staging into D's arena for processes that each see only their own GPU.
 
-Why: in containers that expose one GPU each, P cannot open D's IPC handle (design.md §1). The proxy is
+Why: in containers that expose one GPU each, P cannot open D's IPC handle (docs/transfer.md). The proxy is
 one process per P/D unit (never one per machine: a shared daemon became a queue) that requests no GPU
 but sees all of them. D registers its receive arena and P its staging buffers over the unit's socket
 `control_dir(unit)/proxy.sock`, sending legacy IPC handles and the PCI bus id of the GPU that owns the

@@ -19,6 +19,8 @@ What crosses between D's threads, in one place (each file states its own part in
   is touched by no other thread; the admission thread only reads the step model's fit.
 - receiver threads -> engine: transfer events (a list append) and, direct mode, `return_held` (the
   proof that a failed transfer's prompt pages can be reused, under the lock).
+- engine / receiver -> admission: `Membership.capacity` (an Event), set when pages or batch room come
+  back, so a request that did not fit is offered again at once.
 - any thread that ends a request before its pull -> receiver: `drop(ticket)` through the request's
   claim (`tickets.py`); it never blocks, and P frees the offer's pages at once.
 
