@@ -140,6 +140,9 @@ class TextFrontend:
         if not voice or voice in self.voices:
             return None
         record = self.store.get(voice) if self.store is not None else None
+        if record is None:
+            with self._lock:
+                self._prefixes.pop(voice, None)  # deleted: its prefix goes too
         if record is not None or ANY_VOICE in self.voices:
             return record
         there = ", ".join([*self.voices, *(self.store.names() if self.store else [])]) or "none"
