@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from .layout import WireLayout
     from .paths import ArenaExport, HostShmPath, LocalArena, PeerArena, TransferPath, select_path
     from .receiver import TransferReceiver
-    from .registry import PathOptions, build_path, registry
+    from .registry import PathOptions, build_path, path_factories
     from .sender import TransferSender
     from .state import (
         OfferState,
@@ -78,7 +78,7 @@ _WHERE = {
     "Region": "arena",
     "RegionAllocator": "arena",
     "RegionState": "state",
-    "registry": "registry",
+    "path_factories": "registry",
     "ReleaseReason": "state",
     "select_path": "paths",
     "SenderClosed": "errors",
@@ -140,7 +140,7 @@ __all__ = [
     "build_path",
     "control_dir",
     "kv_checksum",
-    "registry",
+    "path_factories",
     "select_path",
 ]
 
