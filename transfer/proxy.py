@@ -49,6 +49,7 @@ from typing import Any
 
 import numpy as np
 
+from ._conn import accepted
 from .control import connect_unix, control_dir, listen_unix, lock_held, peer_cred, same_user
 from .errors import ProtocolError, TransferError
 from .frames import MAX_FRAME_BYTES, send_frame
@@ -177,17 +178,10 @@ class ProxyServer:
 
     def _accept_loop(self) -> None:
         assert self._server is not None
-        while not self._stop.is_set():
-            try:
-                sock, _ = self._server.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                return
+        for sock in accepted(self._server, self._stop):
             if not same_user(sock):
                 sock.close()
                 continue
-            sock.settimeout(None)
             t = threading.Thread(target=self._serve, args=(sock,), name="tandem-proxy-conn", daemon=True)
             t.start()
 
