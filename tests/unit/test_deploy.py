@@ -272,3 +272,10 @@ def test_router_hashes_on_voice():
         hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
         hashes = hcm["route_config"]["virtual_hosts"][0]["routes"][0]["route"]["hash_policy"]
         assert hashes[0]["header"]["header_name"] == "voice-id"
+
+
+def test_the_image_context_leaves_out_local_builds() -> None:
+    """`COPY . .` in deploy/Dockerfile must not carry a developer's .venv or compiled modules."""
+    assert "COPY . ." in (DEPLOY / "Dockerfile").read_text()
+    ignored = {line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines() if line.strip()}
+    assert {".venv", ".git", "csrc/*.so", "**/__pycache__"} <= ignored
