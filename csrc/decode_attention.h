@@ -19,6 +19,9 @@
 // last block of each (sequence, heads) to finish merges the partials itself: one kernel, and the
 // counters are zero again on return. The caller owns them and must not share them between kernels
 // that run at the same time.
+// `kv_scales` (variants 4 and 5): nullptr when `kv` holds q's dtype; else `kv` holds float8_e4m3fn
+// (its rows HD bytes) and kv_scales is float32 [2, KVH], the layer's K then V scale of each KV head
+// (K = stored * scale): tandem.kv.dtype=fp8.
 #pragma once
 
 #include <cstdint>
@@ -27,12 +30,14 @@
 
 namespace tandem {
 
-// Whether decode_attention's `variant` has a kernel for this dtype, head dim and group size.
-bool decode_attention_supported(int dtype, int64_t head_dim, int64_t group, int variant = 4);
+// Whether decode_attention's `variant` has a kernel for this dtype, head dim and group size (with
+// `kv_fp8`, for an E4M3 KV).
+bool decode_attention_supported(int dtype, int64_t head_dim, int64_t group, int variant = 4, bool kv_fp8 = false);
 
 void decode_attention(const void* q, const void* kv, int64_t pool_rows, const int64_t* slots, int64_t s_max,
                       const int64_t* lengths, int64_t batch, int64_t kv_heads, int64_t group, int64_t head_dim,
                       int dtype, float scale, int64_t chunk, float* part_acc, float* part_ml, void* out,
-                      int device, cudaStream_t stream, int variant = 4, int* counters = nullptr);
+                      int device, cudaStream_t stream, int variant = 4, int* counters = nullptr,
+                      const float* kv_scales = nullptr);
 
 }  // namespace tandem

@@ -36,6 +36,8 @@ from types import ModuleType
 
 import torch
 
+from tandem.csrc.fp8 import dequantize_kv, is_fp8
+
 __all__ = [
     "build_info",
     "checksum_rows",
@@ -91,17 +93,22 @@ def reference_gather(pool: torch.Tensor, slots: torch.Tensor, out: torch.Tensor)
     torch.index_select(pool, 2, slots, out=out)
 
 
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """`t` itself, or its bytes for an E4M3 tensor (torch has no CPU index_copy_ for float8)."""
+    return t.view(torch.uint8) if is_fp8(t) else t
+
+
 def reference_scatter(staging: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor) -> None:
     """`pool[:, :, slots[t]] = staging[:, :, t]` with `index_copy_` (pool written)."""
-    pool.index_copy_(2, slots, staging)
+    _bytes(pool).index_copy_(2, slots, _bytes(staging))
 
 
 def reference_gather_write(
     src_pool: torch.Tensor, src_slots: torch.Tensor, dst_pool: torch.Tensor, dst_slots: torch.Tensor
 ) -> None:
     """`dst_pool[:, :, dst_slots[t]] = src_pool[:, :, src_slots[t]]` via a temporary (dst_pool written)."""
-    rows = torch.index_select(src_pool, 2, src_slots).to(dst_pool.device)
-    dst_pool.index_copy_(2, dst_slots.to(dst_pool.device), rows)
+    rows = torch.index_select(_bytes(src_pool), 2, src_slots).to(dst_pool.device)
+    _bytes(dst_pool).index_copy_(2, dst_slots.to(dst_pool.device), rows)
 
 
 # ---- checks ------------------------------------------------------------------------------------------
@@ -449,19 +456,30 @@ def _merge_counters(device: torch.device, n: int) -> torch.Tensor:
 
 
 def reference_decode_attention(
-    q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor, scale: float
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    slots: torch.Tensor,
+    lengths: torch.Tensor,
+    scale: float,
+    kv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Torch reference (and CPU path): each sequence's query attends over its first `lengths[b]` slots.
 
     q [B, NH, HD], kv [2, S_pool, KVH, HD] (one layer of the pool), slots [B, S] int64 (entries past a
-    sequence's length are never read, whatever they hold), lengths [B] int64 in [1, S]. Returns a new
+    sequence's length are never read, whatever they hold), lengths [B] int64 in [1, S]. An E4M3 `kv`
+    is read at `kv_scales` [2, KVH] (dequantised to q's dtype, `csrc/fp8.py`). Returns a new
     [B, NH, HD] tensor in q's dtype. Gathers the padded context, then masked SDPA.
     """
     b, s = slots.shape
     cols = torch.arange(s, device=slots.device)
     # Pad with each sequence's own last valid slot so masked reads stay finite.
     safe = slots.gather(1, torch.minimum(cols[None, :], lengths[:, None] - 1))
-    ctx = kv.index_select(1, safe.reshape(-1)).view(2, b, s, *kv.shape[2:]).transpose(2, 3)
+    rows = kv.index_select(1, safe.reshape(-1))
+    if is_fp8(kv):
+        if kv_scales is None:
+            raise ValueError("an E4M3 kv needs kv_scales")
+        rows = dequantize_kv(rows, kv_scales, q.dtype)
+    ctx = rows.view(2, b, s, *kv.shape[2:]).transpose(2, 3)
     mask = (cols[None, :] < lengths[:, None])[:, None, None, :]
     o = torch.nn.functional.scaled_dot_product_attention(
         q[:, :, None, :], ctx[0], ctx[1], attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != kv.shape[2]
@@ -476,25 +494,35 @@ def kernel_decodes(
     kv_heads: int,
     head_dim: int,
     variant: int | None = None,
+    kv_dtype: torch.dtype | None = None,
 ) -> bool:
     """True when the compiled decode-attention kernel `variant` (default `KERNEL_VARIANT`) exists for this
     model shape on `device`: CUDA, module built, float32/float16/bfloat16, head_dim 64/128/256, and
-    1..8 query heads per KV head (variants 3, 4 and 5; 1/2/4/8 for variants 1 and 2)."""
+    1..8 query heads per KV head (variants 3, 4 and 5; 1/2/4/8 for variants 1 and 2). `kv_dtype` (the
+    pool's; default `dtype`) float8_e4m3fn: variants 4 and 5 with a float16/bfloat16 q, head_dim
+    64/128, on a module built with E4M3 support."""
     if _MODULE is None or device.type != "cuda" or dtype not in _DTYPE_CODES or num_heads % kv_heads:
         return False
     v = KERNEL_VARIANT if variant is None else variant
-    return bool(_MODULE.decode_attention_supported(_DTYPE_CODES[dtype], head_dim, num_heads // kv_heads, v))
+    group = num_heads // kv_heads
+    if kv_dtype is not None and is_fp8(kv_dtype):
+        if not hasattr(_MODULE, "decode_attention_kv_fp8"):
+            return False
+        return bool(_MODULE.decode_attention_supported(_DTYPE_CODES[dtype], head_dim, group, v, True))
+    if kv_dtype is not None and kv_dtype != dtype:
+        return False
+    return bool(_MODULE.decode_attention_supported(_DTYPE_CODES[dtype], head_dim, group, v))
 
 
 def decode_attention_supported(q: torch.Tensor, kv: torch.Tensor, variant: int | None = None) -> bool:
     """True when `decode_attention` runs the compiled kernel for these tensors (`kernel_decodes` for
-    their shape, both on one CUDA device, 16-byte aligned); otherwise it runs
+    their shape and dtypes, both on one CUDA device, 16-byte aligned); otherwise it runs
     `reference_decode_attention`."""
     if q.dim() != 3 or kv.dim() != 4 or q.device != kv.device:
         return False
     if q.data_ptr() % 16 or kv.data_ptr() % 16:
         return False
-    return kernel_decodes(q.dtype, q.device, q.shape[1], kv.shape[2], q.shape[2], variant)
+    return kernel_decodes(q.dtype, q.device, q.shape[1], kv.shape[2], q.shape[2], variant, kv.dtype)
 
 
 def _chunk(batch: int, kv_heads: int, s: int, device: torch.device, variant: int = 2) -> int:
@@ -532,9 +560,13 @@ def decode_attention(
     *,
     chunk: int | None = None,
     fused_merge: bool | None = None,
+    kv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode-step attention reading K/V in place from one layer of a paged pool (no gathered context).
 
+    An E4M3 `kv` needs `kv_scales` [2, KVH] float32 (contiguous, on kv's device: K's then V's scale of
+    each KV head); the kernel converts each staged tile to float16 and folds the scales into the scores
+    and the output (csrc/decode_attention_mma.cu).
     Same contract as `reference_decode_attention` (1 <= lengths[b] <= S is the caller's to keep: the
     kernel reads slots[b, :lengths[b]] unchecked), which runs instead when `decode_attention_supported`
     is False. On CUDA it is one kernel (two with the merge as its own) on the current stream, no host
@@ -557,8 +589,11 @@ def decode_attention(
         )
     if slots.dtype != torch.int64 or lengths.dtype != torch.int64:
         raise TypeError("slots and lengths must be int64")
-    if q.dtype != kv.dtype:
+    fp8 = is_fp8(kv)
+    if q.dtype != kv.dtype and not fp8:
         raise TypeError(f"q is {q.dtype} but kv is {kv.dtype}")
+    if fp8 and (kv_scales is None or kv_scales.shape != (2, kv.shape[2]) or kv_scales.dtype != torch.float32):
+        raise ValueError(f"an E4M3 kv needs kv_scales float32 [2, {kv.shape[2]}]")
     if not (q.device == kv.device == slots.device == lengths.device):
         raise ValueError("q, kv, slots and lengths must be on one device")
     v = KERNEL_VARIANT if variant is None else variant
@@ -567,9 +602,16 @@ def decode_attention(
     if chunk is not None and chunk < 1:
         raise ValueError(f"chunk must be >= 1, got {chunk}")
     if not decode_attention_supported(q, kv, v):
-        return reference_decode_attention(q, kv, slots, lengths, scale)
+        return reference_decode_attention(q, kv, slots, lengths, scale, kv_scales)
     assert _MODULE is not None
     q, slots, lengths = q.contiguous(), slots.contiguous(), lengths.contiguous()
+    if fp8:
+        assert kv_scales is not None
+        if kv_scales.device != q.device or not kv_scales.is_contiguous():
+            raise ValueError("kv_scales must be contiguous on kv's device")
+        extra_kv: dict[str, int] = {"kv_scales": kv_scales.data_ptr()}
+    else:
+        extra_kv = {}
     if not kv.is_contiguous():
         raise ValueError("kv must be contiguous (a layer of a KVPool is)")
     kvh, s = kv.shape[2], slots.shape[1]
@@ -602,6 +644,7 @@ def decode_attention(
         q.device.index,
         _stream(q.device),
         v,
-        *extra,
+        *(extra or ((0,) if extra_kv else ())),
+        **extra_kv,
     )
     return out
