@@ -44,7 +44,6 @@ import torch
 from tandem.backend.generation.sampling import SamplingParams, sample
 from tandem.backend.kv.pool import KVPool
 from tandem.backend.model import prefill_attention
-from tandem.backend.model.config import ModelConfig
 from tandem.backend.model.cuda_graphs import GraphedDecode
 from tandem.backend.model.decoder import Decoder
 from tandem.backend.model.warm_up import plan_prefill_attention
@@ -81,22 +80,23 @@ class _Timer:
         return start.elapsed_time(end) / 1e3, value
 
 
-def _shuffled_pool(
-    cfg: ModelConfig, n_tokens: int, page_size: int, device: torch.device, seed: int
-) -> KVPool:
+def _shuffled_pool(dec: Decoder, n_tokens: int, page_size: int, device: torch.device, seed: int) -> KVPool:
     """A pool for `n_tokens` whose free list hands pages out in random order, filled with random KV."""
     pages = -(-n_tokens // page_size)
-    pool = KVPool(cfg.kv_layout(), pages, page_size, device)
+    pool = KVPool(dec.kv_layout(), pages, page_size, device)
     every = pool.allocate(pages)
     random.Random(seed).shuffle(every)
     pool.free(every)  # allocate() now returns pages in this shuffled order
-    gen = torch.Generator(device=device).manual_seed(seed)
-    for layer in range(pool.kv.shape[0]):  # layer by layer: bounded temporaries
-        pool.kv[layer].normal_(0.0, 1.0, generator=gen)
+    pool.randomize(torch.Generator(device=device).manual_seed(seed))
     return pool
 
 
 DecodeFn = Callable[[torch.Tensor, list[torch.Tensor], torch.Tensor], torch.Tensor]
+
+
+def _fp8_weights(dec: Decoder) -> list[Any]:
+    """Every E4M3 projection of an FP8 decoder (none otherwise)."""
+    return [w for q in dec.fp8_layers or [] for w in (q.qkv, q.o, q.gate_up, q.down)]
 
 
 def _step(
@@ -364,7 +364,7 @@ def print_tables(result: dict[str, Any]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="tandem-bench-decoder", description=__doc__.split("\n")[0])
-    benchutil.add_model_arguments(ap)
+    benchutil.add_model_arguments(ap, fp8=True)
     ap.add_argument(
         "--prompts", type=_ints, default=[256, 1024, 2048], help="prefill prompt rows, comma list"
     )
@@ -461,7 +461,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--forward-only and --breakdown time CUDA kernels: they need --device cuda")
     timer = _Timer(device)
     t0 = time.perf_counter()
-    dec = Decoder.random(cfg, device, seed=args.seed)
+    dec = benchutil.build_model(args, cfg, device)
+    cfg = dec.cfg  # an E4M3 KV changes the layout
     if args.reference_kernels:
         dec.fused = False
         kv_cuda.KERNEL_VARIANT = 2
@@ -471,7 +472,7 @@ def main(argv: list[str] | None = None) -> int:
     pool_tokens = max(pages * args.page_size, max(args.prompts, default=0))
     if args.distinct_lengths:
         pool_tokens = max(pool_tokens, args.distinct_range[1])
-    pool = _shuffled_pool(cfg, pool_tokens, args.page_size, device, args.seed)
+    pool = _shuffled_pool(dec, pool_tokens, args.page_size, device, args.seed)
     # As the engines' warm-up does (a no-op unless TANDEM_PREFILL_ATTENTION=cudnn): cuDNN's plans for
     # the prompt lengths timed here, so prefill times what a served prompt of that length runs.
     plan_prefill_attention(dec, max(args.prompts, default=0))
@@ -566,8 +567,10 @@ def main(argv: list[str] | None = None) -> int:
         "tc_peak_tflops": args.tc_peak_tflops,
         "roofline_model": decoder_roofline.__doc__.split("\n\n")[1] if decoder_roofline.__doc__ else "",
         "preset": cfg.name,
-        "dtype": cfg.dtype,
-        "params": sum(p.numel() for p in dec.parameters()),
+        "dtype": "fp8" if dec.fp8_layers is not None else cfg.dtype,
+        "compute_dtype": cfg.dtype,
+        "kv_dtype": str(cfg.kv_torch_dtype).removeprefix("torch."),
+        "params": sum(p.numel() for p in dec.parameters()) + sum(q.data.numel() for q in _fp8_weights(dec)),
         "kv_bytes_per_token": cfg.kv_bytes_per_token,
         "page_size": args.page_size,
         "pool_tokens": pool_tokens,

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from tandem.backend.model.config import ModelConfig, preset
+from tandem.backend.model.decoder import Decoder
 
 COMMIT_ENV = "TANDEM_BENCH_COMMIT"  # set by callers that run from a copy without .git (device machine)
 
@@ -162,20 +163,41 @@ def pyplot() -> Any:
 DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32"}
 
 
-def add_model_arguments(ap: argparse.ArgumentParser) -> None:
-    """`--preset`, `--device` and `--dtype`, as the decoder benchmarks take them (`model_from_args`)."""
+def add_model_arguments(ap: argparse.ArgumentParser, fp8: bool = False) -> None:
+    """`--preset`, `--device` and `--dtype`, as the decoder benchmarks take them (`model_from_args`);
+    with `fp8`, also `--dtype fp8` and `--kv-dtype` (a bench that builds through `build_model`)."""
     ap.add_argument("--preset", default="tiny", help="model preset (tiny, qwen3-4b-shape)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--dtype", help="float32 | bfloat16 | float16 (default: the preset's)")
+    if not fp8:
+        ap.add_argument("--dtype", help="float32 | bfloat16 | float16 (default: the preset's)")
+        return
+    ap.add_argument(
+        "--dtype",
+        help="float32 | bfloat16 | float16 | fp8 (E4M3 projections, bf16 compute: tandem.model.dtype=fp8) "
+        "(default: the preset's)",
+    )
+    ap.add_argument(
+        "--kv-dtype", default="auto", choices=("auto", "fp8"), help="the KV pool's storage (tandem.kv.dtype)"
+    )
 
 
 def model_from_args(args: argparse.Namespace) -> tuple[torch.device, ModelConfig]:
-    """The device (CUDA with an index) and the preset's config in `--dtype`; seeds torch with `--seed`."""
+    """The device (CUDA with an index) and the preset's config in `--dtype` (fp8: bfloat16, quantised
+    by `build_model`); seeds torch with `--seed`."""
     device = torch.device(args.device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     cfg = preset(args.preset)
     if args.dtype:
-        cfg = cfg.with_dtype(DTYPE_ALIASES.get(args.dtype, args.dtype))
+        cfg = cfg.with_dtype("bfloat16" if args.dtype == "fp8" else DTYPE_ALIASES.get(args.dtype, args.dtype))
     torch.manual_seed(args.seed)
     return device, cfg
+
+
+def build_model(args: argparse.Namespace, cfg: ModelConfig, device: torch.device) -> Decoder:
+    """The preset's random decoder (`--seed`), quantised as `--dtype fp8` / `--kv-dtype fp8` ask."""
+    dec = Decoder.random(cfg, device, seed=args.seed)
+    weights, kv = args.dtype == "fp8", getattr(args, "kv_dtype", "auto") == "fp8"
+    if weights or kv:
+        dec.quantize_fp8(weights=weights, kv=kv)
+    return dec
