@@ -559,8 +559,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.reference_kernels
         else (
             f"fused={dec.fused}, attention variant {kv_cuda.KERNEL_VARIANT}, "
-            f"merge {'fused' if kv_cuda.FUSED_MERGE else 'kernel'}, gemv rows <= {linear.GEMV_MAX_ROWS}, "
-            f"blas {linear.BLAS}, "
+            f"gemv rows <= {linear.GEMV_MAX_ROWS}, "
             f"prefill attention {'cudnn' if prefill_attention.USE_CUDNN else 'flash'}"
         ),
         "hbm_tb_s": args.hbm_tb_s,

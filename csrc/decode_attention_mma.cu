@@ -347,45 +347,6 @@ __device__ __forceinline__ void warp_attend(const T* __restrict__ q, const void*
   }
 }
 
-// The merge of the split-K partials, inside the partial kernel (the separate decode_merge kernel's work):
-// once a block has written its partials for query heads [head0, head0 + qh) of one sequence, the last
-// of that (sequence, heads)'s `splits` blocks to finish merges them into `out` and resets the counter
-// for the next call. Why: at batch 1 and 2k context a layer's attention (partial + merge) takes 11 us
-// for 8.4 MB of KV on an H200, and the merge is a second launch whose wave waits for every split.
-// Writers publish their partials with a fence before they count (the CUDA programming guide's
-// last-block pattern); the last block reads them from L2. Opt-in until measured (kv_cuda.FUSED_MERGE).
-template <typename T, int HD>
-__device__ __forceinline__ void merge_if_last(const float* __restrict__ part_acc, const float* __restrict__ part_ml,
-                                              int splits, int64_t head0, int qh, int* __restrict__ counter,
-                                              T* __restrict__ out) {
-  __shared__ bool s_last;
-  __threadfence();
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    s_last = atomicAdd(counter, 1) == splits - 1;
-    if (s_last) atomicExch(counter, 0);
-  }
-  __syncthreads();
-  if (!s_last) return;
-  __threadfence();
-  for (int i = threadIdx.x; i < qh * HD; i += blockDim.x) {
-    const int g = i / HD;
-    const int d = i - g * HD;
-    const int64_t head = head0 + g;
-    const float* ml = part_ml + head * splits * 2;
-    const float* acc = part_acc + head * splits * HD + d;
-    float mx = -INFINITY;
-    for (int sp = 0; sp < splits; ++sp) mx = fmaxf(mx, __ldcg(ml + 2 * sp));
-    float sum = 0.f, a = 0.f;
-    for (int sp = 0; sp < splits; ++sp) {
-      const float f = exp2f(__ldcg(ml + 2 * sp) - mx);
-      sum += __ldcg(ml + 2 * sp + 1) * f;
-      a += __ldcg(acc + static_cast<int64_t>(sp) * HD) * f;
-    }
-    out[head * HD + d] = attn::from_float<T>(sum > 0.f ? a / sum : 0.f);
-  }
-}
-
 // Variant 4: one block per (sequence, KV head, split); its four warps take turns over the split's
 // 32-token tiles and merge their partials through shared memory at the end.
 // Three blocks an SM (their tiles take 3 x 68 KiB of shared memory): uncapped, 172 registers let only
@@ -396,8 +357,7 @@ __global__ void __launch_bounds__(kWarps * 32, F8 ? 2 : 3)
     decode_partial_mma(const T* __restrict__ q, const void* __restrict__ kv, int64_t pool_rows,
                        const int64_t* __restrict__ slots, int64_t s_max, const int64_t* __restrict__ lengths,
                        int kv_heads, int64_t chunk, int splits, float scale_log2, const float* __restrict__ kv_scales,
-                       float* __restrict__ part_acc, float* __restrict__ part_ml, int* __restrict__ counters,
-                       T* __restrict__ out) {
+                       float* __restrict__ part_acc, float* __restrict__ part_ml) {
   using GT = MGeo<HD, F8>;
   constexpr int DT = HD / 8;
   extern __shared__ __align__(16) unsigned char smem[];
@@ -452,10 +412,6 @@ __global__ void __launch_bounds__(kWarps * 32, F8 ? 2 : 3)
       part_ml[at * 2 + 1] = sum;
     }
   }
-  if (counters != nullptr) {
-    merge_if_last<T, HD>(part_acc, part_ml, splits, static_cast<int64_t>(b) * nh + h * G, G, counters + blockIdx.x,
-                         out);
-  }
 }
 
 // Variant 5: one block per (sequence, split, group of NW KV heads); warp w takes KV head w of the
@@ -471,8 +427,7 @@ __global__ void __launch_bounds__(NW * 32)
     decode_partial_rows(const T* __restrict__ q, const void* __restrict__ kv, int64_t pool_rows,
                         const int64_t* __restrict__ slots, int64_t s_max, const int64_t* __restrict__ lengths,
                         int kv_heads, int64_t chunk, int splits, float scale_log2, const float* __restrict__ kv_scales,
-                        float* __restrict__ part_acc, float* __restrict__ part_ml, int* __restrict__ counters,
-                        T* __restrict__ out) {
+                        float* __restrict__ part_acc, float* __restrict__ part_ml) {
   using GT = MGeo<HD, F8>;
   constexpr int DT = HD / 8;
   extern __shared__ __align__(16) unsigned char smem[];
@@ -494,10 +449,6 @@ __global__ void __launch_bounds__(NW * 32)
 #pragma unroll
     for (int dt = 0; dt < DT; ++dt) *reinterpret_cast<float2*>(acc + dt * 8) = make_float2(o[dt][0], o[dt][1]);
     if (tig == 0) *reinterpret_cast<float2*>(part_ml + at * 2) = make_float2(m0, l0);
-  }
-  if (counters != nullptr) {
-    merge_if_last<T, HD>(part_acc, part_ml, splits, static_cast<int64_t>(b) * nh + blockIdx.z * NW * G, NW * G,
-                         counters + static_cast<int64_t>(b) * gridDim.z + blockIdx.z, out);
   }
 }
 
@@ -522,7 +473,7 @@ void raise_smem(Kernel kernel, int bytes, bool (&raised)[64], int device) {
 template <typename T, int HD, int G, bool F8>
 void launch(int variant, const void* q, const void* kv, int64_t pool_rows, const int64_t* slots, int64_t s_max,
             const int64_t* lengths, int64_t batch, int64_t kv_heads, float scale, int64_t chunk, int splits,
-            const float* kv_scales, float* part_acc, float* part_ml, int* counters, void* out, int device,
+            const float* kv_scales, float* part_acc, float* part_ml, void* out, int device,
             cudaStream_t stream) {
   using GT = MGeo<HD, F8>;
   static_assert(kWarps * G * HD * 4 <= GT::kSmem, "partials do not fit the tiles");
@@ -537,7 +488,7 @@ void launch(int variant, const void* q, const void* kv, int64_t pool_rows, const
     const dim3 grid(static_cast<unsigned>(batch), static_cast<unsigned>(splits), static_cast<unsigned>(kvh / NW)); \
     decode_partial_rows<T, HD, G, NW, F8><<<grid, NW * 32, NW * GT::kWarpBytes, stream>>>(                       \
         static_cast<const T*>(q), kv, pool_rows, slots, s_max, lengths, kvh, chunk, splits, scale_log2, kv_scales, \
-        part_acc, part_ml, counters, static_cast<T*>(out));                                                      \
+        part_acc, part_ml);                                                                                      \
     break;                                                                                                       \
   }
     switch (nw) {
@@ -554,25 +505,23 @@ void launch(int variant, const void* q, const void* kv, int64_t pool_rows, const
     const dim3 grid(static_cast<unsigned>(batch * kv_heads), static_cast<unsigned>(splits));
     decode_partial_mma<T, HD, G, F8><<<grid, kWarps * 32, GT::kSmem, stream>>>(
         static_cast<const T*>(q), kv, pool_rows, slots, s_max, lengths, kvh, chunk, splits, scale_log2, kv_scales,
-        part_acc, part_ml, counters, static_cast<T*>(out));
+        part_acc, part_ml);
     check(cudaGetLastError(), "decode_partial_mma launch");
   }
-  if (counters == nullptr) {
-    attn::decode_merge<T><<<static_cast<unsigned>(batch * kv_heads * G), HD, 0, stream>>>(
-        part_acc, part_ml, splits, HD, static_cast<T*>(out));
-    check(cudaGetLastError(), "decode_merge launch");
-  }
+  attn::decode_merge<T><<<static_cast<unsigned>(batch * kv_heads * G), HD, 0, stream>>>(part_acc, part_ml, splits, HD,
+                                                                                     static_cast<T*>(out));
+  check(cudaGetLastError(), "decode_merge launch");
 }
 
 template <typename T, int HD, bool F8>
 void by_group(int variant, int64_t group, const void* q, const void* kv, int64_t pool_rows, const int64_t* slots, int64_t s_max,
               const int64_t* lengths, int64_t batch, int64_t kv_heads, float scale, int64_t chunk, int splits,
-              const float* kv_scales, float* part_acc, float* part_ml, int* counters, void* out, int device,
+              const float* kv_scales, float* part_acc, float* part_ml, void* out, int device,
               cudaStream_t stream) {
 #define TANDEM_MMA_GROUP(N)                                                                                     \
   case N:                                                                                                     \
     launch<T, HD, N, F8>(variant, q, kv, pool_rows, slots, s_max, lengths, batch, kv_heads, scale, chunk, splits, \
-                         kv_scales, part_acc, part_ml, counters, out, device, stream);                        \
+                         kv_scales, part_acc, part_ml, out, device, stream);                        \
     return;
   switch (group) {
     TANDEM_MMA_GROUP(1)
@@ -593,13 +542,13 @@ template <typename T, bool F8>
 void by_head_dim(int variant, int64_t head_dim, int64_t group, const void* q, const void* kv, int64_t pool_rows,
                  const int64_t* slots, int64_t s_max, const int64_t* lengths, int64_t batch, int64_t kv_heads,
                  float scale, int64_t chunk, int splits, const float* kv_scales, float* part_acc, float* part_ml,
-                 int* counters, void* out, int device, cudaStream_t stream) {
+                 void* out, int device, cudaStream_t stream) {
   if (head_dim == 64) {
     by_group<T, 64, F8>(variant, group, q, kv, pool_rows, slots, s_max, lengths, batch, kv_heads, scale, chunk,
-                        splits, kv_scales, part_acc, part_ml, counters, out, device, stream);
+                        splits, kv_scales, part_acc, part_ml, out, device, stream);
   } else {
     by_group<T, 128, F8>(variant, group, q, kv, pool_rows, slots, s_max, lengths, batch, kv_heads, scale, chunk,
-                         splits, kv_scales, part_acc, part_ml, counters, out, device, stream);
+                         splits, kv_scales, part_acc, part_ml, out, device, stream);
   }
 }
 
@@ -607,13 +556,13 @@ template <typename T>
 void by_kv_type(int variant, int64_t head_dim, int64_t group, const void* q, const void* kv, int64_t pool_rows,
                 const int64_t* slots, int64_t s_max, const int64_t* lengths, int64_t batch, int64_t kv_heads,
                 float scale, int64_t chunk, int splits, const float* kv_scales, float* part_acc, float* part_ml,
-                int* counters, void* out, int device, cudaStream_t stream) {
+                void* out, int device, cudaStream_t stream) {
   if (kv_scales != nullptr) {
     by_head_dim<T, true>(variant, head_dim, group, q, kv, pool_rows, slots, s_max, lengths, batch, kv_heads, scale,
-                         chunk, splits, kv_scales, part_acc, part_ml, counters, out, device, stream);
+                         chunk, splits, kv_scales, part_acc, part_ml, out, device, stream);
   } else {
     by_head_dim<T, false>(variant, head_dim, group, q, kv, pool_rows, slots, s_max, lengths, batch, kv_heads, scale,
-                          chunk, splits, nullptr, part_acc, part_ml, counters, out, device, stream);
+                          chunk, splits, nullptr, part_acc, part_ml, out, device, stream);
   }
 }
 
@@ -626,7 +575,7 @@ bool mma_fp8_supported(int dtype, int64_t head_dim, int64_t group) {
 void decode_attention_mma(const void* q, const void* kv, int64_t pool_rows, const int64_t* slots, int64_t s_max,
                           const int64_t* lengths, int64_t batch, int64_t kv_heads, int64_t group, int64_t head_dim,
                           int dtype, float scale, int64_t chunk, int splits, float* part_acc, float* part_ml,
-                          int* counters, void* out, int device, cudaStream_t stream, int variant,
+                          void* out, int device, cudaStream_t stream, int variant,
                           const float* kv_scales) {
   if (!mma_fp8_supported(dtype, head_dim, group)) {  // the same shapes the 16-bit mma path takes
     if (kv_scales != nullptr) {
@@ -638,10 +587,10 @@ void decode_attention_mma(const void* q, const void* kv, int64_t pool_rows, cons
   }
   if (dtype == 1) {
     by_kv_type<__half>(variant, head_dim, group, q, kv, pool_rows, slots, s_max, lengths, batch, kv_heads, scale, chunk,
-                       splits, kv_scales, part_acc, part_ml, counters, out, device, stream);
+                       splits, kv_scales, part_acc, part_ml, out, device, stream);
   } else {
     by_kv_type<__nv_bfloat16>(variant, head_dim, group, q, kv, pool_rows, slots, s_max, lengths, batch, kv_heads, scale,
-                              chunk, splits, kv_scales, part_acc, part_ml, counters, out, device, stream);
+                              chunk, splits, kv_scales, part_acc, part_ml, out, device, stream);
   }
 }
 

@@ -421,38 +421,11 @@ _variant = os.environ.get("TANDEM_DECODE_ATTENTION_KERNEL", "4").strip()
 if _variant not in ("1", "2", "3", "4", "5"):
     raise ValueError(f"TANDEM_DECODE_ATTENTION_KERNEL must be 1..5, got {_variant!r}")
 KERNEL_VARIANT = int(_variant)
-# Where variants 4 and 5 merge their split-K partials: "kernel" (the default), a second kernel; "fused",
-# in the partial kernel's last block per (sequence, heads), one kernel a call. "fused" is opt-in until a
-# GPU has run it (none was lent the session that wrote it): tests/unit/test_decode_attention.py's
-# fused-merge test and `bench_decode_attention --merges fused,kernel` decide the default.
-# $TANDEM_DECODE_ATTENTION_MERGE picks one for a process.
-_merge = os.environ.get("TANDEM_DECODE_ATTENTION_MERGE", "kernel").strip()
-if _merge not in ("fused", "kernel"):
-    raise ValueError(f"TANDEM_DECODE_ATTENTION_MERGE must be fused or kernel, got {_merge!r}")
-FUSED_MERGE = _merge == "fused"
+# Variants 4 and 5 merge their split-K partials in a second kernel. A merge inside the partial kernel
+# (its last block per sequence and heads, on counters) was measured on an H200 and deleted: it made the
+# graphed step slower at every point (Orpheus-3B 1 x 2048 2.71 -> 2.84 ms, 64 x 2048 6.92 -> 7.25;
+# the 4B shape 3.36 -> 3.58 and 8.86 -> 9.37; docs/benchmarks, issue 26).
 _sm_counts: dict[int, int] = {}
-# The fused merge's counters: one int32 buffer per device, zero between calls (each call's last blocks
-# set theirs back), so fused-merge calls on one device must not overlap in time (the engines step one
-# batch at a time; a graph's capture is ordered after its eager warm-up). Allocated by an eager call,
-# never inside a CUDA-graph capture: a buffer zeroed inside one graph would be zero only when that
-# graph replays. Outgrown buffers stay referenced, since captured graphs hold their addresses.
-_counters: dict[int, torch.Tensor] = {}
-_outgrown: list[torch.Tensor] = []
-
-
-def _merge_counters(device: torch.device, n: int) -> torch.Tensor:
-    index = device.index or 0
-    buf = _counters.get(index)
-    if buf is None or buf.numel() < n:
-        if torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(
-                f"decode_attention: the fused merge needs {n} counters on cuda:{index} and none were "
-                "allocated before this CUDA-graph capture; call it once eagerly at this batch first"
-            )
-        if buf is not None:
-            _outgrown.append(buf)
-        buf = _counters[index] = torch.zeros(max(n, 1 << 16), dtype=torch.int32, device=device)
-    return buf
 
 
 def reference_decode_attention(
@@ -559,7 +532,6 @@ def decode_attention(
     variant: int | None = None,
     *,
     chunk: int | None = None,
-    fused_merge: bool | None = None,
     kv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode-step attention reading K/V in place from one layer of a paged pool (no gathered context).
@@ -569,11 +541,10 @@ def decode_attention(
     and the output (csrc/decode_attention_mma.cu).
     Same contract as `reference_decode_attention` (1 <= lengths[b] <= S is the caller's to keep: the
     kernel reads slots[b, :lengths[b]] unchecked), which runs instead when `decode_attention_supported`
-    is False. On CUDA it is one kernel (two with the merge as its own) on the current stream, no host
+    is False. On CUDA it is two kernels (the partials, their merge) on the current stream, no host
     synchronisation and no value-dependent shape (CUDA-graph safe); lengths are read on the device, and
     slots past a sequence's length are never read. `variant` (default `KERNEL_VARIANT`) picks the
-    kernel; `chunk` (tokens per split, default `_chunk`'s) and `fused_merge` (default `FUSED_MERGE`)
-    are for benchmarks.
+    kernel; `chunk` (tokens per split, default `_chunk`'s) is for benchmarks.
     Raises ValueError/TypeError on shapes, dtypes or devices that do not fit together.
     """
     if q.dim() != 3 or kv.dim() != 4 or kv.shape[0] != 2:
@@ -618,9 +589,6 @@ def decode_attention(
     if chunk is None:
         chunk = _chunk(b, kvh, s, q.device, v)
     splits = -(-s // chunk)
-    extra: tuple[int, ...] = ()  # a module built before the fused merge takes no counters argument
-    if (FUSED_MERGE if fused_merge is None else fused_merge) and v in (4, 5):
-        extra = (_merge_counters(q.device, b * kvh).data_ptr(),)
     part_acc = torch.empty((b, nh, splits, hd), dtype=torch.float32, device=q.device)
     part_ml = torch.empty((b, nh, splits, 2), dtype=torch.float32, device=q.device)
     out = torch.empty_like(q)
@@ -644,7 +612,6 @@ def decode_attention(
         q.device.index,
         _stream(q.device),
         v,
-        *(extra or ((0,) if extra_kv else ())),
         **extra_kv,
     )
     return out

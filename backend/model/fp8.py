@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from tandem.csrc import triton_ops
+from tandem.csrc import linear, triton_ops
 from tandem.csrc.fp8 import E4M3, E4M3_MAX, TINY
 
 if TYPE_CHECKING:
@@ -159,6 +159,30 @@ def quantize_layer(layer: DecoderLayer) -> Fp8Layer:
 AttendQKV = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
+# A GEMM input: E4M3 rows and their scales (W8A8), or rows in the compute dtype and None (weight-only).
+Act = tuple[torch.Tensor, torch.Tensor | None]
+
+
+def weight_only(rows: int, x: torch.Tensor, w: Fp8Weight, emulate: bool) -> bool:
+    """True when a forward of `rows` rows runs weight-only FP8 (x stays bf16; `linear.gemv_fp8`): at
+    most `linear.GEMV_MAX_ROWS` rows (a decode step of a few streams, where a step only streams its
+    weights and the GEMV reads them at HBM speed), where the kernel exists (or emulated)."""
+    if rows > linear.GEMV_MAX_ROWS:
+        return False
+    return emulate or not x.is_cuda or linear.gemv_fp8_runs(x[:rows], w.data)
+
+
+def project(act: Act, w: Fp8Weight, out_dtype: torch.dtype, emulate: bool) -> torch.Tensor:
+    """One projection of a GEMM input (`Act`): W8A8 through `fp8_linear`, or weight-only."""
+    x, scale = act
+    if scale is not None:
+        return fp8_linear(x, scale, w, out_dtype, emulate)
+    if emulate or not x.is_cuda:
+        b = None if w.bias is None else w.bias.float()
+        return F.linear(x.float(), w.dequantize(), b).to(out_dtype)
+    return linear.gemv_fp8(x, w.data, w.scale, w.bias)
+
+
 def run_layers(
     layers: Sequence[DecoderLayer],
     quantized: Sequence[Fp8Layer],
@@ -169,28 +193,41 @@ def run_layers(
     attend: AttendQKV,
     emulate: bool,
 ) -> torch.Tensor:
-    """The fused step (`Decoder._run_fused`) with E4M3 projections: each norm and SwiGLU hands its
-    output to the next GEMM as E4M3 rows with their scales (one kernel), attention's output is
-    quantised by `triton_ops.quantize_rows`; the residual stream, attention and the final norm stay in
-    x's dtype. Returns the final-normed hidden states [N, H]."""
+    """The fused step (`Decoder._run_fused`) with E4M3 projections. W8A8 (more than
+    `linear.GEMV_MAX_ROWS` rows): each norm and SwiGLU hands its output to the next GEMM as E4M3 rows
+    with their scales (one kernel), attention's output is quantised by `triton_ops.quantize_rows`.
+    Weight-only (fewer rows, `weight_only`): the same kernels in bf16 and the E4M3 GEMV. The residual
+    stream, attention and the final norm stay in x's dtype. Returns the final-normed hidden states."""
     dt = x.dtype
-    norm = layers[0].input_layernorm
-    h8, hs, x = triton_ops.add_rms_norm_fp8(x, None, norm.weight, norm.eps)
+    w8a16 = weight_only(x.shape[0], x, quantized[0].qkv, emulate)
+
+    def norm(
+        a: torch.Tensor, res: torch.Tensor | None, weight: torch.Tensor, eps: float
+    ) -> tuple[Act, torch.Tensor]:
+        if w8a16:
+            h, r = triton_ops.add_rms_norm(a, res, weight, eps)
+            return (h, None), r
+        h8, hs, r = triton_ops.add_rms_norm_fp8(a, res, weight, eps)
+        return (h8, hs), r
+
+    def rows(t: torch.Tensor) -> Act:
+        return (t, None) if w8a16 else triton_ops.quantize_rows(t)
+
+    def swiglu(gate_up: torch.Tensor) -> Act:
+        return (triton_ops.swiglu(gate_up), None) if w8a16 else triton_ops.swiglu_fp8(gate_up)
+
+    h, x = norm(x, None, layers[0].input_layernorm.weight, layers[0].input_layernorm.eps)
     for i, (layer, q) in enumerate(zip(layers, quantized, strict=True)):
-        o = attend(i, fp8_linear(h8, hs, q.qkv, dt, emulate), cos, sin)
-        o8, os_ = triton_ops.quantize_rows(o)
+        o = attend(i, project(h, q.qkv, dt, emulate), cos, sin)
         post = layer.post_attention_layernorm
-        h8, hs, x = triton_ops.add_rms_norm_fp8(
-            fp8_linear(o8, os_, q.o, dt, emulate), x, post.weight, post.eps
-        )
-        u8, us = triton_ops.swiglu_fp8(fp8_linear(h8, hs, q.gate_up, dt, emulate))
-        down = fp8_linear(u8, us, q.down, dt, emulate)
+        h, x = norm(project(rows(o), q.o, dt, emulate), x, post.weight, post.eps)
+        down = project(swiglu(project(h, q.gate_up, dt, emulate)), q.down, dt, emulate)
         if i + 1 < len(layers):
             nxt = layers[i + 1].input_layernorm
-            h8, hs, x = triton_ops.add_rms_norm_fp8(down, x, nxt.weight, nxt.eps)
+            h, x = norm(down, x, nxt.weight, nxt.eps)
         else:
-            h, _ = triton_ops.add_rms_norm(down, x, final_norm.weight, final_norm.eps)
-            return h
+            out, _ = triton_ops.add_rms_norm(down, x, final_norm.weight, final_norm.eps)
+            return out
     raise ValueError("run_layers needs at least one layer")
 
 

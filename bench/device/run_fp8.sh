@@ -2,21 +2,20 @@
 # Issue 26's FP8 and decode-kernel measurements on one GPU, in one call: the FP8 GPU tests (and the
 # bf16 kernel tests the shared code touches), the quality guard (tandem-bench-fp8, Orpheus shape, 256
 # steps), the decode step bf16 against FP8 weights and FP8 weights + KV at batch 1 and 64 x 2048 for
-# the Orpheus and 4B shapes (tandem-bench-decoder --forward-only --graphs), then the opt-in kernels of
-# issue 14 against the default at the same points (gemv: TANDEM_GEMV_ROWS=8, merge:
-# TANDEM_DECODE_ATTENTION_MERGE=fused, lt: TANDEM_BLAS=cublaslt, cudnn: TANDEM_PREFILL_ATTENTION=cudnn
-# prefill). Stages run in that order while the call's budget lasts (BUDGET_S, default 540 s): a stage
-# that would not fit is skipped and named, so a second call can run `STAGES=...` with the rest.
+# the Orpheus and 4B shapes (tandem-bench-decoder --forward-only --graphs), and the attention kernel
+# alone with a bf16 and an E4M3 KV over tokens per split (tandem-bench-decode-attention). Stages run in
+# that order while the call's budget lasts (BUDGET_S, default 540 s): a stage that would not fit is
+# skipped and named, so a second call can run `STAGES=...` with the rest.
 # Everything lands in OUT/fp8-run.tar.gz (logs, JSONs, PNGs) and OUT/summary.txt.
 #
 #   bench/device/run_fp8.sh OUT                       (all stages)
-#   STAGES=optin,cudnn bench/device/run_fp8.sh OUT    (some: tests,quality,decoder,optin,cudnn)
+#   STAGES=decoder,attn bench/device/run_fp8.sh OUT   (some of tests,quality,decoder,attn)
 set -uo pipefail
-out=${1:?output dir}
-stages=${STAGES:-tests,quality,decoder,optin,cudnn}
+dest=${1:?output dir}  # not "out": device_env.sh sets that to its own argument
+stages=${STAGES:-tests,quality,decoder,attn}
 budget=${BUDGET_S:-540}
 t0=$(date +%s)
-work=/tmp/fp8-run && mkdir -p "$work" "$out"
+work=/tmp/fp8-run && mkdir -p "$work" "$dest"
 # A carried csrc/_cuda_kernels*.so (built here for sm_90 with python 3.12) is newer than the sources by
 # construction; touch it so device_env.sh does not rebuild it (it rebuilds if the import fails below).
 touch csrc/_cuda_kernels*.so 2> /dev/null || true
@@ -45,6 +44,7 @@ if stage tests 120; then
     tests/unit/test_triton_ops.py tests/unit/test_linear.py \
     "tests/unit/test_decode_attention.py::test_staged_kernel_over_a_paged_pool" \
     "tests/unit/test_decode_attention.py::test_kernel_matches_reference_at_the_serving_shape" \
+    "tests/unit/test_decode_attention.py::test_kernel_ignores_slots_past_each_length" \
     > "$work/gpu-tests.log" 2>&1 || rc=$?
   grep -E "passed|failed|error" "$work/gpu-tests.log" | tail -3 | tee -a "$summary"
   grep -E "^FAILED|^ERROR" "$work/gpu-tests.log" | head -20 | tee -a "$summary"
@@ -56,7 +56,8 @@ if stage quality 100; then
   tail -8 "$work/quality.log" | tee -a "$summary"
 fi
 
-# decoder KIND PRESET [ENV...]: the forward-only graphed step at 1 and 64 x 2048.
+# decoder KIND PRESET [ENV...]: the forward-only graphed step at 1 and 64 x 2048 (kinds bf16, fp8w:
+# tandem.model.dtype=fp8, fp8wkv: and tandem.kv.dtype=fp8, fp8kv: the KV alone).
 decoder() {
   local kind=$1 p=$2 flags=""
   shift 2
@@ -82,25 +83,17 @@ if [[ ,$stages, == *,decoder,* ]]; then
     done
   done
 fi
-if [[ ,$stages, == *,optin,* ]]; then
-  for p in orpheus-3b-shape qwen3-4b-shape; do
-    stage optin 40 && decoder gemv "$p" TANDEM_GEMV_ROWS=8
-    stage optin 40 && decoder merge "$p" TANDEM_DECODE_ATTENTION_MERGE=fused
-    stage optin 40 && decoder lt "$p" TANDEM_BLAS=cublaslt
-  done
-  stage optin 40 && decoder fp8wkv-merge orpheus-3b-shape TANDEM_DECODE_ATTENTION_MERGE=fused
-fi
-if stage cudnn 60; then
-  for mode in flash cudnn; do
-    TANDEM_PREFILL_ATTENTION=$mode timeout 100 python3 -m tandem.bench.decoder --preset qwen3-4b-shape \
-      --device cuda --forward-only --batches 1 --context 2048 --steps 5 --warmup 1 --prefill-reps 5 \
-      --prompts 128,2048 --out "$work" --name "prefill-qwen3-4b-shape-$mode" > "$work/prefill-$mode.log" 2>&1 || rc=$?
-    echo "-- prefill $mode" >> "$summary"
-    grep -A5 "^prefill" "$work/prefill-$mode.log" | head -6 >> "$summary"
+if stage attn 60; then  # the attention kernel alone, bf16 and E4M3 KV, over tokens per split
+  for kvd in auto fp8; do
+    timeout 80 python3 -m tandem.bench.decode_attention --kv-dtype $kvd --group 3 --variants 4,5 --page-sizes 16 \
+      --batches 1,16,64,128 --context 2048 --chunks 0,512,1024 --ceiling --out "$work" \
+      --name "attention-orpheus-$kvd" > "$work/attention-$kvd.log" 2>&1 || rc=$?
+    echo "-- attention $kvd" >> "$summary"
+    grep -E "^\||ceiling" "$work/attention-$kvd.log" >> "$summary"
   done
 fi
 echo "done at $(( $(date +%s) - t0 )) s, rc $rc" | tee -a "$summary"
-cp "$summary" "$out/summary.txt"
-tar -C "$work" -czf "$out/fp8-run.tar.gz" --exclude='*.so' .
+cp "$summary" "$dest/summary.txt"
+tar -C "$work" -czf "$dest/fp8-run.tar.gz" --exclude='*.so' .
 cat "$summary"
 exit $rc

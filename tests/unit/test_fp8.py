@@ -155,13 +155,14 @@ def test_fp8_kv_prefill_with_a_cached_prefix_equals_the_whole_prompt() -> None:
     # what an uncached prompt does.
     dec = Decoder.random(dataclasses.replace(CFG, dtype="float32"), seed=4)
     dec.quantize_fp8(weights=True, kv=True, emulate=True)
-    prompt = torch.randint(0, CFG.vocab_size, (11, CFG.row_width), generator=torch.Generator().manual_seed(1))
+    # Both parts longer than linear.GEMV_MAX_ROWS: every forward here runs W8A8 (fp8.weight_only).
+    prompt = torch.randint(0, CFG.vocab_size, (22, CFG.row_width), generator=torch.Generator().manual_seed(1))
     pool = KVPool(dec.kv_layout(), 16, 4, "cpu")
-    a = pool.slots(pool.allocate(3), 11)
-    b = pool.slots(pool.allocate(3), 11)
+    a = pool.slots(pool.allocate(6), 22)
+    b = pool.slots(pool.allocate(6), 22)
     whole = dec.prefill(prompt, pool, a, 0)
-    dec.prefill(prompt[:8], pool, b[:8], 0)
-    split = dec.prefill(prompt[8:], pool, b, 8)
+    dec.prefill(prompt[:12], pool, b[:12], 0)
+    split = dec.prefill(prompt[12:], pool, b, 12)
     torch.testing.assert_close(split, whole, atol=1e-5, rtol=1e-5)
 
 
