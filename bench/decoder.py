@@ -46,7 +46,6 @@ from tandem.backend.kv.pool import KVPool
 from tandem.backend.model import prefill_attention
 from tandem.backend.model.cuda_graphs import GraphedDecode
 from tandem.backend.model.decoder import Decoder
-from tandem.backend.model.warm_up import plan_prefill_attention
 from tandem.bench import roofline as decoder_roofline
 from tandem.bench import util as benchutil
 from tandem.csrc import kv_cuda, linear
@@ -473,9 +472,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.distinct_lengths:
         pool_tokens = max(pool_tokens, args.distinct_range[1])
     pool = _shuffled_pool(dec, pool_tokens, args.page_size, device, args.seed)
-    # As the engines' warm-up does (a no-op unless TANDEM_PREFILL_ATTENTION=cudnn): cuDNN's plans for
-    # the prompt lengths timed here, so prefill times what a served prompt of that length runs.
-    plan_prefill_attention(dec, max(args.prompts, default=0))
     setup_s = time.perf_counter() - t0
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p)
 
@@ -559,8 +555,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.reference_kernels
         else (
             f"fused={dec.fused}, attention variant {kv_cuda.KERNEL_VARIANT}, "
-            f"gemv rows <= {linear.GEMV_MAX_ROWS}, "
-            f"prefill attention {'cudnn' if prefill_attention.USE_CUDNN else 'flash'}"
+            f"gemv rows <= {linear.GEMV_MAX_ROWS}, prefill attention flash"
         ),
         "hbm_tb_s": args.hbm_tb_s,
         "tc_peak_tflops": args.tc_peak_tflops,

@@ -41,7 +41,7 @@ rc=0
 if stage tests 120; then
   timeout 240 python3 -m pytest -m gpu -q -p no:cacheprovider tests/unit/test_fp8_kernels.py tests/unit/test_fp8.py \
     tests/unit/test_fused_decoder.py tests/unit/test_cuda_graphs.py tests/unit/test_decoder.py \
-    tests/unit/test_triton_ops.py tests/unit/test_linear.py \
+    tests/unit/test_triton_ops.py tests/unit/test_linear.py tests/unit/test_prefill_attention.py \
     "tests/unit/test_decode_attention.py::test_staged_kernel_over_a_paged_pool" \
     "tests/unit/test_decode_attention.py::test_kernel_matches_reference_at_the_serving_shape" \
     "tests/unit/test_decode_attention.py::test_kernel_ignores_slots_past_each_length" \
