@@ -1,7 +1,7 @@
 """Errors the engines raise, each with the client-facing status it maps to.
 
 Engines know nothing of Triton; `model_repository/*/model.py` turns `code` into a `TritonError`
-code. gRPC streams drop the status code (design.md §4: only the message reaches the client), so
+code. gRPC streams drop the status code (docs/protocol.md: only the message reaches the client), so
 `str(err)` starts with the code name in brackets and clients can still tell the kinds apart.
 """
 

@@ -137,26 +137,17 @@ class FrontendSettings:
 
 @dataclass(frozen=True)
 class FaultSettings:
-    """Fault injection for the fault-matrix tests and drills; all off by default.
+    """The seam fault drills plug into (backend/engines/faults.py); off in production.
 
-    On P: every `delay_every`-th copy sleeps `delay_s` before crossing (so D's deadline passes while
-    the write is still pending), every `corrupt_every`-th copy flips one staged byte after the
-    checksum was taken (so D's verification must catch it).
-
-    `control_file` (an absolute path; "" = off) lets a test change those three at run time without
-    restarting the server: a JSON object such as `{"delay_every": 1, "delay_s": 4.0}`, re-read by P
-    whenever the file is replaced (write it elsewhere and rename it over). Keys it omits keep the
-    values above; a missing file means the values above. Each change restarts the copy count.
+    `hook`: an absolute path to a Python file whose `make_copy_hook(options: dict)` returns the
+    function P's transfer sender calls on every copy, after its checksum and before it crosses
+    (`copy_hook(transfer_id, staging)`: it may sleep or change the staged bytes). `options`: a JSON
+    object handed to it. "" = no hook, and P's copy path runs nothing extra. The fault-matrix tests
+    plug in tests/support/fault_hooks.py.
     """
 
-    delay_every: int = 0
-    delay_s: float = 0.0
-    corrupt_every: int = 0
-    control_file: str = ""
-
-    @property
-    def active(self) -> bool:
-        return bool(self.delay_every or self.corrupt_every or self.control_file)
+    hook: str = ""
+    options: str = "{}"
 
 
 @dataclass(frozen=True)

@@ -55,7 +55,6 @@ from tandem.backend.metrics import RecordingMetrics
 from tandem.backend.model.decoder import Decoder
 from tandem.backend.scheduling.step_model import StepTimeModel
 from tandem.bench import util as benchutil
-from tandem.bench.decoder import FLOOR_TOK_S, _shuffled_pool
 
 MODES = ("serial", "pipelined")
 
@@ -175,7 +174,7 @@ def run_loop(
         "device_median_ms": d["median_ms"],
         "busy": sum(device) / sum(period),
         "tok_s_per_stream": 1e3 / p["median_ms"],
-        "meets_floor": 1e3 / p["median_ms"] >= FLOOR_TOK_S,
+        "meets_floor": 1e3 / p["median_ms"] >= batch.rate_floor,
         "join_ms_median": benchutil.median(join_ms) if join_ms else None,
         "join_ms_samples": join_ms,
         "wall_s": wall,
@@ -236,7 +235,8 @@ def plot(result: dict[str, Any], path: Path) -> None:
                     axes[2].plot(*zip(*joins, strict=True), style, marker="o", label=label)
     axes[0].axhline(95, color="red", linestyle=":", label="95 % target")
     axes[0].set_ylabel("device busy (%)")
-    axes[1].axhline(1e3 / FLOOR_TOK_S, color="red", linestyle=":", label=f"{FLOOR_TOK_S:.0f} tok/s floor")
+    floor = meta["floor_tok_s"]
+    axes[1].axhline(1e3 / floor, color="red", linestyle=":", label=f"{floor:.0f} tok/s floor")
     axes[1].set_ylabel("step period, median (ms)")
     axes[2].set_ylabel("joiner ready -> first chunk, median (ms)")
     for ax in axes:
@@ -325,14 +325,15 @@ def main(argv: list[str] | None = None) -> int:
     rows = args.warmup + args.steps + 2
     pages = max_b * -(-(max_ctx + rows) // args.page_size) + 2  # + the graphs' scratch page
     pages += args.probes * -(-(max_ctx + 4) // args.page_size)  # the joining streams
-    pool = _shuffled_pool(cfg, pages * args.page_size, args.page_size, device, args.seed)
+    pool = benchutil.shuffled_pool(cfg, pages * args.page_size, args.page_size, device, args.seed)
+    floor = benchutil.floor_tok_s(args.preset, args.rtf)
     graphs = device.type == "cuda" and not args.no_graphs
     batch = DecodeBatch(
         dec,
         pool,
         ChunkPolicy(),
         RecordingMetrics(),
-        FLOOR_TOK_S,
+        floor,
         cuda_graphs=graphs,
         max_batch=max_b + args.probes,
     )  # room for the probes: a batch over max_batch would run the eager step
@@ -373,7 +374,7 @@ def main(argv: list[str] | None = None) -> int:
         "steps": args.steps,
         "warmup": args.warmup,
         "setup_s": setup_s,
-        "floor_tok_s": FLOOR_TOK_S,
+        "floor_tok_s": floor,
         "host_work": "python spin holding the GIL after every loop turn",
     }
     if device.type == "cuda":

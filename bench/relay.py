@@ -34,15 +34,12 @@ from tandem.bench import util as benchutil
 SHAPES = {"decode-4rows": (4, 0), "decode-32rows": (32, 0), "mono-32rows": (32, 1050)}
 
 
-def outputs(rows: int, samples_per_row: int, stamp_ns: int) -> dict[str, Array]:
-    out = {
-        "TOKENS": Array.of(np.zeros((rows, 4), dtype=np.int64)),
-        "FIRST_ROW": Array.of(np.array([stamp_ns], dtype=np.int64)),  # carries the send time
-        "TIMINGS": Array.text(""),
-    }
-    if samples_per_row:
-        out["AUDIO"] = Array.of(np.zeros(rows * samples_per_row, dtype=np.float32))
-    return out
+def reply(rows: int, samples_per_row: int, stamp_ns: int) -> Reply:
+    """A chunk's Reply of this shape; its first row's first id carries the send time."""
+    tokens = np.zeros((rows, 4), dtype=np.int64)
+    tokens[0, 0] = stamp_ns
+    audio = Array.of(np.zeros(rows * samples_per_row, dtype=np.float32)) if samples_per_row else None
+    return Reply(1, False, rows=Array.of(tokens), audio=audio)
 
 
 def child(fd: int, n: int) -> None:
@@ -50,13 +47,13 @@ def child(fd: int, n: int) -> None:
     ch = Channel(socket.socket(fileno=fd), "bench-worker")
     for rows, spr in SHAPES.values():
         for _ in range(n):
-            ch.send(Reply(1, outputs(rows, spr, time.perf_counter_ns()), False))
+            ch.send(reply(rows, spr, time.perf_counter_ns()))
             time.sleep(0.002)
         t0 = time.perf_counter_ns()
         for _ in range(n):
-            ch.send(Reply(1, outputs(rows, spr, time.perf_counter_ns()), False))
+            ch.send(reply(rows, spr, time.perf_counter_ns()))
         cost = (time.perf_counter_ns() - t0) / n
-        ch.send(Reply(0, {"COST": Array.of(np.array([cost], dtype=np.float64))}, True))
+        ch.send(Reply(0, True, timings=repr(cost)))  # the worker's cost per response, ns
     ch.send(Stop())
     ch.close()
 
@@ -65,7 +62,7 @@ def relay_one(ch: Channel) -> tuple[Any, int]:
     msg = ch.recv()
     assert isinstance(msg, Reply | Stop), msg
     if isinstance(msg, Reply):
-        arrays = {k: (a.data.decode() if a.dtype == "BYTES" else a.numpy()) for k, a in msg.outputs.items()}
+        arrays = [a.numpy() for a in (msg.rows, msg.audio) if a is not None]  # what the stub converts
         return msg, time.perf_counter_ns() if arrays else 0
     return msg, 0
 
@@ -102,14 +99,16 @@ def main(argv: list[str] | None = None) -> int:
         lat = []
         for _ in range(args.n):
             msg, now = relay_one(ch)
-            lat.append((now - int(msg.outputs["FIRST_ROW"].numpy()[0])) / 1e3)
+            assert isinstance(msg, Reply) and msg.rows is not None
+            lat.append((now - int(msg.rows.numpy()[0, 0])) / 1e3)
         t0 = time.perf_counter_ns()
         for _ in range(args.n):
             relay_one(ch)
         relay_us = (time.perf_counter_ns() - t0) / args.n / 1e3
         msg, _ = relay_one(ch)
-        worker_us = float(msg.outputs["COST"].numpy()[0]) / 1e3
-        nbytes = rows * 4 * 8 + 8 + rows * spr * 4
+        assert isinstance(msg, Reply)
+        worker_us = float(msg.timings) / 1e3
+        nbytes = rows * 4 * 8 + rows * spr * 4
         fig = {
             "payload_bytes": nbytes,
             "latency_us_p50": round(benchutil.quantile(lat, 0.5), 1),

@@ -13,6 +13,7 @@ import datetime as _dt
 import json
 import os
 import platform
+import random
 import shlex
 import statistics
 import subprocess
@@ -23,8 +24,11 @@ from typing import Any
 
 import torch
 
+from tandem.backend.codec.config import VocoderConfig
+from tandem.backend.kv.pool import KVPool
 from tandem.backend.model.config import ModelConfig, preset
 from tandem.backend.model.decoder import Decoder
+from tandem.backend.settings import RateSettings
 
 COMMIT_ENV = "TANDEM_BENCH_COMMIT"  # set by callers that run from a copy without .git (device machine)
 
@@ -163,22 +167,54 @@ def pyplot() -> Any:
 DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32"}
 
 
+# The codec a preset's family speaks through, as its LM's real-time rate in rows per second: Orpheus'
+# SNAC 24 kHz (7 rows per 2,048-sample frame), else the reference codec's clock (VocoderConfig).
+PRESET_ROWS_PER_SECOND = {"orpheus-3b-shape": 24000 / 2048 * 7}
+
+
+def floor_tok_s(preset_name: str, rtf: float = RateSettings().rtf) -> float:
+    """The rate floor a stream of this preset's family must keep: its codec's real time over `rtf`
+    (the engines' `rate.rtf`, 0.5 by default: 42 tok/s for the reference codec, 164.06 for Orpheus)."""
+    return PRESET_ROWS_PER_SECOND.get(preset_name, VocoderConfig().rows_per_second) / rtf
+
+
 def add_model_arguments(ap: argparse.ArgumentParser, fp8: bool = False) -> None:
-    """`--preset`, `--device` and `--dtype`, as the decoder benchmarks take them (`model_from_args`);
-    with `fp8`, also `--dtype fp8` and `--kv-dtype` (a bench that builds through `build_model`)."""
+    """`--preset`, `--device`, `--dtype` and `--rtf`, as the decoder benchmarks take them
+    (`model_from_args`, `floor_tok_s`); with `fp8`, also `--dtype fp8` and `--kv-dtype` (a bench that
+    builds through `build_model`)."""
     ap.add_argument("--preset", default="tiny", help="model preset (tiny, qwen3-4b-shape)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    if not fp8:
+    if fp8:
+        ap.add_argument(
+            "--dtype",
+            help="float32 | bfloat16 | float16 | fp8 (E4M3 projections, bf16 compute; tandem.model.dtype) "
+            "(default: the preset's)",
+        )
+        ap.add_argument(
+            "--kv-dtype",
+            default="auto",
+            choices=("auto", "fp8"),
+            help="the KV pool's storage (tandem.kv.dtype)",
+        )
+    else:
         ap.add_argument("--dtype", help="float32 | bfloat16 | float16 (default: the preset's)")
-        return
     ap.add_argument(
-        "--dtype",
-        help="float32 | bfloat16 | float16 | fp8 (E4M3 projections, bf16 compute: tandem.model.dtype=fp8) "
-        "(default: the preset's)",
+        "--rtf", type=float, default=RateSettings().rtf, help="RTF target: the floor is real time over it"
     )
-    ap.add_argument(
-        "--kv-dtype", default="auto", choices=("auto", "fp8"), help="the KV pool's storage (tandem.kv.dtype)"
-    )
+
+
+def shuffled_pool(
+    source: ModelConfig | Decoder, n_tokens: int, page_size: int, device: torch.device, seed: int
+) -> KVPool:
+    """A pool for `n_tokens` in `source`'s KV layout (a decoder's names its E4M3 scales) whose free list
+    hands pages out in random order, filled with random KV (`KVPool.randomize`)."""
+    pages = -(-n_tokens // page_size)
+    pool = KVPool(source.kv_layout(), pages, page_size, device)
+    every = pool.allocate(pages)
+    random.Random(seed).shuffle(every)
+    pool.free(every)  # allocate() now returns pages in this shuffled order
+    pool.randomize(torch.Generator(device=device).manual_seed(seed))
+    return pool
 
 
 def model_from_args(args: argparse.Namespace) -> tuple[torch.device, ModelConfig]:

@@ -1,6 +1,6 @@
 """KV gather / scatter / fused gather-write over a layer-major paged pool, CUDA kernels with a torch fallback.
 
-Why: the P->D hand-off moves one request's KV out of P's paged pool and into D's (design.md §1). Pools
+Why: the P->D hand-off moves one request's KV out of P's paged pool and into D's (docs/transfer.md). Pools
 fragment (page size 1, shuffled slots: every row its own chunk), and a copy per chunk is never
 acceptable; these kernels move whole rows with 16-byte vectors whatever the fragmentation, so P
 gathers into one contiguous staging buffer, one copy crosses, and D scatters.

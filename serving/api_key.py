@@ -44,6 +44,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tandem.serving.repository import model_parameter
+from tandem.transfer.control import control_dir
+from tandem.transfer.errors import UnsafeControlDir
 
 LOCKED_APIS = ("model-repository", "shared-memory", "logging", "trace", "statistics")
 HEADER = "tandem-api-key"  # the HTTP header; gRPC clients send GRPC_HEADER
@@ -59,7 +61,6 @@ UNLOCKED_WARNING = (
     "can reach them"
 )
 _KEY = re.compile(r"^[A-Za-z0-9_-]{32,256}$")
-_UNIT = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")  # transfer/control.py's name rule
 
 
 class ApiKeyError(RuntimeError):
@@ -121,20 +122,12 @@ def unit_of(server_args: Sequence[str]) -> str:
 
 
 def unit_dir(unit: str, env: Mapping[str, str]) -> Path:
-    """`tandem.transfer.control.control_dir(unit)` for the environment `env`, with the same checks."""
-    if not _UNIT.match(unit):
-        raise ApiKeyError(f"unit {unit!r} must match {_UNIT.pattern}")
-    path = Path(env.get("XDG_RUNTIME_DIR") or "/tmp") / f"tandem-{os.getuid()}-{unit}"
-    with contextlib.suppress(FileExistsError):
-        os.mkdir(path, 0o700)
-    st = os.lstat(path)
-    if not stat.S_ISDIR(st.st_mode):
-        raise ApiKeyError(f"{path} exists and is not a directory")
-    if st.st_uid != os.getuid():
-        raise ApiKeyError(f"{path} is owned by uid {st.st_uid}, not {os.getuid()}")
-    if stat.S_IMODE(st.st_mode) != 0o700:
-        raise ApiKeyError(f"{path} has mode {stat.S_IMODE(st.st_mode):o}, expected 700")
-    return path
+    """The unit's control directory (`tandem.transfer.control.control_dir`, with its checks) for the
+    environment the server runs in; ApiKeyError naming what is wrong."""
+    try:
+        return control_dir(unit, env)
+    except (ValueError, UnsafeControlDir) as exc:
+        raise ApiKeyError(str(exc)) from None
 
 
 def _checked(path: Path, text: str) -> str:

@@ -26,12 +26,11 @@ from tandem.backend.errors import InvalidInput, TandemError
 from tandem.backend.metrics import METRICS, WORKER_METRICS, Engine
 from tandem.backend.model.config import ModelConfig
 from tandem.backend.timing import Timings
-from tandem.backend.worker.channel import Array, Submit
+from tandem.backend.worker.channel import Array, EngineKind, Reply, Submit
 from tandem.serving import triton_io as io
 from tandem.serving.engine_worker import EngineWorker
 
-KINDS = ("prefill", "decode", "mono")
-ENGINES = {"prefill": Engine.PREFILL, "decode": Engine.DECODE, "mono": Engine.MONO}  # zero_labels owner
+ENGINES = {EngineKind.PREFILL: Engine.PREFILL, EngineKind.DECODE: Engine.DECODE, EngineKind.MONO: Engine.MONO}
 
 
 class TritonResponder:
@@ -48,18 +47,13 @@ class TritonResponder:
         self._closed = False
         self._lock = threading.Lock()
 
-    def reply(self, outputs: dict[str, Array], final: bool) -> None:
-        tensors = [
-            io.bytes_tensor(self._pb, name, a.data.decode())
-            if a.dtype == "BYTES"
-            else self._pb.Tensor(name, a.numpy())
-            for name, a in outputs.items()
-        ]
-        flags = self._pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0
+    def reply(self, reply: Reply) -> None:
+        tensors = io.reply_tensors(self._pb, reply)
+        flags = self._pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if reply.final else 0
         with self._lock:
             if self._closed:
                 return
-            self._closed = final
+            self._closed = reply.final
             self._sender.send(self._pb.InferenceResponse(output_tensors=tensors), flags=flags)
 
     def fail(self, error: TandemError) -> None:
@@ -77,24 +71,10 @@ class TritonResponder:
             return not self._closed and bool(self._sender.is_cancelled())
 
 
-def check_handoff(handoff: Handoff, cfg: ModelConfig, pool_tokens: int) -> None:
-    """A handoff that does not fit this decoder is refused before it reaches D's batch (where it
-    would fault every other stream). Raises InvalidInput."""
-    row = handoff.first_row
-    if len(row) != cfg.row_width or not all(0 <= x < cfg.vocab_size for x in row):
-        raise InvalidInput(
-            f"malformed handoff: first row {list(row)[:8]} is not {cfg.row_width} ids below {cfg.vocab_size}"
-        )
-    if handoff.prompt_len + handoff.max_new_rows > pool_tokens:
-        raise InvalidInput("malformed handoff: prompt_len + max_new_rows exceed D's whole pool")
-
-
 class EngineStub:
-    """One model instance's stub: `kind` is "prefill", "decode" or "mono" (tts_mono)."""
+    """One model instance's stub: `kind` says which engine its worker runs (`tts_mono`: MONO)."""
 
-    def __init__(self, pb: Any, args: Mapping[str, Any], kind: str) -> None:
-        if kind not in KINDS:
-            raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+    def __init__(self, pb: Any, args: Mapping[str, Any], kind: EngineKind) -> None:
         io.setup_logging(args["model_name"])
         self._pb = pb
         self.kind = kind
@@ -109,20 +89,22 @@ class EngineStub:
         self.cfg = ModelConfig(**ready.cfg)
         self.pool_tokens = ready.pool_tokens
         io.check_dims(self.config, self.cfg.row_width)
-        if kind == "mono":
+        if kind == EngineKind.MONO:
             io.check_published(self.config, self.cfg, codec_spec(self.settings))
         # The text front end (tts_mono takes TEXT itself; in `tts` the frontend step did it) and the
         # checkpoint's sampling defaults, grammar and stop ids: validation needs them, not the engine.
-        self.frontend = io.text_frontend(args, self.settings, self.cfg) if kind == "mono" else None
+        self.frontend = io.text_frontend(args, self.settings, self.cfg) if kind == EngineKind.MONO else None
         self.defaults = (
-            None if kind == "decode" else io.generation_defaults(args, self.settings, self.cfg, self.frontend)
+            None
+            if kind == EngineKind.DECODE
+            else io.generation_defaults(args, self.settings, self.cfg, self.frontend)
         )
 
     def execute(self, requests: list[Any]) -> None:
         for request in requests:
             responder = TritonResponder(self._pb, request)
             try:
-                build = self._handoff(request) if self.kind == "decode" else self._prompt(request)
+                build = self._handoff(request) if self.kind == EngineKind.DECODE else self._prompt(request)
             except TandemError as err:
                 responder.fail(err)
                 continue
@@ -156,7 +138,7 @@ class EngineStub:
             handoff = Handoff.from_json(raw)
         except ValueError as exc:
             raise InvalidInput(str(exc)) from None
-        check_handoff(handoff, self.cfg, self.pool_tokens)
+        handoff.check_fits(self.cfg.row_width, self.cfg.vocab_size, self.pool_tokens)
         timings = Timings(handoff.timings)
         timings.mark("d_entry")
         text = raw.decode() if isinstance(raw, bytes) else str(raw)

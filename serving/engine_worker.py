@@ -51,7 +51,20 @@ from tenacity import Retrying, retry_if_exception_type, wait_exponential
 from tandem.backend.errors import ErrorCode, TandemError
 from tandem.backend.metrics import MetricsSink
 from tandem.backend.settings import WorkerSettings
-from tandem.backend.worker.channel import Array, Beat, Cancel, Channel, Fail, Init, Ready, Reply, Stop, Submit
+from tandem.backend.worker.channel import (
+    EXIT_FOR_PROOF,
+    Beat,
+    Cancel,
+    Channel,
+    EngineKind,
+    Fail,
+    Init,
+    Ready,
+    Reply,
+    Stop,
+    Submit,
+)
+from tandem.backend.worker.metrics import BeatMetrics
 
 log = logging.getLogger("tandem")
 
@@ -90,31 +103,11 @@ class WorkerState(IntEnum):
 class Responder(Protocol):
     """One request's way back to its client (engine_stub.py); called from this module's threads."""
 
-    def reply(self, outputs: dict[str, Array], final: bool) -> None: ...
+    def reply(self, reply: Reply) -> None: ...
 
     def fail(self, error: TandemError) -> None: ...
 
     def cancelled(self) -> bool: ...
-
-
-Metric = tuple[str, dict[str, str], float]
-
-
-def merge_beats(beats: list[Beat]) -> tuple[list[Metric], list[Metric], list[Metric]]:
-    """The metrics of several Beats as one: each gauge's last value, each counter's summed
-    increments, every histogram sample in order."""
-    sets: dict[tuple[str, tuple[tuple[str, str], ...]], Metric] = {}
-    incs: dict[tuple[str, tuple[tuple[str, str], ...]], Metric] = {}
-    observes: list[Metric] = []
-    for b in beats:
-        for name, labels, value in b.sets:
-            sets[(name, tuple(sorted(labels.items())))] = (name, labels, value)
-        for name, labels, value in b.incs:
-            key = (name, tuple(sorted(labels.items())))
-            prev = incs.get(key)
-            incs[key] = (name, labels, value + (prev[2] if prev else 0.0))
-        observes.extend(b.observes)
-    return list(sets.values()), list(incs.values()), observes
 
 
 @dataclass
@@ -157,7 +150,7 @@ class EngineWorker:
     def __init__(
         self,
         args: Mapping[str, Any],
-        kind: str,
+        kind: EngineKind,
         settings: WorkerSettings,
         metrics: MetricsSink,
         health: MetricsSink,
@@ -167,7 +160,7 @@ class EngineWorker:
         self._init = Init(
             model=self.model,
             instance=self.instance,
-            kind=kind,
+            kind=EngineKind(kind),
             instance_kind=str(args.get("model_instance_kind", "CPU")),
             device_id=int(args.get("model_instance_device_id", 0)),
             model_config=str(args["model_config"]),
@@ -346,7 +339,7 @@ class EngineWorker:
         if pending is None:  # failed by the stub during a stall, or cancelled: the worker drops it
             return
         try:
-            pending.responder.reply(msg.outputs, msg.final)
+            pending.responder.reply(msg)
         except Exception as exc:  # one client's broken response must not stop the relay
             log.exception("%s: could not send a response of request %d", self.instance, msg.req_id)
             with self._lock:
@@ -356,7 +349,7 @@ class EngineWorker:
     def _publish_loop(self) -> None:
         """Publisher thread: the worker's metrics through Triton. Each update is a round trip to the
         server process, so this runs apart from the relay (a reply never waits behind a histogram).
-        Beats that queued while a publish ran are merged first (`merge_beats`): under load the
+        Beats that queued while a publish ran are merged first (`BeatMetrics.record`): under load the
         gauges show the newest reading, never one that lags further behind with every beat."""
         m = self._metrics
         while True:
@@ -367,14 +360,12 @@ class EngineWorker:
                 except queue.Empty:
                     break
             stop = None in beats
-            sets, incs, observes = merge_beats([b for b in beats if b is not None])
+            merged = BeatMetrics()
+            for b in beats:
+                if b is not None:
+                    merged.record(b)
             try:
-                for name, labels, value in sets:
-                    m.set(name, value, **labels)
-                for name, labels, value in incs:
-                    m.inc(name, value, **labels)
-                for name, labels, value in observes:
-                    m.observe(name, value, **labels)
+                merged.beat(0.0).replay(m)
             except Exception:
                 log.exception("%s: publishing the worker's metrics failed", self.instance)
             if stop:
@@ -394,7 +385,7 @@ class EngineWorker:
             self._proc, self._state = None, WorkerState.DEAD
             self._deaths.append(time.monotonic())
         self._health.set("tandem_engine_up", 0.0)
-        why = "exited for proof (held ABORT_ACKs)" if rc == 70 else f"exited with status {rc}"
+        why = "exited for proof (held ABORT_ACKs)" if rc == EXIT_FOR_PROOF else f"exited with status {rc}"
         n = self._fail_pending(
             EngineUnavailable(f"{self.model}: engine died (worker pid {p.proc.pid} {why}); restarting it")
         )

@@ -3,7 +3,7 @@
 Two places carry a real binary:
 - the NGC tritonserver image (`/opt/tritonserver/bin/tritonserver`), used unchanged;
 - the `nvidia-pytriton` wheel (tritonserver 2.51.0 + python backend), which needs three things
-  the wheel does not arrange by itself (design.md §4): the backend stub built for the running
+  the wheel does not arrange by itself (README, "The server binary"): the backend stub built for the running
   Python inside the python backend folder, the wheel's bundled libraries on LD_LIBRARY_PATH, and
   the virtualenv's `bin` first on PATH so the stub's interpreter imports this environment's
   packages (numpy, torch, tandem).

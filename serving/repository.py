@@ -29,10 +29,30 @@ ROW_TENSORS: dict[str, tuple[str, ...]] = {
 FRAME_TENSORS: dict[str, tuple[str, ...]] = {"decode": ("CODES",), "vocoder": ("CODES",)}
 
 
+# A text-format string: any character but a quote or a backslash, or an escape (a value with quotes,
+# such as a JSON object, is written escaped and read back as it was).
+_STRING = r'"((?:[^"\\]|\\.)*)"'
+_ESCAPES = {"\\": "\\\\", '"': '\\"', "\n": "\\n"}
+
+
+def _quote(value: str) -> str:
+    return "".join(_ESCAPES.get(c, c) for c in value)
+
+
+def _unquote(text: str) -> str:
+    return re.sub(r"\\(.)", lambda m: "\n" if m.group(1) == "n" else m.group(1), text)
+
+
+def _parameter(key: str) -> re.Pattern[str]:
+    return re.compile(
+        r'parameters \{ key: "' + re.escape(key) + r'" value \{ string_value: ' + _STRING + r" \} \}"
+    )
+
+
 def set_parameter(config: str, key: str, value: str) -> str:
     """Replace (or append) `parameters { key: KEY value { string_value: ... } }` in a config.pbtxt."""
-    line = f'parameters {{ key: "{key}" value {{ string_value: "{value}" }} }}'
-    pattern = re.compile(r'parameters \{ key: "' + re.escape(key) + r'" value \{ string_value: "[^"]*" \} \}')
+    line = f'parameters {{ key: "{key}" value {{ string_value: "{_quote(value)}" }} }}'
+    pattern = _parameter(key)
     if pattern.search(config):
         return pattern.sub(lambda _: line, config)
     return config.rstrip("\n") + "\n" + line + "\n"
@@ -40,10 +60,8 @@ def set_parameter(config: str, key: str, value: str) -> str:
 
 def get_parameter(config: str, key: str) -> str | None:
     """The string value of `parameters { key: KEY ... }` in a config.pbtxt, or None if it has none."""
-    m = re.search(
-        r'parameters \{ key: "' + re.escape(key) + r'" value \{ string_value: "([^"]*)" \} \}', config
-    )
-    return m.group(1) if m else None
+    m = _parameter(key).search(config)
+    return _unquote(m.group(1)) if m else None
 
 
 def model_parameter(repository: Path, model: str, key: str) -> str | None:

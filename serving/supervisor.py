@@ -39,13 +39,11 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import FrameType
 
-from tandem.serving.api_key import ApiKeyError, resolve
+from tandem.serving.api_key import DEFAULT_UNIT, UNIT_PARAMETER, ApiKeyError, resolve
 from tandem.serving.health import HealthUnavailable, UnitHealth, fetch_health
 from tandem.serving.launcher import LauncherError, build_command
 from tandem.serving.repository import model_parameter
 
-UNIT_PARAMETER = "tandem.transfer.unit"
-DEFAULT_UNIT = "default"  # backend/settings.py TransferSettings.unit
 RESTART_WINDOW_S = 60.0
 _PR_SET_PDEATHSIG = 1
 

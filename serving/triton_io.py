@@ -13,13 +13,12 @@ import dataclasses
 import json
 import logging
 import sys
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import numpy as np
 
 from tandem.backend.codec.base import CodecSpec, format_rate
-from tandem.backend.engines.stream import Chunk
 from tandem.backend.errors import ErrorCode, InvalidInput, TandemError
 from tandem.backend.metrics import METRICS, Engine, Kind, zero_series
 from tandem.backend.model.config import ModelConfig
@@ -37,7 +36,7 @@ from tandem.backend.prompt import (
 from tandem.backend.settings import EngineSettings, Limits, parse_settings, triton_parameters
 from tandem.backend.text.defaults import load_generation_defaults
 from tandem.backend.text.frontend import TextFrontend, build_frontend, model_config
-from tandem.backend.timing import Timings
+from tandem.backend.worker.channel import Reply
 from tandem.serving.repository import ROW_TENSORS
 
 # TRITONSERVER_REQUEST_FLAG_SEQUENCE_START (tritonserver.h): the request opens its sequence.
@@ -214,56 +213,21 @@ def bytes_tensor(pb: Any, name: str, text: str) -> Any:
     return pb.Tensor(name, np.array([text.encode()], dtype=np.object_))
 
 
-class _DecoupledResponder:
-    """One stream's decoupled response sender: data responses, then FINAL, or one FINAL error.
-
-    After the final response or the error nothing more is sent (a late emit from the engine thread
-    is dropped rather than sent after FINAL, which Triton would reject).
-    """
-
-    def __init__(self, pb: Any, request: Any) -> None:
-        self._pb = pb
-        self._sender = request.get_response_sender()
-        self._closed = False
-
-    def _send(self, outputs: list[Any], final: bool) -> None:
-        if self._closed:
-            return
-        self._closed = final
-        flags = self._pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0
-        self._sender.send(self._pb.InferenceResponse(output_tensors=outputs), flags=flags)
-
-    def fail(self, error: TandemError) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        self._sender.send(
-            self._pb.InferenceResponse(error=triton_error(self._pb, error)),
-            flags=self._pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL,
-        )
-
-    def cancelled(self) -> bool:
-        return bool(self._sender.is_cancelled())
-
-
-class ResponseSink(_DecoupledResponder):
-    """ChunkSink: `render(chunk)` builds one response's outputs; the final chunk's carries FINAL.
-    Called from the engine thread."""
-
-    def __init__(self, pb: Any, request: Any, render: Callable[[Chunk], list[Any]]) -> None:
-        super().__init__(pb, request)
-        self._render = render
-
-    def emit(self, chunk: Chunk) -> None:
-        if not self._closed:
-            self._send(self._render(chunk), chunk.final)
-
-
-def timings_text(chunk: Chunk, extra: Mapping[str, int] | None = None) -> str:
-    t = Timings(chunk.timings.as_dict() if chunk.timings else {})
-    if extra:
-        t.update(extra)
-    return t.to_json()
+def reply_tensors(pb: Any, reply: Reply) -> list[Any]:
+    """A worker's Reply as the Triton tensors of its model's response: P's `HANDOFF`; D's `TOKENS`,
+    `CODES`, `WINDOW` (the vocoder step's inputs) and `TIMINGS`; `tts_mono`'s `TOKENS`, `AUDIO` and
+    `TIMINGS` (empty except on the final response)."""
+    if reply.handoff:
+        return [bytes_tensor(pb, "HANDOFF", reply.handoff)]
+    named = (
+        ("TOKENS", reply.rows),
+        ("CODES", reply.frames),
+        ("WINDOW", reply.window),
+        ("AUDIO", reply.audio),
+    )
+    tensors = [pb.Tensor(name, a.numpy()) for name, a in named if a is not None]
+    tensors.append(bytes_tensor(pb, "TIMINGS", reply.timings))
+    return tensors
 
 
 class TritonMetrics:
@@ -350,10 +314,3 @@ def sampling_params(params: RequestParams) -> Any:
         grammar_start=params.grammar_start,
         stop_token_ids=params.stop_token_ids,
     )
-
-
-class HandoffResponder(_DecoupledResponder):
-    """HandoffSink: exactly one response (HANDOFF) or one error, FINAL."""
-
-    def send(self, handoff: Any) -> None:
-        self._send([bytes_tensor(self._pb, "HANDOFF", handoff.to_json())], final=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import socket
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from .frames import FrameReader, MsgType, encode, send_frame
@@ -66,3 +66,21 @@ class Connection:
         self.shutdown()
         self.reader.close_fds()
         self.sock.close()
+
+
+def accepted(
+    server: socket.socket, stop: threading.Event, tick: Callable[[], None] | None = None
+) -> Iterator[socket.socket]:
+    """The connections `server` accepts, each made blocking, until `stop` is set or the listener
+    closes. `server` must have a timeout (so `stop` is seen); `tick` runs before each accept."""
+    while not stop.is_set():
+        if tick is not None:
+            tick()
+        try:
+            sock, _ = server.accept()
+        except TimeoutError:
+            continue
+        except OSError:
+            return
+        sock.settimeout(None)
+        yield sock

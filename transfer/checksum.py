@@ -1,7 +1,7 @@
 """KV integrity checksum, computed on the tensor's own device.
 
 P hashes what it sends before the copy, D hashes what landed after DONE; the two must agree
-(design.md §1: every transfer is checksummed at P and verified at D). Because it runs on the tensor's
+(docs/protocol.md: every transfer is checksummed at P and verified at D). Because it runs on the tensor's
 device, a GPU path can verify in place without a host round trip.
 
 Definition (over the raw bytes, viewed as little-endian int64 words w_0..w_{n-1}, tail zero-padded):

@@ -20,6 +20,7 @@ import re
 import socket
 import stat
 import struct
+from collections.abc import Mapping
 from pathlib import Path
 
 from .errors import TransferError, UnsafeControlDir
@@ -33,15 +34,17 @@ def _check_name(kind: str, name: str) -> None:
         raise ValueError(f"{kind} {name!r} must match {_NAME.pattern}")
 
 
-def control_dir(unit: str) -> Path:
+def control_dir(unit: str, env: Mapping[str, str] | None = None) -> Path:
     """The unit's private control directory, created 0700 if missing.
 
-    Called once by each sender and receiver at construction. Under $XDG_RUNTIME_DIR if set, else /tmp.
+    Called once by each sender and receiver at construction, and by the launcher and the supervisor
+    (the unit's API key lives there) with the environment the server will run in (`env`, default this
+    process's). Under $XDG_RUNTIME_DIR if set, else /tmp.
     Raises `UnsafeControlDir` if the path exists but is a symlink, not a directory, not owned by our
     uid, or not exactly mode 0700 — we never loosen or adopt someone else's directory.
     """
     _check_name("unit", unit)
-    base = os.environ.get("XDG_RUNTIME_DIR") or "/tmp"
+    base = (os.environ if env is None else env).get("XDG_RUNTIME_DIR") or "/tmp"
     path = Path(base) / f"tandem-{os.getuid()}-{unit}"
     with contextlib.suppress(FileExistsError):
         os.mkdir(path, 0o700)

@@ -6,7 +6,7 @@ the region into its own pages (docs/transfer.md). They differ only in how D's me
 
 * `cuda_ipc` — D's arena is one `cudaMalloc` buffer; its legacy IPC handle (64 bytes, hex in the
   HELLO meta, no fds) is opened by P with `cudaIpcOpenMemHandle` (peer access enabled lazily) and
-  written with `cudaMemcpyAsync` on a dedicated stream. Measured at NVLink speed (design.md §4); not
+  written with `cudaMemcpyAsync` on a dedicated stream. Measured at NVLink speed (docs/transfer.md); not
   torch.multiprocessing's sharing, which ran 10x slower. Needs P to see D's GPU.
 * `cuda_vmm` — D's arena is `cuMemCreate` memory, exported as a FABRIC handle when a real FABRIC
   allocation succeeds (needs an IMEX channel; the "supported" attribute is not trusted), else as a

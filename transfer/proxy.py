@@ -1,6 +1,6 @@
 """IPC proxy sidecar: copies P's staging into D's arena for processes that each see only their own GPU.
 
-Why: in containers that expose one GPU each, P cannot open D's IPC handle (design.md §1). The proxy is
+Why: in containers that expose one GPU each, P cannot open D's IPC handle (docs/transfer.md). The proxy is
 one process per P/D unit (never one per machine: a shared daemon became a queue) that requests no GPU
 but sees all of them. D registers its receive arena and P its staging buffers over the unit's socket
 `control_dir(unit)/proxy.sock`, sending legacy IPC handles and the PCI bus id of the GPU that owns the
@@ -43,11 +43,13 @@ import socket
 import struct
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from ._conn import accepted
 from .control import connect_unix, control_dir, listen_unix, lock_held, peer_cred, same_user
 from .errors import ProtocolError, TransferError
 from .frames import MAX_FRAME_BYTES, send_frame
@@ -176,17 +178,10 @@ class ProxyServer:
 
     def _accept_loop(self) -> None:
         assert self._server is not None
-        while not self._stop.is_set():
-            try:
-                sock, _ = self._server.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                return
+        for sock in accepted(self._server, self._stop):
             if not same_user(sock):
                 sock.close()
                 continue
-            sock.settimeout(None)
             t = threading.Thread(target=self._serve, args=(sock,), name="tandem-proxy-conn", daemon=True)
             t.start()
 
@@ -326,17 +321,32 @@ class ProxyServer:
                 or d_off + nbytes > dst.nbytes
             ):
                 raise TransferError(f"copy of {nbytes} bytes outside the registered ranges")
-            ctx = dst.device if self.issue == "dst" else src.device
-            if ctx not in self._streams:
-                self._streams[ctx] = self._k.stream_create(ctx)
-            stream = self._streams[ctx]
-            src_ptr, dst_ptr = self._mapped(src, ctx), self._mapped(dst, ctx)
-            src.busy += 1
-            dst.busy += 1
+            ctx, stream, src_ptr, dst_ptr = self._claim(src, dst)
+        return self._issue(
+            src,
+            dst,
+            stream,
+            lambda: self._k.memcpy_async(ctx, dst_ptr + d_off, src_ptr + s_off, nbytes, stream),
+        )
+
+    def _claim(self, src: _Entry, dst: _Entry) -> tuple[int, int, int, int]:
+        """Caller holds the lock: the issuing context and its stream, both entries mapped there and
+        marked busy (a deregistration waits until `_issue` releases them)."""
+        ctx = dst.device if self.issue == "dst" else src.device
+        if ctx not in self._streams:
+            self._streams[ctx] = self._k.stream_create(ctx)
+        src_ptr, dst_ptr = self._mapped(src, ctx), self._mapped(dst, ctx)
+        src.busy += 1
+        dst.busy += 1
+        return ctx, self._streams[ctx], src_ptr, dst_ptr
+
+    def _issue(self, src: _Entry, dst: _Entry, stream: int, launch: Callable[[], None]) -> int:
+        """Run `launch` on `stream` and wait for it (the reply is the proof that nothing of it can still
+        land), then release the claimed entries; returns the nanoseconds it took."""
         try:
             t0 = time.perf_counter_ns()
             try:
-                self._k.memcpy_async(ctx, dst_ptr + d_off, src_ptr + s_off, nbytes, stream)
+                launch()
             finally:
                 self._k.stream_synchronize(stream)
             self.copies += 1
@@ -369,44 +379,35 @@ class ProxyServer:
                 raise TransferError(f"unknown arena registration {msg['dst']!r} (D gone or restarted?)")
             if num_lt * src_rows * row_bytes > src.nbytes or num_lt * dst_rows * row_bytes > dst.nbytes:
                 raise TransferError("row geometry outside the registered ranges")
-            ctx = dst.device if self.issue == "dst" else src.device
-            if ctx not in self._streams:
-                self._streams[ctx] = self._k.stream_create(ctx)
-            stream = self._streams[ctx]
-            src_ptr, dst_ptr = self._mapped(src, ctx), self._mapped(dst, ctx)
-            scratch = self._scratch_for(sock, ctx, 16 * n)
-            src.busy += 1
-            dst.busy += 1
-        try:
-            t0 = time.perf_counter_ns()
-            table = np.concatenate([src_slots, dst_slots])
+            ctx, stream, src_ptr, dst_ptr = self._claim(src, dst)
             try:
-                # On the kernel's stream: a plain cudaMemcpy's DMA runs on the legacy stream, which a
-                # non-blocking stream is not ordered after (the kernel could read the last request's
-                # slots). From pageable memory the call returns once `table` was staged.
-                self._k.memcpy_async(ctx, scratch, table.ctypes.data, table.nbytes, stream)
-                self._k.gather_write(
-                    src_ptr,
-                    src_rows,
-                    scratch,
-                    dst_ptr,
-                    dst_rows,
-                    scratch + 8 * n,
-                    num_lt,
-                    n,
-                    row_bytes,
-                    ctx,
-                    stream,
-                )
-            finally:
-                self._k.stream_synchronize(stream)
-            self.copies += 1
-            return time.perf_counter_ns() - t0
-        finally:
-            with self._lock:
+                scratch = self._scratch_for(sock, ctx, 16 * n)
+            except BaseException:
                 src.busy -= 1
                 dst.busy -= 1
-                self._lock.notify_all()
+                raise
+        table = np.concatenate([src_slots, dst_slots])
+
+        def launch() -> None:
+            # On the kernel's stream: a plain cudaMemcpy's DMA runs on the legacy stream, which a
+            # non-blocking stream is not ordered after (the kernel could read the last request's
+            # slots). From pageable memory the call returns once `table` was staged.
+            self._k.memcpy_async(ctx, scratch, table.ctypes.data, table.nbytes, stream)
+            self._k.gather_write(
+                src_ptr,
+                src_rows,
+                scratch,
+                dst_ptr,
+                dst_rows,
+                scratch + 8 * n,
+                num_lt,
+                n,
+                row_bytes,
+                ctx,
+                stream,
+            )
+
+        return self._issue(src, dst, stream, launch)
 
     def _scratch_for(self, sock: socket.socket, ctx: int, nbytes: int) -> int:
         """This connection's device buffer for slot tables on `ctx` (grown as needed; its requests run

@@ -1,7 +1,7 @@
 """The one builder from a typed description to a transfer path.
 
 Who calls: each engine that moves KV (P and D), once at start, through `build_path`; tests and benches
-that want an unprobed path by name, through `registry`. Nothing registers itself on import and nothing
+that want an unprobed path by name, through `path_factories`. Nothing registers itself on import and nothing
 here reads the environment: a path gets what it needs (the unit its proxy sidecar serves, the KV layout
 the sidecar checks, the tcp addresses and secret) from `PathOptions`. Building a factory touches no
 CUDA, so a CPU host can still select `host_shm`; only `probe()` (in `select_path`) does.
@@ -33,7 +33,7 @@ class PathOptions:
 NAMES = (HostShmPath.name, CudaIpcPath.name, CudaVmmPath.name, ProxyPath.name, TcpPath.name)
 
 
-def registry(opts: PathOptions | None = None) -> dict[str, Callable[[], TransferPath]]:
+def path_factories(opts: PathOptions | None = None) -> dict[str, Callable[[], TransferPath]]:
     """Unprobed path factories by name, bound to `opts`."""
     o = opts or PathOptions()
     return {
@@ -50,4 +50,4 @@ def registry(opts: PathOptions | None = None) -> dict[str, Callable[[], Transfer
 def build_path(preferred: Sequence[str], require: str | None, opts: PathOptions) -> TransferPath:
     """The first of `preferred` that probes; with `require`, that one or `PathUnavailable` (never
     another: a path that is not the one asked for is never chosen silently)."""
-    return select_path(preferred, require, registry(opts))
+    return select_path(preferred, require, path_factories(opts))

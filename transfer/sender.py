@@ -39,7 +39,7 @@ from collections.abc import Callable
 
 import torch
 
-from ._conn import Connection
+from ._conn import Connection, accepted
 from ._offer import GatherFn, Offer, Peer, Rows
 from .auth import AuthFailed, accept_handshake, sign_ticket
 from .checksum import format_checksum, kv_checksum, kv_checksum_rows
@@ -273,18 +273,10 @@ class TransferSender:
 
     def _accept_loop(self) -> None:
         assert self._server is not None
-        while not self._stop.is_set():
-            self._housekeeping()
-            try:
-                sock, _ = self._server.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                return
+        for sock in accepted(self._server, self._stop, self._housekeeping):
             if self.control == "unix" and not same_user(sock):
                 sock.close()
                 continue
-            sock.settimeout(None)
             if self.control == "tcp" and not self._handshakes.acquire(blocking=False):
                 log.warning("refused a control connection from %s: too many handshakes", _peer_name(sock))
                 sock.close()

@@ -46,6 +46,7 @@ from pathlib import Path
 
 import torch
 
+from ._conn import accepted
 from .arena import Region
 from .auth import (
     SECRET_NAME,
@@ -159,14 +160,7 @@ class TcpArena(LocalArena):
     # ---- listener --------------------------------------------------------------------------------
 
     def _accept_loop(self) -> None:
-        while not self._stop.is_set():
-            try:
-                sock, _ = self._server.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                return
-            sock.settimeout(None)
+        for sock in accepted(self._server, self._stop):
             with self._lock:
                 self._conns.add(sock)
             threading.Thread(target=self._serve, args=(sock,), name="tandem-tcp-data", daemon=True).start()

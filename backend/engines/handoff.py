@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from tandem.backend.errors import InvalidInput
 from tandem.backend.generation.sampling import SamplingParams
 from tandem.transfer import Ticket
 
@@ -62,3 +63,15 @@ class Handoff:
 
     def first_row_array(self) -> np.ndarray:
         return np.asarray(self.first_row, dtype=np.int64)
+
+    def check_fits(self, row_width: int, vocab_size: int, pool_tokens: int) -> None:
+        """A handoff that does not fit this decoder is refused before it reaches D's batch (where it
+        would fault every other stream). Called by the `decode` stub (an early INVALID_ARG) and by D's
+        engine (whatever reaches it). Raises InvalidInput."""
+        row = self.first_row
+        if len(row) != row_width or not all(0 <= x < vocab_size for x in row):
+            raise InvalidInput(
+                f"malformed handoff: first row {list(row)[:8]} is not {row_width} ids below {vocab_size}"
+            )
+        if self.prompt_len + self.max_new_rows > pool_tokens:
+            raise InvalidInput("malformed handoff: prompt_len + max_new_rows exceed D's whole pool")

@@ -14,12 +14,8 @@ the engine releases them only then (on its own thread, via `_released`).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import json
 import logging
-import os
 import queue
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,6 +24,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from tandem.backend.engines.faults import copy_hook
 from tandem.backend.engines.handoff import Handoff
 from tandem.backend.engines.parts import control_secret, make_intake, make_pool, transfer_path, wire_layout
 from tandem.backend.engines.thread import EngineThread
@@ -38,7 +35,7 @@ from tandem.backend.metrics import MetricsSink, PublishTimer
 from tandem.backend.model.decoder import Decoder
 from tandem.backend.model.warm_up import warm_up
 from tandem.backend.scheduling.prefill_batch import PrefillBatch
-from tandem.backend.settings import EngineSettings, FaultSettings
+from tandem.backend.settings import EngineSettings
 from tandem.backend.timing import Timings
 from tandem.transfer import TransferSender
 
@@ -62,60 +59,6 @@ class PrefillRequest:
     sink: HandoffSink
     timings: Timings
     received_s: float = 0.0
-
-
-class FaultInjector:
-    """P-side fault injection (settings.faults): delays and post-checksum corruption of chosen copies.
-
-    Runs on the sender's copy workers; the counter is shared, so "every Nth" counts copies in the
-    order they reach this point. With `faults.control_file` the settings are re-read whenever that
-    file is replaced (the fault-matrix tests switch faults on one running server this way).
-    """
-
-    def __init__(self, faults: FaultSettings) -> None:
-        self.faults = faults
-        self._lock = threading.Lock()
-        self._n = 0
-        self._live = faults
-        self._stamp: tuple[int, int, int] | None = None
-
-    def _current(self) -> FaultSettings:
-        """Called under `_lock`: the static settings, overridden by the control file if present."""
-        path = self.faults.control_file
-        if not path:
-            return self.faults
-        try:
-            st = os.stat(path)
-        except FileNotFoundError:
-            stamp = None
-        else:
-            stamp = (st.st_ino, st.st_mtime_ns, st.st_size)
-        if stamp != self._stamp:
-            self._stamp, self._n, self._live = stamp, 0, self.faults
-            if stamp is not None:
-                try:
-                    with open(path) as fh:
-                        values = json.load(fh)
-                    keys = ("delay_every", "delay_s", "corrupt_every")
-                    live = {k: values[k] for k in keys if k in values}
-                    self._live = dataclasses.replace(self.faults, **live)
-                except (OSError, ValueError, TypeError) as exc:
-                    log.error("fault injection: ignoring unreadable control file %s: %s", path, exc)
-            log.warning("fault injection now %s", self._live)
-        return self._live
-
-    def __call__(self, tid: str, staging: torch.Tensor) -> None:
-        with self._lock:
-            f = self._current()
-            self._n += 1
-            n = self._n
-        if f.corrupt_every and n % f.corrupt_every == 0:
-            flat = staging.reshape(-1).view(torch.uint8)
-            flat[flat.numel() // 2] ^= 0xFF
-            log.warning("fault injection: corrupted copy %d (%s) after its checksum", n, tid)
-        if f.delay_every and n % f.delay_every == 0:
-            log.warning("fault injection: delaying copy %d (%s) by %.2f s", n, tid, f.delay_s)
-            time.sleep(f.delay_s)
 
 
 class PrefillEngine:
@@ -150,7 +93,7 @@ class PrefillEngine:
             on_fatal=on_fatal,
             slot=slot,
             max_held_acks=t.max_held_acks,
-            copy_hook=FaultInjector(settings.faults) if settings.faults.active else None,
+            copy_hook=copy_hook(settings.faults),
             control=t.control,
             bind_host=t.bind_host,
             advertise_host=t.advertise_host or None,

@@ -25,6 +25,7 @@ Who sends what (docs/architecture.md, "Processes"):
 from __future__ import annotations
 
 import contextlib
+import enum
 import logging
 import queue
 import socket
@@ -35,10 +36,25 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from tandem.backend.metrics import MetricsSink
+
 log = logging.getLogger("tandem")
 
 _LEN = struct.Struct("<I")
 MAX_FRAME = 1 << 30
+
+
+class EngineKind(enum.StrEnum):
+    """Which engine a worker runs (Init.kind; `tandem-engine --kind`)."""
+
+    PREFILL = "prefill"
+    DECODE = "decode"
+    MONO = "mono"
+
+
+# A worker's exit status when P holds ABORT_ACKs it cannot prove: its death (the free slot lock) and
+# its restart (a new instance id) are the proof (docs/failure-semantics.md); the stub restarts it.
+EXIT_FOR_PROOF = 70
 
 
 class ChannelError(Exception):
@@ -72,7 +88,7 @@ class Init(msgspec.Struct, frozen=True, tag=True):
 
     model: str
     instance: str
-    kind: str  # "prefill" | "decode" | "mono"
+    kind: EngineKind
     instance_kind: str  # Triton's "CPU" | "GPU"
     device_id: int
     model_config: str
@@ -112,11 +128,21 @@ class Stop(msgspec.Struct, frozen=True, tag=True):
 
 
 class Reply(msgspec.Struct, frozen=True, tag=True):
-    """One response of `req_id`: named outputs; `final` ends the request."""
+    """One response of `req_id`, in the engine's terms (the stub names the Triton tensors:
+    serving/triton_io.py `reply_tensors`); `final` ends the request.
+
+    D's chunk: `rows` and the codec window it sounds (`frames` [N, K], `window` [3]); the monolithic
+    engine's chunk: `rows` and `audio` (PCM); P's one reply: `handoff` (JSON). `timings` is the
+    stream's per-stage stamps (JSON) on a final chunk, "" otherwise."""
 
     req_id: int
-    outputs: dict[str, Array]
     final: bool
+    rows: Array | None = None
+    frames: Array | None = None
+    window: Array | None = None
+    audio: Array | None = None
+    timings: str = ""
+    handoff: str = ""
 
 
 class Fail(msgspec.Struct, frozen=True, tag=True):
@@ -137,6 +163,15 @@ class Beat(msgspec.Struct, frozen=True, tag=True):
     sets: list[tuple[str, dict[str, str], float]] = []
     incs: list[tuple[str, dict[str, str], float]] = []
     observes: list[tuple[str, dict[str, str], float]] = []
+
+    def replay(self, sink: MetricsSink) -> None:
+        """Publish this Beat's metrics through `sink` (the stub's: Triton's metrics)."""
+        for name, labels, value in self.sets:
+            sink.set(name, value, **labels)
+        for name, labels, value in self.incs:
+            sink.inc(name, value, **labels)
+        for name, labels, value in self.observes:
+            sink.observe(name, value, **labels)
 
 
 Message = Init | Ready | Submit | Cancel | Stop | Reply | Fail | Beat

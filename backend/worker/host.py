@@ -13,7 +13,7 @@ channel (`backend/worker/channel.py`). Its life:
 
 Nothing here knows Triton: the stub validated the request already (the engine checks again where a
 bad value could hurt others), and renders each Reply's arrays into Triton tensors. P's exit for proof
-(`os._exit(70)` when it holds ABORT_ACKs it cannot prove) ends this process only; the stub sees the
+(`EXIT_FOR_PROOF` when it holds ABORT_ACKs it cannot prove) ends this process only; the stub sees the
 exit and starts a new worker, whose new transfer instance id D takes as proof.
 """
 
@@ -28,6 +28,8 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
+import numpy as np
+
 from tandem.backend.codec.base import Codec, CodecWindow
 from tandem.backend.engines.handoff import Handoff
 from tandem.backend.engines.stream import Chunk
@@ -35,49 +37,22 @@ from tandem.backend.errors import InvalidInput, TandemError
 from tandem.backend.generation.sampling import SamplingParams
 from tandem.backend.settings import EngineSettings, parse_settings, triton_parameters
 from tandem.backend.timing import Timings
-from tandem.backend.worker.channel import Array, Beat, Cancel, Channel, Fail, Init, Ready, Reply, Stop, Submit
+from tandem.backend.worker.channel import (
+    EXIT_FOR_PROOF,
+    Array,
+    Cancel,
+    Channel,
+    EngineKind,
+    Fail,
+    Init,
+    Ready,
+    Reply,
+    Stop,
+    Submit,
+)
+from tandem.backend.worker.metrics import BeatMetrics
 
 log = logging.getLogger("tandem")
-
-KINDS = ("prefill", "decode", "mono")
-EXIT_FOR_PROOF = 70
-
-
-class WorkerMetrics:
-    """MetricsSink of a worker: records what the engine publishes until the next Beat carries it to
-    the stub (which publishes through Triton). Gauges keep their last value, counter increments are
-    summed, histogram samples kept in order. Any thread."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._sets: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
-        self._incs: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
-        self._observes: list[tuple[str, dict[str, str], float]] = []
-
-    def set(self, name: str, value: float, **labels: str) -> None:
-        with self._lock:
-            self._sets[(name, tuple(sorted(labels.items())))] = float(value)
-
-    def inc(self, name: str, by: float = 1.0, **labels: str) -> None:
-        key = (name, tuple(sorted(labels.items())))
-        with self._lock:
-            self._incs[key] = self._incs.get(key, 0.0) + float(by)
-
-    def observe(self, name: str, value: float, **labels: str) -> None:
-        with self._lock:
-            self._observes.append((name, dict(labels), float(value)))
-
-    def beat(self, loop_age_s: float) -> Beat:
-        """A Beat with everything recorded since the last one (then forgotten here)."""
-        with self._lock:
-            sets, incs, obs = self._sets, self._incs, self._observes
-            self._sets, self._incs, self._observes = {}, {}, []
-        return Beat(
-            loop_age_s,
-            [(n, dict(lab), v) for (n, lab), v in sets.items()],
-            [(n, dict(lab), v) for (n, lab), v in incs.items()],
-            obs,
-        )
 
 
 class _Engine(Protocol):
@@ -90,7 +65,7 @@ class _Engine(Protocol):
     def loop_age_s(self) -> float: ...
 
 
-Render = Callable[[Chunk], dict[str, Array]]
+Render = Callable[[int, Chunk], Reply]
 
 
 class RequestSink:
@@ -108,15 +83,15 @@ class RequestSink:
         if self._done:
             return
         assert self._render is not None
-        outputs = self._render(chunk)
+        reply = self._render(self.req_id, chunk)
         self._finish(chunk.final)
-        self._host.channel.send(Reply(self.req_id, outputs, chunk.final))
+        self._host.channel.send(reply)
 
     def send(self, handoff: Handoff) -> None:
         if self._done:
             return
         self._finish(True)
-        self._host.channel.send(Reply(self.req_id, {"HANDOFF": Array.text(handoff.to_json())}, True))
+        self._host.channel.send(Reply(self.req_id, True, handoff=handoff.to_json()))
 
     def fail(self, error: TandemError) -> None:
         if self._done:
@@ -141,12 +116,10 @@ class EngineHost:
     """Builds one engine from an Init and serves it over `channel` until Stop or end of stream."""
 
     def __init__(self, channel: Channel, init: Init) -> None:
-        if init.kind not in KINDS:
-            raise ValueError(f"engine kind must be one of {KINDS}, got {init.kind!r}")
         self.channel = channel
         self.init = init
         self.settings: EngineSettings = parse_settings(triton_parameters(json.loads(init.model_config)))
-        self.metrics = WorkerMetrics()
+        self.metrics = BeatMetrics()
         self._sinks: dict[int, RequestSink] = {}
         self._lock = threading.Lock()
         self._stopped = threading.Event()
@@ -163,12 +136,12 @@ class EngineHost:
         i = self.init
         device = resolve_device(self.settings.device, i.instance_kind, i.device_id)
         decoder = build_decoder(self.settings, device)
-        if i.kind == "prefill":
+        if i.kind == EngineKind.PREFILL:
             from tandem.backend.engines.prefill import PrefillEngine
 
             slot = i.instance.replace(" ", "_")
             self.engine = PrefillEngine(decoder, self.settings, self.metrics, slot, _exit_for_proof)
-        elif i.kind == "decode":
+        elif i.kind == EngineKind.DECODE:
             from tandem.backend.engines.decode.engine import DecodeEngine
 
             self.engine = DecodeEngine(decoder, self.settings, self.metrics)
@@ -179,7 +152,7 @@ class EngineHost:
 
             codec = build_codec(self.settings, decoder.device)
             self.engine = MonoEngine(decoder, self.settings, self.metrics)
-            self._render = lambda chunk: _render_mono(chunk, codec)
+            self._render = lambda req_id, chunk: _render_mono(req_id, chunk, codec)
         self.engine.start()
         p = self.settings.pool
         return Ready(
@@ -241,7 +214,7 @@ class EngineHost:
     def _request(self, msg: Submit, sink: RequestSink) -> Any:
         timings = Timings(msg.timings)
         kind = self.init.kind
-        if kind == "decode":
+        if kind == EngineKind.DECODE:
             from tandem.backend.engines.decode.engine import DecodeRequest
 
             try:
@@ -263,7 +236,7 @@ class EngineHost:
             "sink": sink,
             "timings": timings,
         }
-        if kind == "prefill":
+        if kind == EngineKind.PREFILL:
             from tandem.backend.engines.prefill import PrefillRequest
 
             return PrefillRequest(**fields)
@@ -283,31 +256,30 @@ def _window(chunk: Chunk) -> CodecWindow:
     return chunk.window
 
 
-def _render_decode(chunk: Chunk) -> dict[str, Array]:
-    """D's chunk as the `decode` step emits it into the `tts` ensemble: `TOKENS` (the new rows, passed
-    through to the client), `CODES` INT64 [N, K] and `WINDOW` INT64 [3] (the codec window of
-    backend/codec/base.py: frames with their context, and which of them this chunk sounds), `TIMINGS`."""
-    import numpy as np
-
+def _render_decode(req_id: int, chunk: Chunk) -> Reply:
+    """D's chunk: the new rows and the codec window (frames with their context, and which of them this
+    chunk sounds: backend/codec/base.py) the vocoder step decodes."""
     w = _window(chunk)
-    return {
-        "TOKENS": Array.of(chunk.rows),
-        "CODES": Array.of(np.ascontiguousarray(w.frames, dtype=np.int64)),
-        "WINDOW": Array.of(w.as_array()),
-        "TIMINGS": Array.text(_timings_text(chunk) if chunk.final else ""),
-    }
+    return Reply(
+        req_id,
+        chunk.final,
+        rows=Array.of(chunk.rows),
+        frames=Array.of(np.ascontiguousarray(w.frames, dtype=np.int64)),
+        window=Array.of(w.as_array()),
+        timings=_timings_text(chunk) if chunk.final else "",
+    )
 
 
-def _render_mono(chunk: Chunk, codec: Codec) -> dict[str, Array]:
-    """`tts_mono`'s chunk: the engine thread decodes the chunk's window with the model's own codec."""
-    import numpy as np
-
+def _render_mono(req_id: int, chunk: Chunk, codec: Codec) -> Reply:
+    """The monolithic engine's chunk: the engine thread decodes its window with the model's codec."""
     audio = codec.decode([_window(chunk)])[0]
-    return {
-        "TOKENS": Array.of(chunk.rows),
-        "AUDIO": Array.of(np.asarray(audio, dtype=np.float32)),
-        "TIMINGS": Array.text(_timings_text(chunk) if chunk.final else ""),
-    }
+    return Reply(
+        req_id,
+        chunk.final,
+        rows=Array.of(chunk.rows),
+        audio=Array.of(np.asarray(audio, dtype=np.float32)),
+        timings=_timings_text(chunk) if chunk.final else "",
+    )
 
 
 def _exit_for_proof(reason: str) -> None:

@@ -5,7 +5,7 @@ is the stub's end of a private socket pair (`backend/worker/channel.py`), and th
 the stub's Init message. The process title reads `tandem-engine <model> <instance> --kind KIND` (so
 `ps` and `pgrep -f 'tandem-engine decode'` find it); its log lines, on the stub's stderr (Triton's log),
 carry the instance and pid. It exits when the stub sends Stop or the channel ends (the stub is gone),
-with 70 when P exits for proof, 1 when the engine could not start.
+with `EXIT_FOR_PROOF` (70) when P exits for proof, 1 when the engine could not start.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import socket
 import sys
 from collections.abc import Sequence
 
-from tandem.backend.worker.channel import Channel
+from tandem.backend.worker.channel import Channel, EngineKind
 
 
 def _title(argv: Sequence[str]) -> None:
@@ -34,7 +34,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="tandem-engine", description=__doc__.splitlines()[0])
     parser.add_argument("model")
     parser.add_argument("instance")
-    parser.add_argument("--kind", required=True, choices=("prefill", "decode", "mono"))
+    parser.add_argument("--kind", required=True, choices=[k.value for k in EngineKind])
     parser.add_argument("--fd", type=int, required=True, help="the stub's socket (inherited)")
     opts = parser.parse_args(args_in)
     # The stub alone ends this process (Stop, or the channel's end when it dies). A SIGTERM/SIGINT to

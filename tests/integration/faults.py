@@ -1,11 +1,12 @@
 """Fault-injection harness for one real P/D unit: the tritonserver, its stubs, their engine workers.
 
 `FaultUnit` starts the checked-in repository (without `tts_mono` unless asked: only the engine rows use
-it) in explicit model-control mode. Faults are switched on the running P through
-`tandem.faults.control_file` (see `FaultSettings`); processes are found through /proc: a python-backend
-stub is a child of tritonserver whose argv[1] is `<repository>/<model>/1/model.py`, and each stub's
-engine worker is its child whose command line reads `tandem-engine <model> <instance> ...`. A dead
-worker is started again by its stub (serving/engine_worker.py); `tandem_engine_up` says when it serves.
+it) in explicit model-control mode. Faults are switched on the running P through the control file of the
+fault hook plugged into P (tests/support/fault_hooks.py); processes are found through /proc: a
+python-backend stub is a child of tritonserver whose argv[1] is `<repository>/<model>/1/model.py`, and each
+stub's engine worker is its child whose command line reads `tandem-engine <model> <instance> ...`. A
+dead worker is started again by its stub (serving/engine_worker.py); `tandem_engine_up` says when it
+serves.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from tandem.serving.health import parse_health
 from tandem.serving.repository import model_parameter
 from tests.integration.helpers import metric_value, metrics_text
 from tests.integration.server import TritonProcess
+from tests.support.fault_hooks import fault_parameters
 
 
 def children(ppid: int) -> list[int]:
@@ -186,7 +188,7 @@ class FaultUnit:
         self.workdir = workdir
         self.control_file = workdir / "faults.json"
         merged = {m: dict(v) for m, v in overrides.items()}
-        merged.setdefault("prefill", {})["tandem.faults.control_file"] = str(self.control_file)
+        merged.setdefault("prefill", {}).update(fault_parameters(control_file=str(self.control_file)))
         self.proc = TritonProcess(
             workdir, merged, extra_args=("--model-control-mode=explicit", "--load-model=*"), groups=groups
         )

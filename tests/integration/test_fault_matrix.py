@@ -846,8 +846,8 @@ def test_kill_engine_mid_stream(row, model):
 
 def test_stub_stop_1s_is_survived(row):
     """A 1 s SIGSTOP of the prefill *stub* (not its worker) under arriving traffic: what Triton 2.51's
-    python backend survives (3 s or more aborts the server: design.md §4). Kept so that a regression
-    there shows: the server stays up and ready, and afterwards every model serves."""
+    python backend survives (3 s or more aborts the server: docs/failure-semantics.md). Kept so that a
+    regression there shows: the server stays up and ready, and afterwards every model serves."""
     unit, base = row
     engine_rows_here(unit)
     t0 = time.monotonic()

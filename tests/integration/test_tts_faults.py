@@ -17,6 +17,7 @@ import tritonclient.grpc as grpcclient
 from tandem.gateway.client import build_inputs, next_stream_id, run_concurrent
 from tests.integration.helpers import TINY_W, metric_value, metrics_text, prompt, wait_metric
 from tests.integration.server import TritonProcess
+from tests.support.fault_hooks import fault_parameters
 
 
 def call(url: str, model: str, inputs, sequence: bool, timeout_s: float = 30.0):
@@ -103,9 +104,7 @@ def faulty(tmp_path_factory: pytest.TempPathFactory):
     checksum, with short ticket TTLs: every PD fault of the issue, in one unit."""
     overrides = {
         "prefill": {
-            "tandem.faults.delay_every": "3",
-            "tandem.faults.delay_s": "1.5",
-            "tandem.faults.corrupt_every": "5",
+            **fault_parameters(delay_every=3, delay_s=1.5, corrupt_every=5),
             "tandem.transfer.ticket_ttl_s": "1.0",
             "tandem.transfer.max_held_acks": "1000",
         },

@@ -23,7 +23,7 @@ import torch
 from tandem.transfer.errors import PathUnavailable
 from tandem.transfer.layout import WireLayout
 from tandem.transfer.paths import LocalArena, PeerArena, TransferPath
-from tandem.transfer.registry import registry
+from tandem.transfer.registry import path_factories
 from tandem.transfer.sender import TransferSender
 from tandem.transfer.state import Ticket
 
@@ -94,7 +94,7 @@ def sender_child(
     control: str = "unix",
     secret: bytes | None = None,
 ) -> None:
-    """Entry point of a P child process serving over `registry()[path]`, its control plane on `control`
+    """Entry point of a P child process serving over `path_factories()[path]`, its control plane on `control`
     ("tcp": loopback, with the unit `secret`). Commands (tuples) on `pipe`:
     ("offer", n_tokens, seed, ttl_s) -> ticket json; ("hook", mode) / ("release",) -> "ok";
     ("entered", timeout_s) -> bool;
@@ -107,7 +107,7 @@ def sender_child(
     sender = TransferSender(
         wl,
         unit,
-        registry()[path](),
+        path_factories()[path](),
         released.append,
         fatal.append,
         slot=slot,

@@ -169,3 +169,13 @@ def test_tandem_unit_logs_the_command_line_without_the_key(env: dict[str, str]) 
     line = sup.api.redact(" ".join(argv))
     assert key is not None and key in " ".join(argv) and key not in line
     assert "tandem-api-key=<api-key>" in line
+
+
+def test_the_default_unit_is_the_engines_default() -> None:
+    """The launcher and the supervisor (which must not import torch) name the unit the engines'
+    settings default to, so a repository without `tandem.transfer.unit` is one unit everywhere."""
+    from tandem.backend.settings import TransferSettings
+    from tandem.serving import api_key, supervisor
+
+    assert TransferSettings().unit == api_key.DEFAULT_UNIT
+    assert supervisor.DEFAULT_UNIT is api_key.DEFAULT_UNIT

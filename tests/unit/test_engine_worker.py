@@ -26,8 +26,8 @@ from tandem.backend.generation.sampling import SamplingParams
 from tandem.backend.metrics import RecordingMetrics
 from tandem.backend.settings import WorkerSettings
 from tandem.backend.worker.channel import Array, Beat, Cancel, Channel, Reply, Submit
-from tandem.backend.worker.host import WorkerMetrics
-from tandem.serving.engine_worker import EngineWorker, WorkerState, merge_beats
+from tandem.backend.worker.metrics import BeatMetrics
+from tandem.serving.engine_worker import EngineWorker, WorkerState
 
 STALL_S = 1.0
 
@@ -39,9 +39,10 @@ class Responder:
     done: threading.Event = field(default_factory=threading.Event)
     at: float = 0.0
 
-    def reply(self, outputs: dict[str, Array], final: bool) -> None:
-        self.rows.append(outputs["TOKENS"].numpy())
-        if final:
+    def reply(self, reply: Reply) -> None:
+        assert reply.rows is not None
+        self.rows.append(reply.rows.numpy())
+        if reply.final:
             self.at = time.monotonic()
             self.done.set()
 
@@ -157,11 +158,11 @@ def test_channel_frames_and_end_of_stream() -> None:
     a, b = socket.socketpair()
     ca, cb = Channel(a, "a"), Channel(b, "b")
     rows = np.arange(12, dtype=np.int64).reshape(3, 4)
-    ca.send(Reply(7, {"TOKENS": Array.of(rows), "TIMINGS": Array.text("{}")}, True))
+    ca.send(Reply(7, True, rows=Array.of(rows), timings="{}"))
     ca.send(Cancel(7))
     got = cb.recv()
     assert isinstance(got, Reply) and got.req_id == 7 and got.final
-    assert np.array_equal(got.outputs["TOKENS"].numpy(), rows) and got.outputs["TIMINGS"].data == b"{}"
+    assert got.rows is not None and np.array_equal(got.rows.numpy(), rows) and got.timings == "{}"
     assert cb.recv() == Cancel(7)
     ca.close()
     assert cb.recv() is None  # the peer is gone: end of stream, at once
@@ -169,7 +170,7 @@ def test_channel_frames_and_end_of_stream() -> None:
 
 
 def test_worker_metrics_aggregate_until_the_next_beat() -> None:
-    m = WorkerMetrics()
+    m = BeatMetrics()
     m.set("tandem_free_pages", 5)
     m.set("tandem_free_pages", 7)
     m.inc("tandem_streams_total", outcome="finished")
@@ -201,7 +202,11 @@ def test_beats_queued_behind_a_slow_publish_merge_to_the_newest_gauges() -> None
         ],
         observes=[("tandem_step_seconds", {}, 0.002)],
     )
-    sets, incs, observes = merge_beats([first, second])
+    merged = BeatMetrics()
+    merged.record(first)
+    merged.record(second)
+    out = merged.beat(0.0)
+    sets, incs, observes = out.sets, out.incs, out.observes
     assert sorted(sets) == [("tandem_free_pages", {}, 100.0), ("tandem_inflight_streams", {}, 2.0)]
     assert sorted(incs, key=str) == sorted(
         [
@@ -211,4 +216,4 @@ def test_beats_queued_behind_a_slow_publish_merge_to_the_newest_gauges() -> None
         key=str,
     )
     assert observes == [("tandem_step_seconds", {}, 0.001), ("tandem_step_seconds", {}, 0.002)]
-    assert merge_beats([]) == ([], [], [])
+    assert BeatMetrics().beat(0.0) == Beat(0.0)  # nothing merged, nothing to publish

@@ -29,7 +29,7 @@ from tandem.transfer import (
 from tandem.transfer.cuda_paths import CudaIpcPath, CudaVmmPath
 from tandem.transfer.proxy import ProxyClient
 from tandem.transfer.proxy_path import ProxyPath
-from tandem.transfer.registry import NAMES, registry
+from tandem.transfer.registry import NAMES, path_factories
 from tests.support.transfer_fakes import fake_kv, fake_pool
 
 LAYOUT = WireLayout(4, 2, 64, "bfloat16")
@@ -109,7 +109,7 @@ def sender_child(
 
 
 def test_the_registry_builds_every_path_by_its_name_without_touching_cuda() -> None:
-    reg = registry()
+    reg = path_factories()
     assert set(reg) == set(NAMES) and set(GPU_PATHS) <= set(reg)
     assert all(reg[n]().name == n for n in NAMES)
 

@@ -140,10 +140,24 @@ def test_no_package_circle(depth: int) -> None:
     assert _cycles(graph) == []
 
 
-def test_the_gateway_imports_without_torch() -> None:
-    """The HTTP process must start on a machine without torch: block it and import the gateway."""
-    code = (
-        "import sys; sys.modules['torch'] = None; import tandem.gateway.app, tandem.cli.gateway; print('ok')"
-    )
+@pytest.mark.parametrize(
+    "modules",
+    [
+        "tandem.gateway.app, tandem.cli.gateway",  # the HTTP process
+        "tandem.serving.supervisor, tandem.serving.launcher, tandem.cli.health",  # tandem-unit, the probe
+        "tandem.transfer.control, tandem.serving.api_key",  # the control directory they share
+    ],
+)
+def test_torch_free_processes_import_without_torch(modules: str) -> None:
+    """The gateway, the unit's supervisor, the launcher and the readiness probe run where torch may be
+    absent (and must not pay its import): block it and import them."""
+    code = f"import sys; sys.modules['torch'] = None\nimport {modules}\nprint('ok')"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]
+
+
+def test_the_transfer_package_exports_what_it_names() -> None:
+    import tandem.transfer as t
+
+    assert sorted(t.__all__) == sorted(t._WHERE)
+    assert all(getattr(t, name) is not None for name in t.__all__)

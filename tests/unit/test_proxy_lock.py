@@ -116,12 +116,12 @@ def test_engines_proxy_path_is_their_units_sidecar(monkeypatch: pytest.MonkeyPat
     looking for the sidecar of the unit "default")."""
     from tandem.backend.engines.parts import path_options
     from tandem.backend.settings import EngineSettings, TransferSettings
-    from tandem.transfer import WireLayout, registry
+    from tandem.transfer import WireLayout, path_factories
 
     monkeypatch.setenv("TANDEM_UNIT", "not-this-one")  # no path reads the environment
     layout = WireLayout(num_layers=2, num_kv_heads=2, head_dim=16, dtype_name="float32")
     opts = path_options(EngineSettings(transfer=TransferSettings(unit="u9")), layout)
-    path = registry(opts)["proxy"]()
+    path = path_factories(opts)["proxy"]()
     assert isinstance(path, ProxyPath)
     assert path.unit == "u9" and path.layout == layout
     assert path.socket_path == str(control_dir("u9") / "proxy.sock")

@@ -114,3 +114,15 @@ def test_set_parameter_replaces_or_appends():
     text = 'parameters { key: "a" value { string_value: "1" } }\n'
     assert set_parameter(text, "a", "2") == 'parameters { key: "a" value { string_value: "2" } }\n'
     assert set_parameter(text, "b", "3").endswith('parameters { key: "b" value { string_value: "3" } }\n')
+
+
+def test_a_parameter_with_quotes_round_trips_through_the_config() -> None:
+    """A JSON value (the fault drills' options) is escaped as text-format wants, and read back as it was;
+    unescaped, its quotes ended the string and Triton refused the whole config."""
+    from tandem.serving.repository import get_parameter, set_parameter
+
+    value = '{"delay_every": 3, "path": "C:\\\\x"}\nsecond line'
+    config = set_parameter('name: "prefill"\n', "tandem.faults.options", value)
+    assert '\\"delay_every\\"' in config and get_parameter(config, "tandem.faults.options") == value
+    again = set_parameter(config, "tandem.faults.options", "{}")
+    assert get_parameter(again, "tandem.faults.options") == "{}" and again.count("tandem.faults.options") == 1

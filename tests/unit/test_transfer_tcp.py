@@ -33,7 +33,7 @@ from tandem.transfer import (
     TransferTimeout,
     WireLayout,
     kv_checksum,
-    registry,
+    path_factories,
     select_path,
 )
 from tandem.transfer.auth import unit_secret
@@ -70,8 +70,8 @@ def staged(n_tokens: int, seed: int) -> torch.Tensor:
 
 
 def test_registered_and_probe_works() -> None:
-    assert "tcp" in registry()
-    assert select_path(["tcp"], require="tcp", registry=registry()).name == "tcp"
+    assert "tcp" in path_factories()
+    assert select_path(["tcp"], require="tcp", registry=path_factories()).name == "tcp"
 
 
 def test_round_trip(path: TcpPath, arena: TcpArena) -> None:

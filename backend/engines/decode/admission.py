@@ -31,15 +31,12 @@ assignment, so a reader sees the old fit or the new one). The pool's free
 list could take a lock of its own, but `reserve` must check room and allocate atomically with the
 member count, so one lock is the simplest honest choice; it is held for microseconds.
 
-**What crosses**, and who owns it afterwards:
-- execute -> admission: `DecodeRequest` through the intake; the request (its sink) belongs to the
-  intake until admitted, dropped, expired or failed (each exactly once). A request with a ticket
-  carries its `TicketClaim` (`backend/engines/decode/tickets.py`): `_admit` marks it pulled once the
-  receiver took the ticket; every end before that (a `fail` of its sink) has D tell P to drop it.
-- admission -> engine: `Admitted` through `admitted` (a SimpleQueue). With it the Stream and its
-  pages pass to the engine thread; the admission thread never touches the stream again, except that
-  the receiver may call `return_held` for it (under the lock) once the engine left it holding.
-- engine/receiver -> admission: `capacity` (an Event) is set when pages or batch room come back.
+**What crosses** to and from this thread is part of D's one written contract (engine.py's docstring).
+Ownership on the way: a request (its sink) belongs to the intake until admitted, dropped, expired or
+failed (each exactly once); a request with a ticket carries its `TicketClaim` (`tickets.py`), marked
+pulled once the receiver took the ticket. With an `Admitted` the Stream and its pages pass to the engine
+thread; this thread never touches the stream again (the receiver may still `return_held` for it, under
+the lock).
 
 Failure: a request `_admit` cannot place stays queued (False) and is offered again when capacity
 comes back or after 5 ms, until the intake's admission wait sheds it (UNAVAILABLE). An error while

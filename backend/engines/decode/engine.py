@@ -19,6 +19,8 @@ What crosses between D's threads, in one place (each file states its own part in
   is touched by no other thread; the admission thread only reads the step model's fit.
 - receiver threads -> engine: transfer events (a list append) and, direct mode, `return_held` (the
   proof that a failed transfer's prompt pages can be reused, under the lock).
+- engine / receiver -> admission: `Membership.capacity` (an Event), set when pages or batch room come
+  back, so a request that did not fit is offered again at once.
 - any thread that ends a request before its pull -> receiver: `drop(ticket)` through the request's
   claim (`tickets.py`); it never blocks, and P frees the offer's pages at once.
 
@@ -64,7 +66,7 @@ from tandem.backend.engines.parts import (
 )
 from tandem.backend.engines.stream import Stream, StreamStatus
 from tandem.backend.engines.thread import EngineThread
-from tandem.backend.errors import InvalidInput, StreamFailed
+from tandem.backend.errors import StreamFailed
 from tandem.backend.metrics import MetricsSink
 from tandem.backend.model.decoder import Decoder
 from tandem.backend.scheduling.decode_policy import DecodePolicy
@@ -209,14 +211,8 @@ class DecodeEngine:
             req.claim = self.tickets.claim(req.sink, ticket)
             req.sink = req.claim
         try:
-            row, cfg = req.handoff.first_row, self.decoder.cfg
-            if len(row) != cfg.row_width or not all(0 <= x < cfg.vocab_size for x in row):
-                raise InvalidInput(
-                    f"malformed handoff: first row {list(row)[:8]} is not "
-                    f"{cfg.row_width} ids below {cfg.vocab_size}"
-                )
-            if req.handoff.prompt_len + req.handoff.max_new_rows > self.pool.num_pages * self.pool.page_size:
-                raise InvalidInput("malformed handoff: prompt_len + max_new_rows exceed D's whole pool")
+            cfg = self.decoder.cfg
+            req.handoff.check_fits(cfg.row_width, cfg.vocab_size, self.pool.num_pages * self.pool.page_size)
             self.intake.submit(req)
         except BaseException:
             if req.claim is not None:

@@ -6,12 +6,13 @@ supervised by this stub, tandem.serving.engine_worker); this stub only validates
 
 import triton_python_backend_utils as pb_utils
 
+from tandem.backend.worker.channel import EngineKind
 from tandem.serving.engine_stub import EngineStub
 
 
 class TritonPythonModel:
     def initialize(self, args):
-        self.stub = EngineStub(pb_utils, args, "decode")
+        self.stub = EngineStub(pb_utils, args, EngineKind.DECODE)
 
     def execute(self, requests):
         self.stub.execute(requests)
