@@ -84,23 +84,31 @@ def linear(
     flat = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
     if not gemv_runs(flat, weight, bias, limit):
         return F.linear(x, weight, bias)
+    return _gemv(flat, weight, bias, None).view(*x.shape[:-1], weight.shape[0])
+
+
+def _gemv(
+    x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, w_scale: torch.Tensor | None
+) -> torch.Tensor:
+    """The kernel's y [M, N] in x's dtype for x [M, K] and w [N, K] (E4M3 with `w_scale`)."""
     module = kv_cuda.module()
     assert module is not None
-    n, k = weight.shape
-    out = torch.empty((flat.shape[0], n), dtype=x.dtype, device=x.device)
+    n, k = w.shape
+    out = torch.empty((x.shape[0], n), dtype=x.dtype, device=x.device)
     module.gemv(
-        flat.data_ptr(),
-        weight.data_ptr(),
+        x.data_ptr(),
+        w.data_ptr(),
         0 if bias is None else bias.data_ptr(),
         out.data_ptr(),
-        flat.shape[0],
+        x.shape[0],
         n,
         k,
         _DTYPE_CODES[x.dtype],
         x.device.index or 0,
         int(torch.cuda.current_stream(x.device).cuda_stream),
+        **({} if w_scale is None else {"w_scale": w_scale.data_ptr()}),  # a module built before it takes none
     )
-    return out.view(*x.shape[:-1], n)
+    return out
 
 
 def gemv_fp8_runs(x: torch.Tensor, w8: torch.Tensor) -> bool:
@@ -121,21 +129,4 @@ def gemv_fp8(
 ) -> torch.Tensor:
     """y [M, N] bfloat16 = (x . w8^T) * scale + bias for bfloat16 x [M, K], E4M3 w8 [N, K], float32
     scale (N values, contiguous) and a bfloat16 bias [N] or None; `gemv_fp8_runs` must hold."""
-    module = kv_cuda.module()
-    assert module is not None
-    n, k = w8.shape
-    out = torch.empty((x.shape[0], n), dtype=torch.bfloat16, device=x.device)
-    module.gemv(
-        x.data_ptr(),
-        w8.data_ptr(),
-        0 if bias is None else bias.data_ptr(),
-        out.data_ptr(),
-        x.shape[0],
-        n,
-        k,
-        _DTYPE_CODES[torch.bfloat16],
-        x.device.index or 0,
-        int(torch.cuda.current_stream(x.device).cuda_stream),
-        w_scale=scale.data_ptr(),
-    )
-    return out
+    return _gemv(x, w8, bias, scale)

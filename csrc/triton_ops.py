@@ -158,6 +158,14 @@ if _triton is not None:
         tl.store(scale_ptr + row, tl.math.div_rn(amax, lim))
 
     @triton.jit
+    def _store_e4m3(dst, x1, x2, inv, mask, HALF: tl.constexpr):  # type: ignore[no-untyped-def]
+        # Both halves of a head's row as E4M3 at inverse scale `inv` (csrc/fp8.py's KV rule).
+        q1 = tl.clamp(x1.to(tl.float32) * inv, -F8_MAX, F8_MAX)
+        q2 = tl.clamp(x2.to(tl.float32) * inv, -F8_MAX, F8_MAX)
+        tl.store(dst, q1.to(tl.float8e4nv, fp_downcast_rounding="rtne"), mask=mask)
+        tl.store(dst + HALF, q2.to(tl.float8e4nv, fp_downcast_rounding="rtne"), mask=mask)
+
+    @triton.jit
     def _add_rms_norm_kernel(  # type: ignore[no-untyped-def]
         a_ptr,
         r_ptr,
@@ -255,11 +263,7 @@ if _triton is not None:
             else:
                 dst = kv_ptr + slot[:, None] * (KVH * HD) + (j - NH) * HD + offs[None, :]
                 if KV_FP8:  # csrc/fp8.py: rn(k * (1 / s)), the inverse a power of two
-                    inv = tl.load(inv_ptr + (j - NH))
-                    k1 = tl.clamp(o1.to(tl.float32) * inv, -F8_MAX, F8_MAX)
-                    k2 = tl.clamp(o2.to(tl.float32) * inv, -F8_MAX, F8_MAX)
-                    tl.store(dst, k1.to(tl.float8e4nv, fp_downcast_rounding="rtne"), mask=m)
-                    tl.store(dst + HALF, k2.to(tl.float8e4nv, fp_downcast_rounding="rtne"), mask=m)
+                    _store_e4m3(dst, o1, o2, tl.load(inv_ptr + (j - NH)), m, HALF)
                 else:
                     tl.store(dst, o1, mask=m)
                     tl.store(dst + HALF, o2, mask=m)
@@ -267,12 +271,8 @@ if _triton is not None:
             dst = kv_ptr + plane + slot[:, None] * (KVH * HD) + (j - NH - KVH) * HD + offs[None, :]
             v1 = tl.load(src, mask=m)
             v2 = tl.load(src + HALF, mask=m)
-            if KV_FP8:
-                inv = tl.load(inv_ptr + (j - NH))  # V's inverse scales follow K's: index KVH + head
-                f1 = tl.clamp(v1.to(tl.float32) * inv, -F8_MAX, F8_MAX)
-                f2 = tl.clamp(v2.to(tl.float32) * inv, -F8_MAX, F8_MAX)
-                tl.store(dst, f1.to(tl.float8e4nv, fp_downcast_rounding="rtne"), mask=m)
-                tl.store(dst + HALF, f2.to(tl.float8e4nv, fp_downcast_rounding="rtne"), mask=m)
+            if KV_FP8:  # V's inverse scales follow K's: index KVH + head
+                _store_e4m3(dst, v1, v2, tl.load(inv_ptr + (j - NH)), m, HALF)
             else:
                 tl.store(dst, v1, mask=m)
                 tl.store(dst + HALF, v2, mask=m)
