@@ -11,10 +11,12 @@ import math
 import pytest
 import torch
 
+from tandem.backend.engines.parts import build_decoder
 from tandem.backend.kv.pool import KVPool
 from tandem.backend.model import fp8
 from tandem.backend.model.config import PRESETS
 from tandem.backend.model.decoder import Decoder
+from tandem.backend.settings import parse_settings
 from tandem.bench import fp8_quality
 from tandem.csrc import kv_cuda
 from tandem.csrc.fp8 import E4M3, E4M3_MAX, quantize_kv, read_kv, reference_quantize_rows, write_kv
@@ -189,3 +191,31 @@ def test_fp8_weights_release_the_bf16_projections() -> None:
     quantised = sum(w.data.numel() for q in dec.fp8_layers for w in (q.qkv, q.o, q.gate_up, q.down))
     assert kept + quantised == before
     assert math.isfinite(float(dec(torch.zeros(3, CFG.row_width, dtype=torch.long)).sum()))
+
+
+@pytest.mark.parametrize(
+    ("params", "message"),
+    [
+        (
+            {"model.dtype": "int4"},
+            "parameter 'model.dtype': 'int4' is not one of float32, bfloat16, float16, fp8",
+        ),
+        ({"kv.dtype": "bf8"}, "parameter 'kv.dtype': 'bf8' is not one of auto, fp8"),
+        ({"kv.dtype": "fp8", "model.dtype": "float32"}, "fp8 KV is read by the bf16/fp16 attention kernel"),
+        ({"kv.scale": "1"}, "unknown parameter 'kv.scale'"),
+    ],
+)
+def test_fp8_settings_are_checked_when_parsed(params: dict[str, str], message: str) -> None:
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        parse_settings(params)
+
+
+def test_fp8_settings_parse_and_a_cpu_engine_refuses_them_before_loading() -> None:
+    s = parse_settings({"model.dtype": "fp8", "kv.dtype": "fp8", "model.preset": "tiny"})
+    assert (s.model.dtype, s.kv.dtype) == ("fp8", "fp8")
+    assert parse_settings({}).kv.dtype == "auto"
+    with pytest.raises(fp8.Fp8Unsupported, match=r"tandem.model.dtype=fp8 .* runs on cpu"):
+        build_decoder(s, torch.device("cpu"))
+    kv_only = parse_settings({"kv.dtype": "fp8"})
+    with pytest.raises(fp8.Fp8Unsupported, match=r"tandem.kv.dtype=fp8"):
+        build_decoder(kv_only, torch.device("cpu"))
