@@ -26,12 +26,28 @@ class Limits:
     default_new_rows: int = 256
 
 
+# `tandem.model.dtype` values: "" keeps the checkpoint's / preset's; fp8 is bfloat16 compute with E4M3
+# projections (backend/model/fp8.py), which only a GPU of compute capability 8.9+ runs.
+MODEL_DTYPES = ("", "float32", "bfloat16", "float16", "fp8")
+# `tandem.kv.dtype` values: auto stores the KV in the model's compute dtype; fp8 in E4M3 with per-head
+# scales (GPU, 8.9+).
+KV_DTYPES = ("auto", "fp8")
+
+
 @dataclass(frozen=True)
 class ModelSource:
     preset: str = "tiny"
     checkpoint: str = ""  # a directory with config.json + *.safetensors; overrides preset
-    dtype: str = ""  # "" keeps the preset's / checkpoint's dtype
+    dtype: str = ""  # one of MODEL_DTYPES ("" keeps the preset's / checkpoint's dtype)
     seed: int = 0  # random-weight seed for presets
+
+
+@dataclass(frozen=True)
+class KVSettings:
+    """The KV cache's storage: `dtype` auto (the model's compute dtype) or fp8 (E4M3, static per-head
+    scales from the weights; P and D must both say it, or their hand-off refuses)."""
+
+    dtype: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -177,6 +193,7 @@ class WorkerSettings:
 @dataclass(frozen=True)
 class EngineSettings:
     model: ModelSource = field(default_factory=ModelSource)
+    kv: KVSettings = field(default_factory=KVSettings)
     device: str = "auto"  # auto: the instance's GPU for KIND_GPU instances, else cpu
     pool: PoolSettings = field(default_factory=PoolSettings)
     batch: BatchSettings = field(default_factory=BatchSettings)
@@ -195,6 +212,7 @@ class EngineSettings:
 # parameter key -> (section, field). Section "" is EngineSettings itself.
 _SECTIONS = {
     "model": "model",
+    "kv": "kv",
     "pool": "pool",
     "batch": "batch",
     "transfer": "transfer",
@@ -243,8 +261,25 @@ def parse_settings(params: Mapping[str, str]) -> EngineSettings:
     built = {name: dataclasses.replace(getattr(base, name), **values) for name, values in sections.items()}
     explicit_floor = "batch.rate_floor_tok_s" in params
     settings = dataclasses.replace(base, **built, **top)
+    _check_dtypes(settings)
     _check_transfer(settings.transfer)
     return _with_rate_floor(settings, explicit_floor)
+
+
+def _check_dtypes(settings: EngineSettings) -> None:
+    """`model.dtype` and `kv.dtype` name known storages (whether the device runs FP8 is checked where
+    the decoder is built, `engines/parts.build_decoder`, since only there is the device known)."""
+    if settings.model.dtype not in MODEL_DTYPES:
+        raise ValueError(
+            f"parameter 'model.dtype': {settings.model.dtype!r} is not one of {', '.join(MODEL_DTYPES[1:])} "
+            "(or empty: the checkpoint's)"
+        )
+    if settings.kv.dtype not in KV_DTYPES:
+        raise ValueError(f"parameter 'kv.dtype': {settings.kv.dtype!r} is not one of {', '.join(KV_DTYPES)}")
+    if settings.kv.dtype == "fp8" and settings.model.dtype == "float32":
+        raise ValueError(
+            "parameter 'kv.dtype': fp8 KV is read by the bf16/fp16 attention kernel, not float32"
+        )
 
 
 def _check_transfer(t: TransferSettings) -> None:

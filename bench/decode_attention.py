@@ -11,8 +11,8 @@ events; a call's time is a replay's over `--calls` (no host launch cost, as in t
 Bytes: the K and V rows of every stream read once (B x context x 2 x KVH x HD x itemsize; q, the
 partials and the output are left out), so `hbm_fraction` = bytes / time / `--hbm-tb-s`.
 Configurations whose KV fits in the 60 MB L2 can exceed 1.0 (repeats read it from the cache).
-`--merges fused,kernel` times variants 4 and 5 with the split-K merge inside the partial kernel and as a
-second kernel; `--chunks` adds fixed tokens-per-split (0: the wrapper's own choice). `--ceiling` also
+`--chunks` adds fixed tokens-per-split (0: the wrapper's own choice); `--kv-dtype fp8` reads an E4M3
+pool (tandem.kv.dtype=fp8, variants 4 and 5), whose bytes are half. `--ceiling` also
 times what the memory system gives a plain stream over the same bytes: a device-to-device copy of the
 pool's rows (bytes read + written, the method of the device notes) and a float32 sum over them (read
 only), each the median of `--reps` runs.
@@ -54,12 +54,13 @@ def _graph_ms(
     variant: int,
     args: argparse.Namespace,
     chunk: int | None = None,
-    fused_merge: bool | None = None,
 ) -> list[float]:
     """Milliseconds of `--reps` replays of a graph of `--calls` back-to-back calls (host launch cost
     out, as in the decoder's graphed step)."""
     scale = q.shape[-1] ** -0.5
-    opts: dict[str, Any] = {"variant": variant, "chunk": chunk, "fused_merge": fused_merge}
+    opts: dict[str, Any] = {"variant": variant, "chunk": chunk}
+    if kv.dtype == torch.float8_e4m3fn:
+        opts["kv_scales"] = torch.full((2, kv.shape[2]), 2.0**-4, device=kv.device)
     kv_cuda.decode_attention(q, kv, slots, lengths, scale, **opts)  # eager first (attributes)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -79,6 +80,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     kv = torch.empty(2, rows, kvh, hd, dtype=tdtype, device=device)
     gen = torch.Generator(device=device).manual_seed(0)
     kv.normal_(0.0, 1.0, generator=gen)
+    if args.kv_dtype == "fp8":  # tandem.kv.dtype=fp8: E4M3 at scales 2^-4 (values of unit size)
+        kv = (kv.float() * 16).to(torch.float8_e4m3fn)
     item = kv.element_size()
     out = []
     # Same order (and random draws) as one loop per axis: variant, page size, batch, context.
@@ -91,15 +94,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if not kv_cuda.decode_attention_supported(q, kv, variant):
             continue
         nbytes = b * ctx * 2 * kvh * hd * item
-        merges = args.merges if variant in (4, 5) else ["kernel"]
-        for merge, chunk in itertools.product(merges, args.chunks):
-            ms = _graph_ms(q, kv, slots, lengths, variant, args, chunk or None, merge == "fused")
+        for chunk in args.chunks:
+            ms = _graph_ms(q, kv, slots, lengths, variant, args, chunk or None)
             s = benchutil.summary([t / args.calls / 1e3 for t in ms])
             tb_s = nbytes / (s["median_ms"] / 1e3) / 1e12
             out.append(
                 {
                     "variant": variant,
-                    "merge": merge,
                     "chunk": chunk or None,
                     "page_size": page,
                     "batch": b,
@@ -111,7 +112,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 }
             )
     result: dict[str, Any] = {
-        "shape": {"kv_heads": kvh, "head_dim": hd, "group": group, "dtype": dtype},
+        "shape": {"kv_heads": kvh, "head_dim": hd, "group": group, "dtype": dtype, "kv_dtype": str(kv.dtype)},
         "results": out,
     }
     if args.ceiling:
@@ -139,6 +140,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="tandem-bench-decode-attention", description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument(
+        "--kv-dtype", default="auto", choices=("auto", "fp8"), help="fp8: an E4M3 KV (tandem.kv.dtype)"
+    )
     ap.add_argument("--kv-heads", type=int, default=8)
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--group", type=int, default=4)
@@ -146,7 +150,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--page-sizes", type=_ints, default=[1, 16])
     ap.add_argument("--batches", type=_ints, default=[1, 4, 16, 64, 256])
     ap.add_argument("--context", type=_ints, default=[256, 1024, 2048, 8192])
-    ap.add_argument("--merges", default="kernel", help="variants 4/5: fused and/or kernel, comma list")
     ap.add_argument("--chunks", type=_ints, default=[0], help="tokens per split; 0: the wrapper's choice")
     ap.add_argument("--ceiling", action="store_true", help="also time a copy and a sum of the same bytes")
     ap.add_argument("--reps", type=int, default=10, help="timed replays")
@@ -156,9 +159,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=Path("."))
     ap.add_argument("--name", default="decode-attention-h200")
     args = ap.parse_args(argv)
-    args.merges = [m.strip() for m in args.merges.split(",") if m.strip()]
-    if not args.merges or set(args.merges) - {"fused", "kernel"}:
-        ap.error(f"--merges takes fused and/or kernel, got {args.merges}")
     if any(c < 0 for c in args.chunks):
         ap.error("--chunks must be >= 0")
     if not torch.cuda.is_available() or kv_cuda.module() is None:
@@ -170,11 +170,10 @@ def main(argv: list[str] | None = None) -> int:
     benchutil.write_json(args.out / f"{args.name}.json", result)
     print(
         benchutil.format_table(
-            ["variant", "merge", "chunk", "page", "batch", "context", "median us", "TB/s", "HBM fraction"],
+            ["variant", "chunk", "page", "batch", "context", "median us", "TB/s", "HBM fraction"],
             [
                 [
                     r["variant"],
-                    r["merge"],
                     r["chunk"] or "auto",
                     r["page_size"],
                     r["batch"],

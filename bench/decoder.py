@@ -47,7 +47,6 @@ from tandem.backend.kv.pool import KVPool
 from tandem.backend.model import prefill_attention
 from tandem.backend.model.cuda_graphs import GraphedDecode
 from tandem.backend.model.decoder import Decoder
-from tandem.backend.model.warm_up import plan_prefill_attention
 from tandem.bench import roofline as decoder_roofline
 from tandem.bench import util as benchutil
 from tandem.csrc import kv_cuda, linear
@@ -81,6 +80,11 @@ class _Timer:
 
 
 DecodeFn = Callable[[torch.Tensor, list[torch.Tensor], torch.Tensor], torch.Tensor]
+
+
+def _fp8_weights(dec: Decoder) -> list[Any]:
+    """Every E4M3 projection of an FP8 decoder (none otherwise)."""
+    return [w for q in dec.fp8_layers or [] for w in (q.qkv, q.o, q.gate_up, q.down)]
 
 
 def _step(
@@ -350,7 +354,7 @@ def print_tables(result: dict[str, Any]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="tandem-bench-decoder", description=__doc__.split("\n")[0])
-    benchutil.add_model_arguments(ap)
+    benchutil.add_model_arguments(ap, fp8=True)
     ap.add_argument(
         "--prompts", type=_ints, default=[256, 1024, 2048], help="prefill prompt rows, comma list"
     )
@@ -447,7 +451,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--forward-only and --breakdown time CUDA kernels: they need --device cuda")
     timer = _Timer(device)
     t0 = time.perf_counter()
-    dec = Decoder.random(cfg, device, seed=args.seed)
+    dec = benchutil.build_model(args, cfg, device)
+    cfg = dec.cfg  # an E4M3 KV changes the layout
     if args.reference_kernels:
         dec.fused = False
         kv_cuda.KERNEL_VARIANT = 2
@@ -457,10 +462,7 @@ def main(argv: list[str] | None = None) -> int:
     pool_tokens = max(pages * args.page_size, max(args.prompts, default=0))
     if args.distinct_lengths:
         pool_tokens = max(pool_tokens, args.distinct_range[1])
-    pool = benchutil.shuffled_pool(cfg, pool_tokens, args.page_size, device, args.seed)
-    # As the engines' warm-up does (a no-op unless TANDEM_PREFILL_ATTENTION=cudnn): cuDNN's plans for
-    # the prompt lengths timed here, so prefill times what a served prompt of that length runs.
-    plan_prefill_attention(dec, max(args.prompts, default=0))
+    pool = benchutil.shuffled_pool(dec, pool_tokens, args.page_size, device, args.seed)
     setup_s = time.perf_counter() - t0
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p)
     floor = benchutil.floor_tok_s(args.preset, args.rtf)
@@ -547,16 +549,16 @@ def main(argv: list[str] | None = None) -> int:
         if args.reference_kernels
         else (
             f"fused={dec.fused}, attention variant {kv_cuda.KERNEL_VARIANT}, "
-            f"merge {'fused' if kv_cuda.FUSED_MERGE else 'kernel'}, gemv rows <= {linear.GEMV_MAX_ROWS}, "
-            f"blas {linear.BLAS}, "
-            f"prefill attention {'cudnn' if prefill_attention.USE_CUDNN else 'flash'}"
+            f"gemv rows <= {linear.GEMV_MAX_ROWS}, prefill attention flash"
         ),
         "hbm_tb_s": args.hbm_tb_s,
         "tc_peak_tflops": args.tc_peak_tflops,
         "roofline_model": decoder_roofline.__doc__.split("\n\n")[1] if decoder_roofline.__doc__ else "",
         "preset": cfg.name,
-        "dtype": cfg.dtype,
-        "params": sum(p.numel() for p in dec.parameters()),
+        "dtype": "fp8" if dec.fp8_layers is not None else cfg.dtype,
+        "compute_dtype": cfg.dtype,
+        "kv_dtype": str(cfg.kv_torch_dtype).removeprefix("torch."),
+        "params": sum(p.numel() for p in dec.parameters()) + sum(q.data.numel() for q in _fp8_weights(dec)),
         "kv_bytes_per_token": cfg.kv_bytes_per_token,
         "page_size": args.page_size,
         "pool_tokens": pool_tokens,

@@ -1,9 +1,11 @@
 """The decode step's memory roofline and a kernel-family breakdown of one step (for `tandem-bench-decoder`).
 
 Bytes model of one decode step of B streams at context C (what must cross HBM at least once):
-- every weight once: all parameters except the input embedding table, whose step reads only B rows;
+- every weight once: all parameters except the input embedding table, whose step reads only B rows
+  (with `--dtype fp8`, each projection's E4M3 bytes and its float32 scales);
   with tied embeddings the table is the output head and is counted once, as the head;
-- every stream's KV for its context, read once: B x C x `kv_bytes_per_token` (K and V of every layer);
+- every stream's KV for its context, read once: B x C x `kv_bytes_per_token` (K and V of every layer,
+  one byte an element with `--kv-dtype fp8`);
 - the new rows' KV written: B x `kv_bytes_per_token` (small).
 Activations, logits and the split-K partials are left out (a few MB). Roofline time = bytes / the
 bandwidth (4.8 TB/s, the H200 datasheet's, unless `--hbm-tb-s` says otherwise); fraction = roofline
@@ -43,7 +45,7 @@ H200_BF16_DENSE_TFLOPS = 989.0
 # (family, substrings of the kernel name), first match wins; anything else is "other elementwise".
 FAMILIES: list[tuple[str, tuple[str, ...]]] = [
     ("attention", ("decode_partial", "decode_merge", "flash", "fmha", "attention")),
-    ("fused norm/rope/swiglu (triton)", ("_add_rms_norm", "_rope_kv_write", "_swiglu")),
+    ("fused norm/rope/swiglu (triton)", ("_add_rms_norm", "_rope_kv_write", "_swiglu", "_quantize_rows")),
     ("gemm", ("gemm", "gemv", "xmma", "cutlass", "nvjet", "sm90_", "splitk", "cublas")),
     ("kv write (torch)", ("index_copy", "indexing_backward", "index_put")),
     ("copy / cast", ("copy", "cast", "convert")),
@@ -52,8 +54,10 @@ FAMILIES: list[tuple[str, tuple[str, ...]]] = [
 
 
 def weight_bytes(dec: Decoder) -> int:
-    """Bytes of every weight a step reads in full (see the module docstring)."""
+    """Bytes of every weight a step reads in full (see the module docstring); an FP8 decoder's
+    projections count their E4M3 bytes and scales (its bf16 copies are released)."""
     total = sum(p.numel() * p.element_size() for p in dec.parameters())
+    total += sum(q.nbytes for q in dec.fp8_layers or [])
     if dec.lm_head is not None:  # untied: the embedding table is only looked up
         emb = dec.model.embed_tokens.weight
         total -= emb.numel() * emb.element_size()

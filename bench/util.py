@@ -27,6 +27,7 @@ import torch
 from tandem.backend.codec.config import VocoderConfig
 from tandem.backend.kv.pool import KVPool
 from tandem.backend.model.config import ModelConfig, preset
+from tandem.backend.model.decoder import Decoder
 from tandem.backend.settings import RateSettings
 
 COMMIT_ENV = "TANDEM_BENCH_COMMIT"  # set by callers that run from a copy without .git (device machine)
@@ -177,37 +178,62 @@ def floor_tok_s(preset_name: str, rtf: float = RateSettings().rtf) -> float:
     return PRESET_ROWS_PER_SECOND.get(preset_name, VocoderConfig().rows_per_second) / rtf
 
 
-def add_model_arguments(ap: argparse.ArgumentParser) -> None:
+def add_model_arguments(ap: argparse.ArgumentParser, fp8: bool = False) -> None:
     """`--preset`, `--device`, `--dtype` and `--rtf`, as the decoder benchmarks take them
-    (`model_from_args`, `floor_tok_s`)."""
+    (`model_from_args`, `floor_tok_s`); with `fp8`, also `--dtype fp8` and `--kv-dtype` (a bench that
+    builds through `build_model`)."""
     ap.add_argument("--preset", default="tiny", help="model preset (tiny, qwen3-4b-shape)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--dtype", help="float32 | bfloat16 | float16 (default: the preset's)")
+    if fp8:
+        ap.add_argument(
+            "--dtype",
+            help="float32 | bfloat16 | float16 | fp8 (E4M3 projections, bf16 compute; tandem.model.dtype) "
+            "(default: the preset's)",
+        )
+        ap.add_argument(
+            "--kv-dtype",
+            default="auto",
+            choices=("auto", "fp8"),
+            help="the KV pool's storage (tandem.kv.dtype)",
+        )
+    else:
+        ap.add_argument("--dtype", help="float32 | bfloat16 | float16 (default: the preset's)")
     ap.add_argument(
         "--rtf", type=float, default=RateSettings().rtf, help="RTF target: the floor is real time over it"
     )
 
 
-def shuffled_pool(cfg: ModelConfig, n_tokens: int, page_size: int, device: torch.device, seed: int) -> KVPool:
-    """A pool for `n_tokens` whose free list hands pages out in random order, filled with random KV."""
+def shuffled_pool(
+    source: ModelConfig | Decoder, n_tokens: int, page_size: int, device: torch.device, seed: int
+) -> KVPool:
+    """A pool for `n_tokens` in `source`'s KV layout (a decoder's names its E4M3 scales) whose free list
+    hands pages out in random order, filled with random KV (`KVPool.randomize`)."""
     pages = -(-n_tokens // page_size)
-    pool = KVPool(cfg.kv_layout(), pages, page_size, device)
+    pool = KVPool(source.kv_layout(), pages, page_size, device)
     every = pool.allocate(pages)
     random.Random(seed).shuffle(every)
     pool.free(every)  # allocate() now returns pages in this shuffled order
-    gen = torch.Generator(device=device).manual_seed(seed)
-    for layer in range(pool.kv.shape[0]):  # layer by layer: bounded temporaries
-        pool.kv[layer].normal_(0.0, 1.0, generator=gen)
+    pool.randomize(torch.Generator(device=device).manual_seed(seed))
     return pool
 
 
 def model_from_args(args: argparse.Namespace) -> tuple[torch.device, ModelConfig]:
-    """The device (CUDA with an index) and the preset's config in `--dtype`; seeds torch with `--seed`."""
+    """The device (CUDA with an index) and the preset's config in `--dtype` (fp8: bfloat16, quantised
+    by `build_model`); seeds torch with `--seed`."""
     device = torch.device(args.device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     cfg = preset(args.preset)
     if args.dtype:
-        cfg = cfg.with_dtype(DTYPE_ALIASES.get(args.dtype, args.dtype))
+        cfg = cfg.with_dtype("bfloat16" if args.dtype == "fp8" else DTYPE_ALIASES.get(args.dtype, args.dtype))
     torch.manual_seed(args.seed)
     return device, cfg
+
+
+def build_model(args: argparse.Namespace, cfg: ModelConfig, device: torch.device) -> Decoder:
+    """The preset's random decoder (`--seed`), quantised as `--dtype fp8` / `--kv-dtype fp8` ask."""
+    dec = Decoder.random(cfg, device, seed=args.seed)
+    weights, kv = args.dtype == "fp8", getattr(args, "kv_dtype", "auto") == "fp8"
+    if weights or kv:
+        dec.quantize_fp8(weights=weights, kv=kv)
+    return dec

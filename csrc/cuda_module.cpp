@@ -193,38 +193,41 @@ PYBIND11_MODULE(_cuda_kernels, m) {
       "out[0], out[1] = kv_checksum's lanes (a, b) over src's rows at slots in wire order (slots 0: rows "
       "0..n_tokens-1); out[2] = rows skipped for a slot outside [0, src_rows) (out, 3 words, written)");
   m.def("decode_attention_supported", &tandem::decode_attention_supported, py::arg("dtype"), py::arg("head_dim"),
-        py::arg("group"), py::arg("variant") = 4,
-        "whether decode_attention's variant has a kernel (dtype 0 f32, 1 f16, 2 bf16)");
+        py::arg("group"), py::arg("variant") = 4, py::arg("kv_fp8") = false,
+        "whether decode_attention's variant has a kernel (dtype 0 f32, 1 f16, 2 bf16; kv_fp8: E4M3 KV)");
+  m.attr("decode_attention_kv_fp8") = true;  // this build takes kv_scales (tandem.kv.dtype=fp8)
   m.def(
       "decode_attention",
       [](uintptr_t q, uintptr_t kv, int64_t pool_rows, uintptr_t slots, int64_t s_max, uintptr_t lengths,
          int64_t batch, int64_t kv_heads, int64_t group, int64_t head_dim, int dtype, float scale, int64_t chunk,
          uintptr_t part_acc, uintptr_t part_ml, uintptr_t out, int device, uintptr_t stream, int variant,
-         uintptr_t counters) {
+         uintptr_t kv_scales) {
         tandem::decode_attention(reinterpret_cast<const void*>(q), reinterpret_cast<const void*>(kv), pool_rows,
                                  reinterpret_cast<const int64_t*>(slots), s_max,
                                  reinterpret_cast<const int64_t*>(lengths), batch, kv_heads, group, head_dim, dtype,
                                  scale, chunk, reinterpret_cast<float*>(part_acc), reinterpret_cast<float*>(part_ml),
                                  reinterpret_cast<void*>(out), device, as_stream(stream), variant,
-                                 reinterpret_cast<int*>(counters));
+                                 reinterpret_cast<const float*>(kv_scales));
       },
       py::arg("q"), py::arg("kv"), py::arg("pool_rows"), py::arg("slots"), py::arg("s_max"), py::arg("lengths"),
       py::arg("batch"), py::arg("kv_heads"), py::arg("group"), py::arg("head_dim"), py::arg("dtype"),
       py::arg("scale"), py::arg("chunk"), py::arg("part_acc"), py::arg("part_ml"), py::arg("out"),
-      py::arg("device"), py::arg("stream"), py::arg("variant") = 4, py::arg("counters") = 0,
+      py::arg("device"), py::arg("stream"), py::arg("variant") = 4, py::arg("kv_scales") = 0,
       "out[b, h] = softmax(q[b, h] . K[slots[b, :len]]) V[...] per sequence, K/V read in place (out written); "
-      "counters 0: the merge as a second kernel, else int32 zeros the partial kernel merges on (variants 4, 5)");
+            "kv_scales 0: KV in q's dtype, else float32 [2, KVH] scales of an E4M3 KV (variants 4, 5)");
   m.def(
       "gemv",
       [](uintptr_t x, uintptr_t w, uintptr_t bias, uintptr_t y, int64_t rows, int64_t n, int64_t k, int dtype,
-         int device, uintptr_t stream) {
+         int device, uintptr_t stream, uintptr_t w_scale) {
         tandem::gemv(reinterpret_cast<const void*>(x), reinterpret_cast<const void*>(w),
                      reinterpret_cast<const void*>(bias), reinterpret_cast<void*>(y), rows, n, k, dtype, device,
-                     as_stream(stream));
+                     as_stream(stream), reinterpret_cast<const float*>(w_scale));
       },
       py::arg("x"), py::arg("w"), py::arg("bias"), py::arg("y"), py::arg("rows"), py::arg("n"), py::arg("k"),
-      py::arg("dtype"), py::arg("device"), py::arg("stream"),
-      "y[rows, n] = x[rows, k] . w[n, k]^T (+ bias[n]; bias 0: none), rows 1..gemv_max_rows (y written)");
+      py::arg("dtype"), py::arg("device"), py::arg("stream"), py::arg("w_scale") = 0,
+      "y[rows, n] = x[rows, k] . w[n, k]^T (+ bias[n]; bias 0: none), rows 1..gemv_max_rows (y written); "
+      "w_scale: w is E4M3 at these float32 per-row scales (x bfloat16)");
+  m.attr("gemv_fp8") = true;  // this build's gemv takes E4M3 weights
   m.attr("gemv_max_rows") = tandem::kGemvMaxRows;
   m.def(
       "vector_bytes",

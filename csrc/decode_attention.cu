@@ -387,7 +387,8 @@ bool by_head_dim(int variant, int64_t head_dim, int64_t group, const void* q, co
 
 }  // namespace
 
-bool decode_attention_supported(int dtype, int64_t head_dim, int64_t group, int variant) {
+bool decode_attention_supported(int dtype, int64_t head_dim, int64_t group, int variant, bool kv_fp8) {
+  if (kv_fp8) return (variant == 4 || variant == 5) && mma_fp8_supported(dtype, head_dim, group);
   if (variant >= 3 && variant <= 5) return staged_supported(dtype, head_dim, group);
   return (variant == 1 || variant == 2) && dtype >= 0 && dtype <= 2 &&
          (head_dim == 64 || head_dim == 128 || head_dim == 256) && (group == 1 || group == 2 || group == 4 || group == 8);
@@ -396,12 +397,12 @@ bool decode_attention_supported(int dtype, int64_t head_dim, int64_t group, int 
 void decode_attention(const void* q, const void* kv, int64_t pool_rows, const int64_t* slots, int64_t s_max,
                       const int64_t* lengths, int64_t batch, int64_t kv_heads, int64_t group, int64_t head_dim,
                       int dtype, float scale, int64_t chunk, float* part_acc, float* part_ml, void* out,
-                      int device, cudaStream_t stream, int variant, int* counters) {
+                      int device, cudaStream_t stream, int variant, const float* kv_scales) {
   if (variant < 1 || variant > 5) throw std::runtime_error("decode_attention: variant must be 1..5");
-  if (!decode_attention_supported(dtype, head_dim, group, variant)) {
+  if (!decode_attention_supported(dtype, head_dim, group, variant, kv_scales != nullptr)) {
     throw std::runtime_error("decode_attention: no kernel for dtype " + std::to_string(dtype) + ", head_dim " +
                              std::to_string(head_dim) + ", group " + std::to_string(group) + ", variant " +
-                             std::to_string(variant));
+                             std::to_string(variant) + (kv_scales != nullptr ? ", E4M3 KV" : ""));
   }
   if (batch <= 0 || kv_heads <= 0 || s_max <= 0 || chunk <= 0) {
     throw std::runtime_error("decode_attention: batch, kv_heads, s_max and chunk must be positive");
@@ -414,7 +415,7 @@ void decode_attention(const void* q, const void* kv, int64_t pool_rows, const in
     const int n = static_cast<int>(splits);
     if (variant == 4 || variant == 5) {
       decode_attention_mma(q, kv, pool_rows, slots, s_max, lengths, batch, kv_heads, group, head_dim, dtype, scale,
-                           chunk, n, part_acc, part_ml, counters, out, device, stream, variant);
+                           chunk, n, part_acc, part_ml, out, device, stream, variant, kv_scales);
     } else if (variant == 3) {
       decode_attention_staged(q, kv, pool_rows, slots, s_max, lengths, batch, kv_heads, group, head_dim, dtype, scale,
                               chunk, n, part_acc, part_ml, out, device, stream);

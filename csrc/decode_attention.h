@@ -14,11 +14,9 @@
 // staged in shared memory by cp.async, any group of 1..8 (decode_attention_staged.cu); 2 one token per lane for the scores, K rows read
 // per lane; 1 one token per warp (2 and 1 kept as measured alternatives, groups 1/2/4/8). Nothing is checked here beyond `supported`: the Python
 // wrapper checks shapes, dtypes and devices. Errors are thrown as std::runtime_error.
-// `counters` (variants 4 and 5; others ignore it): nullptr runs the split-K merge as a second kernel;
-// otherwise int32 [B * KVH] (variant 5: [B * KVH / its warps per block]), all zero on entry, on which the
-// last block of each (sequence, heads) to finish merges the partials itself: one kernel, and the
-// counters are zero again on return. The caller owns them and must not share them between kernels
-// that run at the same time.
+// `kv_scales` (variants 4 and 5): nullptr when `kv` holds q's dtype; else `kv` holds float8_e4m3fn
+// (its rows HD bytes) and kv_scales is float32 [2, KVH], the layer's K then V scale of each KV head
+// (K = stored * scale): tandem.kv.dtype=fp8.
 #pragma once
 
 #include <cstdint>
@@ -27,12 +25,13 @@
 
 namespace tandem {
 
-// Whether decode_attention's `variant` has a kernel for this dtype, head dim and group size.
-bool decode_attention_supported(int dtype, int64_t head_dim, int64_t group, int variant = 4);
+// Whether decode_attention's `variant` has a kernel for this dtype, head dim and group size (with
+// `kv_fp8`, for an E4M3 KV).
+bool decode_attention_supported(int dtype, int64_t head_dim, int64_t group, int variant = 4, bool kv_fp8 = false);
 
 void decode_attention(const void* q, const void* kv, int64_t pool_rows, const int64_t* slots, int64_t s_max,
                       const int64_t* lengths, int64_t batch, int64_t kv_heads, int64_t group, int64_t head_dim,
                       int dtype, float scale, int64_t chunk, float* part_acc, float* part_ml, void* out,
-                      int device, cudaStream_t stream, int variant = 4, int* counters = nullptr);
+                      int device, cudaStream_t stream, int variant = 4, const float* kv_scales = nullptr);
 
 }  // namespace tandem

@@ -93,11 +93,15 @@ __global__ void decode_merge(const float* __restrict__ part_acc, const float* __
 // cores (mma.sync m16n8k16, float32 accumulation) for float16/bfloat16 and head_dim 64/128; other shapes
 // run variant 3. 4: a block per (sequence, KV head, split), four warps over the split's tiles; 5: a
 // block per (sequence, split, up to 8 KV heads), a warp per KV head. Same arguments and contract as
-// `decode_attention_staged`, plus `variant` (4 or 5) and `counters` (see decode_attention.h).
+// `decode_attention_staged`, plus `variant` (4 or 5) and `kv_scales` (see decode_attention.h).
+// `kv_scales` (nullptr: KV in q's dtype) float32 [2, KVH], the layer's K then V scales of an E4M3 KV.
 void decode_attention_mma(const void* q, const void* kv, int64_t pool_rows, const int64_t* slots, int64_t s_max,
                           const int64_t* lengths, int64_t batch, int64_t kv_heads, int64_t group, int64_t head_dim,
                           int dtype, float scale, int64_t chunk, int splits, float* part_acc, float* part_ml,
-                          int* counters, void* out, int device, cudaStream_t stream, int variant);
+                          void* out, int device, cudaStream_t stream, int variant,
+                          const float* kv_scales);
+// Whether variants 4 and 5 take E4M3 KV for this q dtype, head dim and group.
+bool mma_fp8_supported(int dtype, int64_t head_dim, int64_t group);
 
 // Variant 3 (decode_attention_staged.cu): K and V tiles staged through shared memory by cp.async.
 // Same arguments as `decode_attention`; `group` 1..8. Throws std::runtime_error on an unsupported

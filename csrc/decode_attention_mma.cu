@@ -18,11 +18,23 @@
 // Tokens past a sequence's length get score -inf; their V rows are zero-filled (P = 0 must not meet a
 // stale NaN). Float32 accumulation throughout; q is used unscaled (exact), the scores are scaled by
 // scale * log2 e in float32. Rows of O past the group are computed on zero queries and never stored.
+//
+// E4M3 KV (`kv_scales` given; tandem.kv.dtype=fp8): the pool holds K and V as float8_e4m3fn with one
+// power-of-two scale per (K or V, KV head) of the layer. cp.async stages a tile's E4M3 rows (half the
+// bytes), each lane converts 16 of them at a time to float16 (cvt.rn.f16x2.e4m3x2: exact, E4M3 is a
+// subset of float16) into the same padded tiles the 16-bit path reads, and the tile then runs the
+// float16 mma (q rounded from bf16 to float16 once: exact for |q| in [2^-14, 65504]). K's scale
+// rides on the score scale, V's on the partial output, so no element is multiplied by its scale.
+// Why convert in shared memory rather than in the B fragments: ldmatrix.trans then gives V's
+// fragments as for 16-bit KV, and the arithmetic and softmax stay the code the 16-bit path proved.
 #include "cuda_check.h"
 #include "decode_attention_common.cuh"
 
+#include <cuda_fp8.h>
+
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 
 namespace tandem {
 namespace {
@@ -34,14 +46,67 @@ using attn::cp_async_wait;
 constexpr int kTile = 32;
 constexpr int kWarps = 4;
 
-template <int HD>
+template <int HD, bool F8 = false>
 struct MGeo {
-  static constexpr int kRowBytes = HD * 2;
+  static constexpr int kRowBytes = HD * 2;  // a 16-bit tile row
   static constexpr int kChunks = kRowBytes / 16;
   static constexpr int kStride = kRowBytes + 16;
-  static constexpr int kWarpBytes = 2 * kTile * kStride;  // K tile, then V tile
+  static constexpr int kTileBytes = 2 * kTile * kStride;  // K tile, then V tile
+  static constexpr int kRow8 = HD;                        // an E4M3 row in the pool and its staging
+  static constexpr int kChunks8 = HD / 16;
+  static constexpr int kStageBytes = F8 ? 2 * kTile * kRow8 : 0;  // E4M3 K staging, then V's
+  static constexpr int kWarpBytes = kTileBytes + kStageBytes;
   static constexpr int kSmem = kWarps * kWarpBytes;
 };
+
+// The 16-bit type the tiles and the mma hold: T itself, float16 for E4M3 KV.
+template <typename T, bool F8>
+using MmaT = std::conditional_t<F8, __half, T>;
+
+// Two consecutive elements of q as the A fragment's 32-bit register, in the mma's type.
+template <typename T, typename M>
+__device__ __forceinline__ unsigned q_pair(const T* p) {
+  if constexpr (std::is_same_v<T, M>) {
+    return *reinterpret_cast<const unsigned*>(p);
+  } else {
+    const __half2 h = __floats2half2_rn(attn::to_float(p[0]), attn::to_float(p[1]));
+    return *reinterpret_cast<const unsigned*>(&h);
+  }
+}
+
+// An E4M3 tile in shared memory (rows of HD bytes) -> the float16 tile (rows of `stride` bytes): lane
+// i converts 16-byte pieces i, i + 32, ...; rows >= n are zero-filled when `zero_rest` (V: P = 0 must
+// not meet a stale NaN) or left alone (K: their scores are masked to -inf).
+template <int HD>
+__device__ __forceinline__ void convert_tile(unsigned char* dst, int stride, const unsigned char* stage, int n,
+                                             int lane, bool zero_rest) {
+  constexpr int CH = HD / 16;
+#pragma unroll
+  for (int k = 0; k < CH; ++k) {
+    const int i = lane + 32 * k;
+    const int r = i / CH;
+    const int c = i - r * CH;
+    uint4 lo = make_uint4(0, 0, 0, 0), hi = make_uint4(0, 0, 0, 0);
+    if (r < n) {
+      const uint4 raw = *reinterpret_cast<const uint4*>(stage + r * HD + c * 16);
+      const unsigned w[4] = {raw.x, raw.y, raw.z, raw.w};
+      unsigned h[8];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const __half2_raw a = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(w[j] & 0xffffu), __NV_E4M3);
+        const __half2_raw b = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(w[j] >> 16), __NV_E4M3);
+        h[2 * j] = static_cast<unsigned>(a.x) | (static_cast<unsigned>(a.y) << 16);
+        h[2 * j + 1] = static_cast<unsigned>(b.x) | (static_cast<unsigned>(b.y) << 16);
+      }
+      lo = make_uint4(h[0], h[1], h[2], h[3]);
+      hi = make_uint4(h[4], h[5], h[6], h[7]);
+    } else if (!zero_rest) {
+      continue;
+    }
+    *reinterpret_cast<uint4*>(dst + r * stride + c * 32) = lo;
+    *reinterpret_cast<uint4*>(dst + r * stride + c * 32 + 16) = hi;
+  }
+}
 
 template <int CH>
 __device__ __forceinline__ void load_tile(unsigned char* dst, int stride, const unsigned char* src, int64_t pool_row,
@@ -113,14 +178,15 @@ __device__ __forceinline__ unsigned pack2<__half>(float lo, float hi) {
 // return o holds the un-normalised P.V of query row gid (and gid + 8, padding), m0 its running maximum
 // and l0 its sum of exp2 over the quad (reduced: every lane of a quad has it). A warp with no tile
 // (a split past the sequence's length) returns m0 = -inf, l0 = 0, o = 0.
-template <typename T, int HD, int G>
-__device__ __forceinline__ void warp_attend(const T* __restrict__ q, const T* __restrict__ kv, int64_t pool_rows,
+template <typename T, int HD, int G, bool F8>
+__device__ __forceinline__ void warp_attend(const T* __restrict__ q, const void* __restrict__ kv, int64_t pool_rows,
                                             const int64_t* __restrict__ slots, int64_t s_max,
                                             const int64_t* __restrict__ lengths, int kv_heads, int64_t chunk, int b,
                                             int h, int split, int first, int step, unsigned char* s_k,
-                                            float scale_log2, int lane, float (&o)[HD / 8][4], float& m0,
-                                            float& l0) {
-  using GT = MGeo<HD>;
+                                            float scale_log2, const float* __restrict__ kv_scales, int lane,
+                                            float (&o)[HD / 8][4], float& m0, float& l0) {
+  using GT = MGeo<HD, F8>;
+  using M = MmaT<T, F8>;
   constexpr int KS = HD / 16;  // k-steps of the scores
   constexpr int DT = HD / 8;   // n-tiles of O
   const int gid = lane >> 2;   // the row (query head) this lane's fragments hold
@@ -128,25 +194,35 @@ __device__ __forceinline__ void warp_attend(const T* __restrict__ q, const T* __
   const int64_t len = lengths[b];
   const int64_t t0 = static_cast<int64_t>(split) * chunk;
   const int64_t t1 = t0 + chunk < len ? t0 + chunk : len;
-  const int64_t pool_row = static_cast<int64_t>(kv_heads) * GT::kRowBytes;
-  const unsigned char* kbase = reinterpret_cast<const unsigned char*>(kv) + static_cast<int64_t>(h) * GT::kRowBytes;
+  // Bytes of one pool row (a slot's K or V over every KV head) and of this head's piece of it.
+  constexpr int kHeadBytes = F8 ? GT::kRow8 : GT::kRowBytes;
+  const int64_t pool_row = static_cast<int64_t>(kv_heads) * kHeadBytes;
+  const unsigned char* kbase = reinterpret_cast<const unsigned char*>(kv) + static_cast<int64_t>(h) * kHeadBytes;
   const unsigned char* vbase = kbase + pool_rows * pool_row;
   const int64_t* srow = slots + static_cast<int64_t>(b) * s_max;
   const T* qrow = q + (static_cast<int64_t>(b) * kv_heads * G + h * G + (gid < G ? gid : 0)) * HD;
   unsigned char* s_v = s_k + kTile * GT::kStride;
+  unsigned char* st_k = s_k + GT::kTileBytes;  // E4M3 staging (F8 only)
+  unsigned char* st_v = st_k + kTile * GT::kRow8;
+  if constexpr (F8) scale_log2 *= kv_scales[h];
   int64_t base = t0 + first;
 
   int n = t1 - base >= kTile ? kTile : (t1 > base ? static_cast<int>(t1 - base) : 0);
   int64_t slot = lane < n ? srow[base + lane] : 0;
-  load_tile<GT::kChunks>(s_k, GT::kStride, kbase, pool_row, slot, n, lane, false);
-  load_tile<GT::kChunks>(s_v, GT::kStride, vbase, pool_row, slot, n, lane, true);
+  if constexpr (F8) {
+    load_tile<GT::kChunks8>(st_k, GT::kRow8, kbase, pool_row, slot, n, lane, false);
+    load_tile<GT::kChunks8>(st_v, GT::kRow8, vbase, pool_row, slot, n, lane, false);
+  } else {
+    load_tile<GT::kChunks>(s_k, GT::kStride, kbase, pool_row, slot, n, lane, false);
+    load_tile<GT::kChunks>(s_v, GT::kStride, vbase, pool_row, slot, n, lane, true);
+  }
 
   // Q's A fragments: row gid (< G) of the group, rows gid + 8 are zero padding.
   unsigned qa[KS][2];
 #pragma unroll
   for (int ks = 0; ks < KS; ++ks) {
-    qa[ks][0] = gid < G ? *reinterpret_cast<const unsigned*>(qrow + ks * 16 + 2 * tig) : 0u;
-    qa[ks][1] = gid < G ? *reinterpret_cast<const unsigned*>(qrow + ks * 16 + 8 + 2 * tig) : 0u;
+    qa[ks][0] = gid < G ? q_pair<T, M>(qrow + ks * 16 + 2 * tig) : 0u;
+    qa[ks][1] = gid < G ? q_pair<T, M>(qrow + ks * 16 + 8 + 2 * tig) : 0u;
   }
 #pragma unroll
   for (int dt = 0; dt < DT; ++dt) o[dt][0] = o[dt][1] = o[dt][2] = o[dt][3] = 0.f;
@@ -167,6 +243,11 @@ __device__ __forceinline__ void warp_attend(const T* __restrict__ q, const T* __
 
     cp_async_wait<1>();
     __syncwarp();
+    if constexpr (F8) {  // this tile's K to float16, then the staging takes the next tile's K
+      convert_tile<HD>(s_k, GT::kStride, st_k, n, lane, false);
+      __syncwarp();
+      load_tile<GT::kChunks8>(st_k, GT::kRow8, kbase, pool_row, nslot, nn, lane, false);
+    }
     float s[4][4];
 #pragma unroll
     for (int nt = 0; nt < 4; ++nt) {
@@ -177,12 +258,12 @@ __device__ __forceinline__ void warp_attend(const T* __restrict__ q, const T* __
         ldsm_x4(k_addr + nt * 8 * GT::kStride + k2 * 64, r0, r1, r2, r3);
         const unsigned a0[4] = {qa[2 * k2][0], 0u, qa[2 * k2][1], 0u};
         const unsigned a1[4] = {qa[2 * k2 + 1][0], 0u, qa[2 * k2 + 1][1], 0u};
-        mma<T>(s[nt], a0, r0, r1);
-        mma<T>(s[nt], a1, r2, r3);
+        mma<M>(s[nt], a0, r0, r1);
+        mma<M>(s[nt], a1, r2, r3);
       }
     }
     __syncwarp();
-    load_tile<GT::kChunks>(s_k, GT::kStride, kbase, pool_row, nslot, nn, lane, false);
+    if constexpr (!F8) load_tile<GT::kChunks>(s_k, GT::kStride, kbase, pool_row, nslot, nn, lane, false);
 
     // Online softmax over this tile's 32 tokens; lane holds tokens nt * 8 + 2 * tig + {0, 1}.
     float mx0 = -INFINITY, mx1 = -INFINITY;
@@ -228,65 +309,41 @@ __device__ __forceinline__ void warp_attend(const T* __restrict__ q, const T* __
 
     cp_async_wait<1>();
     __syncwarp();
+    if constexpr (F8) {
+      convert_tile<HD>(s_v, GT::kStride, st_v, n, lane, true);
+      __syncwarp();
+      load_tile<GT::kChunks8>(st_v, GT::kRow8, vbase, pool_row, nslot, nn, lane, false);
+    }
 #pragma unroll
     for (int ks = 0; ks < 2; ++ks) {
-      const unsigned pa[4] = {pack2<T>(s[2 * ks][0], s[2 * ks][1]), pack2<T>(s[2 * ks][2], s[2 * ks][3]),
-                              pack2<T>(s[2 * ks + 1][0], s[2 * ks + 1][1]),
-                              pack2<T>(s[2 * ks + 1][2], s[2 * ks + 1][3])};
+      const unsigned pa[4] = {pack2<M>(s[2 * ks][0], s[2 * ks][1]), pack2<M>(s[2 * ks][2], s[2 * ks][3]),
+                              pack2<M>(s[2 * ks + 1][0], s[2 * ks + 1][1]),
+                              pack2<M>(s[2 * ks + 1][2], s[2 * ks + 1][3])};
 #pragma unroll
       for (int d2 = 0; d2 < DT / 2; ++d2) {
         unsigned r0, r1, r2, r3;
         ldsm_x4_t(v_addr + ks * 16 * GT::kStride + d2 * 32, r0, r1, r2, r3);
-        mma<T>(o[2 * d2], pa, r0, r1);
-        mma<T>(o[2 * d2 + 1], pa, r2, r3);
+        mma<M>(o[2 * d2], pa, r0, r1);
+        mma<M>(o[2 * d2 + 1], pa, r2, r3);
       }
     }
     __syncwarp();
-    load_tile<GT::kChunks>(s_v, GT::kStride, vbase, pool_row, nslot, nn, lane, true);
+    if constexpr (!F8) load_tile<GT::kChunks>(s_v, GT::kStride, vbase, pool_row, nslot, nn, lane, true);
     n = nn;
     slot = nslot;
   }
   cp_async_wait<0>();
 #pragma unroll
   for (int off = 1; off <= 2; off <<= 1) l0 += __shfl_xor_sync(0xffffffffu, l0, off);
-}
-
-// The merge of the split-K partials, inside the partial kernel (the separate decode_merge kernel's work):
-// once a block has written its partials for query heads [head0, head0 + qh) of one sequence, the last
-// of that (sequence, heads)'s `splits` blocks to finish merges them into `out` and resets the counter
-// for the next call. Why: at batch 1 and 2k context a layer's attention (partial + merge) takes 11 us
-// for 8.4 MB of KV on an H200, and the merge is a second launch whose wave waits for every split.
-// Writers publish their partials with a fence before they count (the CUDA programming guide's
-// last-block pattern); the last block reads them from L2. Opt-in until measured (kv_cuda.FUSED_MERGE).
-template <typename T, int HD>
-__device__ __forceinline__ void merge_if_last(const float* __restrict__ part_acc, const float* __restrict__ part_ml,
-                                              int splits, int64_t head0, int qh, int* __restrict__ counter,
-                                              T* __restrict__ out) {
-  __shared__ bool s_last;
-  __threadfence();
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    s_last = atomicAdd(counter, 1) == splits - 1;
-    if (s_last) atomicExch(counter, 0);
-  }
-  __syncthreads();
-  if (!s_last) return;
-  __threadfence();
-  for (int i = threadIdx.x; i < qh * HD; i += blockDim.x) {
-    const int g = i / HD;
-    const int d = i - g * HD;
-    const int64_t head = head0 + g;
-    const float* ml = part_ml + head * splits * 2;
-    const float* acc = part_acc + head * splits * HD + d;
-    float mx = -INFINITY;
-    for (int sp = 0; sp < splits; ++sp) mx = fmaxf(mx, __ldcg(ml + 2 * sp));
-    float sum = 0.f, a = 0.f;
-    for (int sp = 0; sp < splits; ++sp) {
-      const float f = exp2f(__ldcg(ml + 2 * sp) - mx);
-      sum += __ldcg(ml + 2 * sp + 1) * f;
-      a += __ldcg(acc + static_cast<int64_t>(sp) * HD) * f;
+  if constexpr (F8) {  // V's scale: the partial is linear in V
+    const float sv = kv_scales[kv_heads + h];
+#pragma unroll
+    for (int dt = 0; dt < DT; ++dt) {
+      o[dt][0] *= sv;
+      o[dt][1] *= sv;
+      o[dt][2] *= sv;
+      o[dt][3] *= sv;
     }
-    out[head * HD + d] = attn::from_float<T>(sum > 0.f ? a / sum : 0.f);
   }
 }
 
@@ -295,13 +352,13 @@ __device__ __forceinline__ void merge_if_last(const float* __restrict__ part_acc
 // Three blocks an SM (their tiles take 3 x 68 KiB of shared memory): uncapped, 172 registers let only
 // two fit. Capped at 168 (20 bytes spilled) the occupancy is 12 warps instead of 8, but the time at
 // 64 x 2048 stayed 151 us (ncu: DRAM 77 %, L2 89 %): the kernel is bound by the L2, not by latency.
-template <typename T, int HD, int G>
-__global__ void __launch_bounds__(kWarps * 32, 3)
-    decode_partial_mma(const T* __restrict__ q, const T* __restrict__ kv, int64_t pool_rows,
+template <typename T, int HD, int G, bool F8>
+__global__ void __launch_bounds__(kWarps * 32, F8 ? 2 : 3)
+    decode_partial_mma(const T* __restrict__ q, const void* __restrict__ kv, int64_t pool_rows,
                        const int64_t* __restrict__ slots, int64_t s_max, const int64_t* __restrict__ lengths,
-                       int kv_heads, int64_t chunk, int splits, float scale_log2, float* __restrict__ part_acc,
-                       float* __restrict__ part_ml, int* __restrict__ counters, T* __restrict__ out) {
-  using GT = MGeo<HD>;
+                       int kv_heads, int64_t chunk, int splits, float scale_log2, const float* __restrict__ kv_scales,
+                       float* __restrict__ part_acc, float* __restrict__ part_ml) {
+  using GT = MGeo<HD, F8>;
   constexpr int DT = HD / 8;
   extern __shared__ __align__(16) unsigned char smem[];
   const int b = blockIdx.x / kv_heads;
@@ -314,8 +371,8 @@ __global__ void __launch_bounds__(kWarps * 32, 3)
   const int nh = kv_heads * G;
   float o[DT][4];
   float m0, l0;
-  warp_attend<T, HD, G>(q, kv, pool_rows, slots, s_max, lengths, kv_heads, chunk, b, h, split, warp * kTile,
-                        kWarps * kTile, smem + warp * GT::kWarpBytes, scale_log2, lane, o, m0, l0);
+  warp_attend<T, HD, G, F8>(q, kv, pool_rows, slots, s_max, lengths, kv_heads, chunk, b, h, split, warp * kTile,
+                            kWarps * kTile, smem + warp * GT::kWarpBytes, scale_log2, kv_scales, lane, o, m0, l0);
   __syncthreads();  // the tiles' memory holds the warps' partials now
 
   __shared__ float s_m[kWarps][G];
@@ -355,10 +412,6 @@ __global__ void __launch_bounds__(kWarps * 32, 3)
       part_ml[at * 2 + 1] = sum;
     }
   }
-  if (counters != nullptr) {
-    merge_if_last<T, HD>(part_acc, part_ml, splits, static_cast<int64_t>(b) * nh + h * G, G, counters + blockIdx.x,
-                         out);
-  }
 }
 
 // Variant 5: one block per (sequence, split, group of NW KV heads); warp w takes KV head w of the
@@ -369,13 +422,13 @@ __global__ void __launch_bounds__(kWarps * 32, 3)
 // an H200 (a89226d): 144 us against variant 4's 149 (ncu: DRAM 79 % against 77 %, L2 89 %: the L2 is
 // still the bound), within 3 % at batch >= 64 and slower below (a block per sequence and split is too
 // few blocks): opt-in, variant 4 stays the default.
-template <typename T, int HD, int G, int NW>
+template <typename T, int HD, int G, int NW, bool F8>
 __global__ void __launch_bounds__(NW * 32)
-    decode_partial_rows(const T* __restrict__ q, const T* __restrict__ kv, int64_t pool_rows,
+    decode_partial_rows(const T* __restrict__ q, const void* __restrict__ kv, int64_t pool_rows,
                         const int64_t* __restrict__ slots, int64_t s_max, const int64_t* __restrict__ lengths,
-                        int kv_heads, int64_t chunk, int splits, float scale_log2, float* __restrict__ part_acc,
-                        float* __restrict__ part_ml, int* __restrict__ counters, T* __restrict__ out) {
-  using GT = MGeo<HD>;
+                        int kv_heads, int64_t chunk, int splits, float scale_log2, const float* __restrict__ kv_scales,
+                        float* __restrict__ part_acc, float* __restrict__ part_ml) {
+  using GT = MGeo<HD, F8>;
   constexpr int DT = HD / 8;
   extern __shared__ __align__(16) unsigned char smem[];
   const int b = blockIdx.x;
@@ -388,18 +441,14 @@ __global__ void __launch_bounds__(NW * 32)
   const int nh = kv_heads * G;
   float o[DT][4];
   float m0, l0;
-  warp_attend<T, HD, G>(q, kv, pool_rows, slots, s_max, lengths, kv_heads, chunk, b, h, split, 0, kTile,
-                        smem + warp * GT::kWarpBytes, scale_log2, lane, o, m0, l0);
+  warp_attend<T, HD, G, F8>(q, kv, pool_rows, slots, s_max, lengths, kv_heads, chunk, b, h, split, 0, kTile,
+                            smem + warp * GT::kWarpBytes, scale_log2, kv_scales, lane, o, m0, l0);
   if (gid < G) {
     const int64_t at = (static_cast<int64_t>(b) * nh + h * G + gid) * splits + split;
     float* acc = part_acc + at * HD + 2 * tig;
 #pragma unroll
     for (int dt = 0; dt < DT; ++dt) *reinterpret_cast<float2*>(acc + dt * 8) = make_float2(o[dt][0], o[dt][1]);
     if (tig == 0) *reinterpret_cast<float2*>(part_ml + at * 2) = make_float2(m0, l0);
-  }
-  if (counters != nullptr) {
-    merge_if_last<T, HD>(part_acc, part_ml, splits, static_cast<int64_t>(b) * nh + blockIdx.z * NW * G, NW * G,
-                         counters + static_cast<int64_t>(b) * gridDim.z + blockIdx.z, out);
   }
 }
 
@@ -421,11 +470,12 @@ void raise_smem(Kernel kernel, int bytes, bool (&raised)[64], int device) {
   }
 }
 
-template <typename T, int HD, int G>
+template <typename T, int HD, int G, bool F8>
 void launch(int variant, const void* q, const void* kv, int64_t pool_rows, const int64_t* slots, int64_t s_max,
             const int64_t* lengths, int64_t batch, int64_t kv_heads, float scale, int64_t chunk, int splits,
-            float* part_acc, float* part_ml, int* counters, void* out, int device, cudaStream_t stream) {
-  using GT = MGeo<HD>;
+            const float* kv_scales, float* part_acc, float* part_ml, void* out, int device,
+            cudaStream_t stream) {
+  using GT = MGeo<HD, F8>;
   static_assert(kWarps * G * HD * 4 <= GT::kSmem, "partials do not fit the tiles");
   const float scale_log2 = scale * 1.4426950408889634f;
   const int kvh = static_cast<int>(kv_heads);
@@ -434,11 +484,11 @@ void launch(int variant, const void* q, const void* kv, int64_t pool_rows, const
 #define TANDEM_ROWS_LAUNCH(NW)                                                                                   \
   case NW: {                                                                                                     \
     static bool raised[64] = {};                                                                                 \
-    raise_smem(decode_partial_rows<T, HD, G, NW>, NW * GT::kWarpBytes, raised, device);                          \
+    raise_smem(decode_partial_rows<T, HD, G, NW, F8>, NW * GT::kWarpBytes, raised, device);                      \
     const dim3 grid(static_cast<unsigned>(batch), static_cast<unsigned>(splits), static_cast<unsigned>(kvh / NW)); \
-    decode_partial_rows<T, HD, G, NW><<<grid, NW * 32, NW * GT::kWarpBytes, stream>>>(                           \
-        static_cast<const T*>(q), static_cast<const T*>(kv), pool_rows, slots, s_max, lengths, kvh, chunk, splits, \
-        scale_log2, part_acc, part_ml, counters, static_cast<T*>(out));                                          \
+    decode_partial_rows<T, HD, G, NW, F8><<<grid, NW * 32, NW * GT::kWarpBytes, stream>>>(                       \
+        static_cast<const T*>(q), kv, pool_rows, slots, s_max, lengths, kvh, chunk, splits, scale_log2, kv_scales, \
+        part_acc, part_ml);                                                                                      \
     break;                                                                                                       \
   }
     switch (nw) {
@@ -451,28 +501,27 @@ void launch(int variant, const void* q, const void* kv, int64_t pool_rows, const
     check(cudaGetLastError(), "decode_partial_rows launch");
   } else {
     static bool raised[64] = {};
-    raise_smem(decode_partial_mma<T, HD, G>, GT::kSmem, raised, device);
+    raise_smem(decode_partial_mma<T, HD, G, F8>, GT::kSmem, raised, device);
     const dim3 grid(static_cast<unsigned>(batch * kv_heads), static_cast<unsigned>(splits));
-    decode_partial_mma<T, HD, G><<<grid, kWarps * 32, GT::kSmem, stream>>>(
-        static_cast<const T*>(q), static_cast<const T*>(kv), pool_rows, slots, s_max, lengths, kvh, chunk, splits,
-        scale_log2, part_acc, part_ml, counters, static_cast<T*>(out));
+    decode_partial_mma<T, HD, G, F8><<<grid, kWarps * 32, GT::kSmem, stream>>>(
+        static_cast<const T*>(q), kv, pool_rows, slots, s_max, lengths, kvh, chunk, splits, scale_log2, kv_scales,
+        part_acc, part_ml);
     check(cudaGetLastError(), "decode_partial_mma launch");
   }
-  if (counters == nullptr) {
-    attn::decode_merge<T><<<static_cast<unsigned>(batch * kv_heads * G), HD, 0, stream>>>(
-        part_acc, part_ml, splits, HD, static_cast<T*>(out));
-    check(cudaGetLastError(), "decode_merge launch");
-  }
+  attn::decode_merge<T><<<static_cast<unsigned>(batch * kv_heads * G), HD, 0, stream>>>(part_acc, part_ml, splits, HD,
+                                                                                     static_cast<T*>(out));
+  check(cudaGetLastError(), "decode_merge launch");
 }
 
-template <typename T, int HD>
+template <typename T, int HD, bool F8>
 void by_group(int variant, int64_t group, const void* q, const void* kv, int64_t pool_rows, const int64_t* slots, int64_t s_max,
               const int64_t* lengths, int64_t batch, int64_t kv_heads, float scale, int64_t chunk, int splits,
-              float* part_acc, float* part_ml, int* counters, void* out, int device, cudaStream_t stream) {
+              const float* kv_scales, float* part_acc, float* part_ml, void* out, int device,
+              cudaStream_t stream) {
 #define TANDEM_MMA_GROUP(N)                                                                                     \
   case N:                                                                                                     \
-    launch<T, HD, N>(variant, q, kv, pool_rows, slots, s_max, lengths, batch, kv_heads, scale, chunk, splits,    \
-                     part_acc, part_ml, counters, out, device, stream);                                       \
+    launch<T, HD, N, F8>(variant, q, kv, pool_rows, slots, s_max, lengths, batch, kv_heads, scale, chunk, splits, \
+                         kv_scales, part_acc, part_ml, out, device, stream);                        \
     return;
   switch (group) {
     TANDEM_MMA_GROUP(1)
@@ -489,37 +538,59 @@ void by_group(int variant, int64_t group, const void* q, const void* kv, int64_t
 #undef TANDEM_MMA_GROUP
 }
 
-template <typename T>
+template <typename T, bool F8>
 void by_head_dim(int variant, int64_t head_dim, int64_t group, const void* q, const void* kv, int64_t pool_rows,
                  const int64_t* slots, int64_t s_max, const int64_t* lengths, int64_t batch, int64_t kv_heads,
-                 float scale, int64_t chunk, int splits, float* part_acc, float* part_ml, int* counters, void* out,
-                 int device, cudaStream_t stream) {
+                 float scale, int64_t chunk, int splits, const float* kv_scales, float* part_acc, float* part_ml,
+                 void* out, int device, cudaStream_t stream) {
   if (head_dim == 64) {
-    by_group<T, 64>(variant, group, q, kv, pool_rows, slots, s_max, lengths, batch, kv_heads, scale, chunk, splits,
-                    part_acc, part_ml, counters, out, device, stream);
+    by_group<T, 64, F8>(variant, group, q, kv, pool_rows, slots, s_max, lengths, batch, kv_heads, scale, chunk,
+                        splits, kv_scales, part_acc, part_ml, out, device, stream);
   } else {
-    by_group<T, 128>(variant, group, q, kv, pool_rows, slots, s_max, lengths, batch, kv_heads, scale, chunk, splits,
-                     part_acc, part_ml, counters, out, device, stream);
+    by_group<T, 128, F8>(variant, group, q, kv, pool_rows, slots, s_max, lengths, batch, kv_heads, scale, chunk,
+                         splits, kv_scales, part_acc, part_ml, out, device, stream);
+  }
+}
+
+template <typename T>
+void by_kv_type(int variant, int64_t head_dim, int64_t group, const void* q, const void* kv, int64_t pool_rows,
+                const int64_t* slots, int64_t s_max, const int64_t* lengths, int64_t batch, int64_t kv_heads,
+                float scale, int64_t chunk, int splits, const float* kv_scales, float* part_acc, float* part_ml,
+                void* out, int device, cudaStream_t stream) {
+  if (kv_scales != nullptr) {
+    by_head_dim<T, true>(variant, head_dim, group, q, kv, pool_rows, slots, s_max, lengths, batch, kv_heads, scale,
+                         chunk, splits, kv_scales, part_acc, part_ml, out, device, stream);
+  } else {
+    by_head_dim<T, false>(variant, head_dim, group, q, kv, pool_rows, slots, s_max, lengths, batch, kv_heads, scale,
+                          chunk, splits, nullptr, part_acc, part_ml, out, device, stream);
   }
 }
 
 }  // namespace
 
+bool mma_fp8_supported(int dtype, int64_t head_dim, int64_t group) {
+  return (dtype == 1 || dtype == 2) && (head_dim == 64 || head_dim == 128) && group >= 1 && group <= 8;
+}
+
 void decode_attention_mma(const void* q, const void* kv, int64_t pool_rows, const int64_t* slots, int64_t s_max,
                           const int64_t* lengths, int64_t batch, int64_t kv_heads, int64_t group, int64_t head_dim,
                           int dtype, float scale, int64_t chunk, int splits, float* part_acc, float* part_ml,
-                          int* counters, void* out, int device, cudaStream_t stream, int variant) {
-  if ((dtype != 1 && dtype != 2) || (head_dim != 64 && head_dim != 128) || group < 1 || group > 8) {
+                          void* out, int device, cudaStream_t stream, int variant,
+                          const float* kv_scales) {
+  if (!mma_fp8_supported(dtype, head_dim, group)) {  // the same shapes the 16-bit mma path takes
+    if (kv_scales != nullptr) {
+      throw std::runtime_error("decode_attention: E4M3 KV needs a float16/bfloat16 q, head_dim 64/128, group 1..8");
+    }
     decode_attention_staged(q, kv, pool_rows, slots, s_max, lengths, batch, kv_heads, group, head_dim, dtype, scale,
                             chunk, splits, part_acc, part_ml, out, device, stream);
     return;
   }
   if (dtype == 1) {
-    by_head_dim<__half>(variant, head_dim, group, q, kv, pool_rows, slots, s_max, lengths, batch, kv_heads, scale, chunk,
-                        splits, part_acc, part_ml, counters, out, device, stream);
+    by_kv_type<__half>(variant, head_dim, group, q, kv, pool_rows, slots, s_max, lengths, batch, kv_heads, scale, chunk,
+                       splits, kv_scales, part_acc, part_ml, out, device, stream);
   } else {
-    by_head_dim<__nv_bfloat16>(variant, head_dim, group, q, kv, pool_rows, slots, s_max, lengths, batch, kv_heads, scale,
-                               chunk, splits, part_acc, part_ml, counters, out, device, stream);
+    by_kv_type<__nv_bfloat16>(variant, head_dim, group, q, kv, pool_rows, slots, s_max, lengths, batch, kv_heads, scale,
+                              chunk, splits, kv_scales, part_acc, part_ml, out, device, stream);
   }
 }
 

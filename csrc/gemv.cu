@@ -15,6 +15,7 @@
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 
 #include <stdexcept>
 #include <string>
@@ -118,6 +119,95 @@ __global__ void __launch_bounds__(kWarps * 32)
   }
 }
 
+// y = (x . W8^T) * scale + bias with W8 E4M3 [N, K] and one float32 scale per output row
+// (tandem.model.dtype=fp8 at small batch: the weights' bytes halve and x stays bfloat16, so no
+// activation is quantised). Same mapping as gemv_kernel; a lane's 16-byte vector is 16 weights, which
+// meet 16 elements of x (two 16-byte loads), each pair converted E4M3 -> float16 -> float32 (exact).
+__device__ __forceinline__ float dot16_fp8(const uint4& w, const uint4& xa, const uint4& xb, float acc) {
+  const unsigned pw[4] = {w.x, w.y, w.z, w.w};
+  const unsigned px[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const __half2_raw lo = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(pw[i] & 0xffffu), __NV_E4M3);
+    const __half2_raw hi = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(pw[i] >> 16), __NV_E4M3);
+    const float2 w0 = __half22float2(*reinterpret_cast<const __half2*>(&lo));
+    const float2 w1 = __half22float2(*reinterpret_cast<const __half2*>(&hi));
+    const float2 x0 = pair(px[2 * i], __nv_bfloat16());
+    const float2 x1 = pair(px[2 * i + 1], __nv_bfloat16());
+    acc = fmaf(w0.x, x0.x, acc);
+    acc = fmaf(w0.y, x0.y, acc);
+    acc = fmaf(w1.x, x1.x, acc);
+    acc = fmaf(w1.y, x1.y, acc);
+  }
+  return acc;
+}
+
+template <int M, int R>
+__global__ void __launch_bounds__(kWarps * 32)
+    gemv_fp8_kernel(const __nv_bfloat16* __restrict__ x, const unsigned char* __restrict__ w,
+                    const float* __restrict__ scale, const __nv_bfloat16* __restrict__ bias,
+                    __nv_bfloat16* __restrict__ y, int n, int k) {
+  constexpr int U = 8 / R;
+  const int lane = threadIdx.x & 31;
+  const int row0 = (blockIdx.x * kWarps + (threadIdx.x >> 5)) * R;
+  if (row0 >= n) return;
+  const int kv = k / 16;  // 16-byte vectors of weights per row
+  const uint4* wrow[R];
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    const int row = row0 + r < n ? row0 + r : n - 1;
+    wrow[r] = reinterpret_cast<const uint4*>(w + static_cast<int64_t>(row) * k);
+  }
+  const uint4* xv = reinterpret_cast<const uint4*>(x);  // row m: 2 * kv vectors of 8
+  float acc[M][R];
+#pragma unroll
+  for (int m = 0; m < M; ++m) {
+#pragma unroll
+    for (int r = 0; r < R; ++r) acc[m][r] = 0.f;
+  }
+  for (int c0 = lane; c0 < kv; c0 += 32 * U) {
+    uint4 wv[U][R];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int c = c0 + 32 * u;
+#pragma unroll
+      for (int r = 0; r < R; ++r) wv[u][r] = c < kv ? ld_stream(wrow[r] + c) : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int c = c0 + 32 * u;
+      if (c < kv) {
+#pragma unroll
+        for (int m = 0; m < M; ++m) {
+          const uint4 xa = __ldg(xv + static_cast<int64_t>(m) * 2 * kv + 2 * c);
+          const uint4 xb = __ldg(xv + static_cast<int64_t>(m) * 2 * kv + 2 * c + 1);
+#pragma unroll
+          for (int r = 0; r < R; ++r) acc[m][r] = dot16_fp8(wv[u][r], xa, xb, acc[m][r]);
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int m = 0; m < M; ++m) {
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) acc[m][r] += __shfl_xor_sync(0xffffffffu, acc[m][r], off);
+    }
+  }
+#pragma unroll
+  for (int m = 0; m < M; ++m) {
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const int row = row0 + r;
+      if (lane == m * R + r && row < n) {
+        const float b = bias == nullptr ? 0.f : __bfloat162float(bias[row]);
+        y[static_cast<int64_t>(m) * n + row] = __float2bfloat16_rn(acc[m][r] * scale[row] + b);
+      }
+    }
+  }
+}
+
 // Rows per warp: as many as still leave ~16 warps an SM (a warp keeps 8 x 16 bytes a lane in flight,
 // ~4 KiB); the fewer rows a warp, the more often it rereads x (from L1).
 int rows_per_warp(int64_t n, int sms) {
@@ -137,10 +227,29 @@ void launch_rows(const void* x, const void* w, const void* bias, void* y, int64_
   check(cudaGetLastError(), "gemv launch");
 }
 
+template <int M, int R>
+void launch_rows_fp8(const void* x, const void* w, const float* scale, const void* bias, void* y, int64_t n,
+                     int64_t k, cudaStream_t stream) {
+  const int64_t warps = (n + R - 1) / R;
+  const unsigned blocks = static_cast<unsigned>((warps + kWarps - 1) / kWarps);
+  gemv_fp8_kernel<M, R><<<blocks, kWarps * 32, 0, stream>>>(
+      static_cast<const __nv_bfloat16*>(x), static_cast<const unsigned char*>(w), scale,
+      static_cast<const __nv_bfloat16*>(bias), static_cast<__nv_bfloat16*>(y), static_cast<int>(n),
+      static_cast<int>(k));
+  check(cudaGetLastError(), "gemv_fp8 launch");
+}
+
+// `scale` nullptr: T weights (gemv_kernel); else E4M3 weights at per-row scales (T is bfloat16).
 template <typename T, int M>
-void launch_m(const void* x, const void* w, const void* bias, void* y, int64_t n, int64_t k, int sms,
-              cudaStream_t stream) {
-  switch (rows_per_warp(n, sms)) {
+void launch_m(const void* x, const void* w, const float* scale, const void* bias, void* y, int64_t n, int64_t k,
+              int sms, cudaStream_t stream) {
+  const int rows = rows_per_warp(n, sms);
+  if (scale != nullptr) {
+    if (rows == 4) return launch_rows_fp8<M, 4>(x, w, scale, bias, y, n, k, stream);
+    if (rows == 2) return launch_rows_fp8<M, 2>(x, w, scale, bias, y, n, k, stream);
+    return launch_rows_fp8<M, 1>(x, w, scale, bias, y, n, k, stream);
+  }
+  switch (rows) {
     case 4:
       return launch_rows<T, M, 4>(x, w, bias, y, n, k, stream);
     case 2:
@@ -151,11 +260,11 @@ void launch_m(const void* x, const void* w, const void* bias, void* y, int64_t n
 }
 
 template <typename T>
-void launch(int64_t m, const void* x, const void* w, const void* bias, void* y, int64_t n, int64_t k, int sms,
-            cudaStream_t stream) {
-#define TANDEM_GEMV_M(V)                                   \
-  case V:                                                  \
-    return launch_m<T, V>(x, w, bias, y, n, k, sms, stream);
+void launch(int64_t m, const void* x, const void* w, const float* scale, const void* bias, void* y, int64_t n,
+            int64_t k, int sms, cudaStream_t stream) {
+#define TANDEM_GEMV_M(V)                                          \
+  case V:                                                         \
+    return launch_m<T, V>(x, w, scale, bias, y, n, k, sms, stream);
   switch (m) {
     TANDEM_GEMV_M(1)
     TANDEM_GEMV_M(2)
@@ -174,17 +283,19 @@ void launch(int64_t m, const void* x, const void* w, const void* bias, void* y, 
 }  // namespace
 
 void gemv(const void* x, const void* w, const void* bias, void* y, int64_t m, int64_t n, int64_t k, int dtype,
-          int device, cudaStream_t stream) {
-  if (k % 8 != 0 || k <= 0 || n <= 0 || n > 0x7fffffff || k > 0x7fffffff) {
-    throw std::runtime_error("gemv: need k > 0 a multiple of 8 and 0 < n < 2^31, got n " + std::to_string(n) +
-                             ", k " + std::to_string(k));
+          int device, cudaStream_t stream, const float* w_scale) {
+  const int64_t vec = w_scale != nullptr ? 16 : 8;
+  if (k % vec != 0 || k <= 0 || n <= 0 || n > 0x7fffffff || k > 0x7fffffff) {
+    throw std::runtime_error("gemv: need k > 0 a multiple of " + std::to_string(vec) + " and 0 < n < 2^31, got n " +
+                             std::to_string(n) + ", k " + std::to_string(k));
   }
+  if (w_scale != nullptr && dtype != 2) throw std::runtime_error("gemv: E4M3 weights take bfloat16 x (dtype 2)");
   on_device(device, [&] {
     const int sms = sm_count(device);
     if (dtype == 1) {
-      launch<__half>(m, x, w, bias, y, n, k, sms, stream);
+      launch<__half>(m, x, w, nullptr, bias, y, n, k, sms, stream);
     } else if (dtype == 2) {
-      launch<__nv_bfloat16>(m, x, w, bias, y, n, k, sms, stream);
+      launch<__nv_bfloat16>(m, x, w, w_scale, bias, y, n, k, sms, stream);
     } else {
       throw std::runtime_error("gemv: dtype " + std::to_string(dtype) + " is not float16 (1) or bfloat16 (2)");
     }

@@ -17,7 +17,9 @@ namespace tandem {
 
 constexpr int kGemvMaxRows = 8;
 
+// `w_scale` (default nullptr): w is E4M3 [N, K] (K a multiple of 16) and y = (x . w^T) * w_scale[n] +
+// bias[n], x, bias and y bfloat16 (tandem.model.dtype=fp8 at small batch).
 void gemv(const void* x, const void* w, const void* bias, void* y, int64_t m, int64_t n, int64_t k, int dtype,
-          int device, cudaStream_t stream);
+          int device, cudaStream_t stream, const float* w_scale = nullptr);
 
 }  // namespace tandem

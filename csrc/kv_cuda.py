@@ -36,6 +36,8 @@ from types import ModuleType
 
 import torch
 
+from tandem.csrc.fp8 import dequantize_kv, is_fp8
+
 __all__ = [
     "build_info",
     "checksum_rows",
@@ -91,17 +93,22 @@ def reference_gather(pool: torch.Tensor, slots: torch.Tensor, out: torch.Tensor)
     torch.index_select(pool, 2, slots, out=out)
 
 
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """`t` itself, or its bytes for an E4M3 tensor (torch has no CPU index_copy_ for float8)."""
+    return t.view(torch.uint8) if is_fp8(t) else t
+
+
 def reference_scatter(staging: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor) -> None:
     """`pool[:, :, slots[t]] = staging[:, :, t]` with `index_copy_` (pool written)."""
-    pool.index_copy_(2, slots, staging)
+    _bytes(pool).index_copy_(2, slots, _bytes(staging))
 
 
 def reference_gather_write(
     src_pool: torch.Tensor, src_slots: torch.Tensor, dst_pool: torch.Tensor, dst_slots: torch.Tensor
 ) -> None:
     """`dst_pool[:, :, dst_slots[t]] = src_pool[:, :, src_slots[t]]` via a temporary (dst_pool written)."""
-    rows = torch.index_select(src_pool, 2, src_slots).to(dst_pool.device)
-    dst_pool.index_copy_(2, dst_slots.to(dst_pool.device), rows)
+    rows = torch.index_select(_bytes(src_pool), 2, src_slots).to(dst_pool.device)
+    _bytes(dst_pool).index_copy_(2, dst_slots.to(dst_pool.device), rows)
 
 
 # ---- checks ------------------------------------------------------------------------------------------
@@ -414,54 +421,38 @@ _variant = os.environ.get("TANDEM_DECODE_ATTENTION_KERNEL", "4").strip()
 if _variant not in ("1", "2", "3", "4", "5"):
     raise ValueError(f"TANDEM_DECODE_ATTENTION_KERNEL must be 1..5, got {_variant!r}")
 KERNEL_VARIANT = int(_variant)
-# Where variants 4 and 5 merge their split-K partials: "kernel" (the default), a second kernel; "fused",
-# in the partial kernel's last block per (sequence, heads), one kernel a call. "fused" is opt-in until a
-# GPU has run it (none was lent the session that wrote it): tests/unit/test_decode_attention.py's
-# fused-merge test and `bench_decode_attention --merges fused,kernel` decide the default.
-# $TANDEM_DECODE_ATTENTION_MERGE picks one for a process.
-_merge = os.environ.get("TANDEM_DECODE_ATTENTION_MERGE", "kernel").strip()
-if _merge not in ("fused", "kernel"):
-    raise ValueError(f"TANDEM_DECODE_ATTENTION_MERGE must be fused or kernel, got {_merge!r}")
-FUSED_MERGE = _merge == "fused"
+# Variants 4 and 5 merge their split-K partials in a second kernel. A merge inside the partial kernel
+# (its last block per sequence and heads, on counters) was measured on an H200 and deleted: it made the
+# graphed step slower at every point (Orpheus-3B 1 x 2048 2.71 -> 2.84 ms, 64 x 2048 6.92 -> 7.25;
+# the 4B shape 3.36 -> 3.58 and 8.86 -> 9.37; docs/benchmarks, issue 26).
 _sm_counts: dict[int, int] = {}
-# The fused merge's counters: one int32 buffer per device, zero between calls (each call's last blocks
-# set theirs back), so fused-merge calls on one device must not overlap in time (the engines step one
-# batch at a time; a graph's capture is ordered after its eager warm-up). Allocated by an eager call,
-# never inside a CUDA-graph capture: a buffer zeroed inside one graph would be zero only when that
-# graph replays. Outgrown buffers stay referenced, since captured graphs hold their addresses.
-_counters: dict[int, torch.Tensor] = {}
-_outgrown: list[torch.Tensor] = []
-
-
-def _merge_counters(device: torch.device, n: int) -> torch.Tensor:
-    index = device.index or 0
-    buf = _counters.get(index)
-    if buf is None or buf.numel() < n:
-        if torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(
-                f"decode_attention: the fused merge needs {n} counters on cuda:{index} and none were "
-                "allocated before this CUDA-graph capture; call it once eagerly at this batch first"
-            )
-        if buf is not None:
-            _outgrown.append(buf)
-        buf = _counters[index] = torch.zeros(max(n, 1 << 16), dtype=torch.int32, device=device)
-    return buf
 
 
 def reference_decode_attention(
-    q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor, scale: float
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    slots: torch.Tensor,
+    lengths: torch.Tensor,
+    scale: float,
+    kv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Torch reference (and CPU path): each sequence's query attends over its first `lengths[b]` slots.
 
     q [B, NH, HD], kv [2, S_pool, KVH, HD] (one layer of the pool), slots [B, S] int64 (entries past a
-    sequence's length are never read, whatever they hold), lengths [B] int64 in [1, S]. Returns a new
+    sequence's length are never read, whatever they hold), lengths [B] int64 in [1, S]. An E4M3 `kv`
+    is read at `kv_scales` [2, KVH] (dequantised to q's dtype, `csrc/fp8.py`). Returns a new
     [B, NH, HD] tensor in q's dtype. Gathers the padded context, then masked SDPA.
     """
     b, s = slots.shape
     cols = torch.arange(s, device=slots.device)
     # Pad with each sequence's own last valid slot so masked reads stay finite.
     safe = slots.gather(1, torch.minimum(cols[None, :], lengths[:, None] - 1))
-    ctx = kv.index_select(1, safe.reshape(-1)).view(2, b, s, *kv.shape[2:]).transpose(2, 3)
+    rows = kv.index_select(1, safe.reshape(-1))
+    if is_fp8(kv):
+        if kv_scales is None:
+            raise ValueError("an E4M3 kv needs kv_scales")
+        rows = dequantize_kv(rows, kv_scales, q.dtype)
+    ctx = rows.view(2, b, s, *kv.shape[2:]).transpose(2, 3)
     mask = (cols[None, :] < lengths[:, None])[:, None, None, :]
     o = torch.nn.functional.scaled_dot_product_attention(
         q[:, :, None, :], ctx[0], ctx[1], attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != kv.shape[2]
@@ -476,25 +467,35 @@ def kernel_decodes(
     kv_heads: int,
     head_dim: int,
     variant: int | None = None,
+    kv_dtype: torch.dtype | None = None,
 ) -> bool:
     """True when the compiled decode-attention kernel `variant` (default `KERNEL_VARIANT`) exists for this
     model shape on `device`: CUDA, module built, float32/float16/bfloat16, head_dim 64/128/256, and
-    1..8 query heads per KV head (variants 3, 4 and 5; 1/2/4/8 for variants 1 and 2)."""
+    1..8 query heads per KV head (variants 3, 4 and 5; 1/2/4/8 for variants 1 and 2). `kv_dtype` (the
+    pool's; default `dtype`) float8_e4m3fn: variants 4 and 5 with a float16/bfloat16 q, head_dim
+    64/128, on a module built with E4M3 support."""
     if _MODULE is None or device.type != "cuda" or dtype not in _DTYPE_CODES or num_heads % kv_heads:
         return False
     v = KERNEL_VARIANT if variant is None else variant
-    return bool(_MODULE.decode_attention_supported(_DTYPE_CODES[dtype], head_dim, num_heads // kv_heads, v))
+    group = num_heads // kv_heads
+    if kv_dtype is not None and is_fp8(kv_dtype):
+        if not hasattr(_MODULE, "decode_attention_kv_fp8"):
+            return False
+        return bool(_MODULE.decode_attention_supported(_DTYPE_CODES[dtype], head_dim, group, v, True))
+    if kv_dtype is not None and kv_dtype != dtype:
+        return False
+    return bool(_MODULE.decode_attention_supported(_DTYPE_CODES[dtype], head_dim, group, v))
 
 
 def decode_attention_supported(q: torch.Tensor, kv: torch.Tensor, variant: int | None = None) -> bool:
     """True when `decode_attention` runs the compiled kernel for these tensors (`kernel_decodes` for
-    their shape, both on one CUDA device, 16-byte aligned); otherwise it runs
+    their shape and dtypes, both on one CUDA device, 16-byte aligned); otherwise it runs
     `reference_decode_attention`."""
     if q.dim() != 3 or kv.dim() != 4 or q.device != kv.device:
         return False
     if q.data_ptr() % 16 or kv.data_ptr() % 16:
         return False
-    return kernel_decodes(q.dtype, q.device, q.shape[1], kv.shape[2], q.shape[2], variant)
+    return kernel_decodes(q.dtype, q.device, q.shape[1], kv.shape[2], q.shape[2], variant, kv.dtype)
 
 
 def _chunk(batch: int, kv_heads: int, s: int, device: torch.device, variant: int = 2) -> int:
@@ -531,17 +532,19 @@ def decode_attention(
     variant: int | None = None,
     *,
     chunk: int | None = None,
-    fused_merge: bool | None = None,
+    kv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode-step attention reading K/V in place from one layer of a paged pool (no gathered context).
 
+    An E4M3 `kv` needs `kv_scales` [2, KVH] float32 (contiguous, on kv's device: K's then V's scale of
+    each KV head); the kernel converts each staged tile to float16 and folds the scales into the scores
+    and the output (csrc/decode_attention_mma.cu).
     Same contract as `reference_decode_attention` (1 <= lengths[b] <= S is the caller's to keep: the
     kernel reads slots[b, :lengths[b]] unchecked), which runs instead when `decode_attention_supported`
-    is False. On CUDA it is one kernel (two with the merge as its own) on the current stream, no host
+    is False. On CUDA it is two kernels (the partials, their merge) on the current stream, no host
     synchronisation and no value-dependent shape (CUDA-graph safe); lengths are read on the device, and
     slots past a sequence's length are never read. `variant` (default `KERNEL_VARIANT`) picks the
-    kernel; `chunk` (tokens per split, default `_chunk`'s) and `fused_merge` (default `FUSED_MERGE`)
-    are for benchmarks.
+    kernel; `chunk` (tokens per split, default `_chunk`'s) is for benchmarks.
     Raises ValueError/TypeError on shapes, dtypes or devices that do not fit together.
     """
     if q.dim() != 3 or kv.dim() != 4 or kv.shape[0] != 2:
@@ -557,8 +560,11 @@ def decode_attention(
         )
     if slots.dtype != torch.int64 or lengths.dtype != torch.int64:
         raise TypeError("slots and lengths must be int64")
-    if q.dtype != kv.dtype:
+    fp8 = is_fp8(kv)
+    if q.dtype != kv.dtype and not fp8:
         raise TypeError(f"q is {q.dtype} but kv is {kv.dtype}")
+    if fp8 and (kv_scales is None or kv_scales.shape != (2, kv.shape[2]) or kv_scales.dtype != torch.float32):
+        raise ValueError(f"an E4M3 kv needs kv_scales float32 [2, {kv.shape[2]}]")
     if not (q.device == kv.device == slots.device == lengths.device):
         raise ValueError("q, kv, slots and lengths must be on one device")
     v = KERNEL_VARIANT if variant is None else variant
@@ -567,18 +573,22 @@ def decode_attention(
     if chunk is not None and chunk < 1:
         raise ValueError(f"chunk must be >= 1, got {chunk}")
     if not decode_attention_supported(q, kv, v):
-        return reference_decode_attention(q, kv, slots, lengths, scale)
+        return reference_decode_attention(q, kv, slots, lengths, scale, kv_scales)
     assert _MODULE is not None
     q, slots, lengths = q.contiguous(), slots.contiguous(), lengths.contiguous()
+    if fp8:
+        assert kv_scales is not None
+        if kv_scales.device != q.device or not kv_scales.is_contiguous():
+            raise ValueError("kv_scales must be contiguous on kv's device")
+        extra_kv: dict[str, int] = {"kv_scales": kv_scales.data_ptr()}
+    else:
+        extra_kv = {}
     if not kv.is_contiguous():
         raise ValueError("kv must be contiguous (a layer of a KVPool is)")
     kvh, s = kv.shape[2], slots.shape[1]
     if chunk is None:
         chunk = _chunk(b, kvh, s, q.device, v)
     splits = -(-s // chunk)
-    extra: tuple[int, ...] = ()  # a module built before the fused merge takes no counters argument
-    if (FUSED_MERGE if fused_merge is None else fused_merge) and v in (4, 5):
-        extra = (_merge_counters(q.device, b * kvh).data_ptr(),)
     part_acc = torch.empty((b, nh, splits, hd), dtype=torch.float32, device=q.device)
     part_ml = torch.empty((b, nh, splits, 2), dtype=torch.float32, device=q.device)
     out = torch.empty_like(q)
@@ -602,6 +612,6 @@ def decode_attention(
         q.device.index,
         _stream(q.device),
         v,
-        *extra,
+        **extra_kv,
     )
     return out

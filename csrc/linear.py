@@ -8,16 +8,16 @@ everything else, the CPU included, is `torch.nn.functional.linear`, which is als
 the kernel to (float32 accumulation in both; the order of the additions differs, so results agree to
 the dtype's rounding).
 
-$TANDEM_BLAS picks the library torch's GEMMs go through for the whole process: unset or `default`
-leaves torch's choice (cuBLAS), `cublas` or `cublaslt` call
-`torch.backends.cuda.preferred_blas_library` at import. Why: at batch 64 the 4B step's GEMMs read 8.0
-GB in 2.64 ms (63 % of HBM) through cuBLAS; cuBLASLt's heuristics pick other kernels, and
-`tandem-bench-linear` times both per shape. Opt-in until measured.
+A process-wide cuBLASLt switch (TANDEM_BLAS) was measured on an H200 and deleted: the graphed step at
+1 and 64 x 2048 was within 1 % of cuBLAS for the 4B shape and 5 % slower at Orpheus-3B batch 1
+(docs/benchmarks, issue 26); `tandem-bench-linear` still times cuBLASLt per shape.
 
-$TANDEM_GEMV_ROWS sets `GEMV_MAX_ROWS` for a process. The default is 0 (every call to cuBLAS): the
-kernel passes its CPU-side checks and compiles for sm_90, but no GPU has run it yet (no device was
-lent the session that wrote it); `tandem-bench-linear` and the GPU tests in tests/unit/test_linear.py
-are the measurement that decides the default.
+$TANDEM_GEMV_ROWS sets `GEMV_MAX_ROWS` for a process (0 sends every call to cuBLAS). The default is
+8: on an H200 (docs/benchmarks, issue 26) the GEMV took the Orpheus-3B shape's graphed step at batch 1
+from 2.71 to 2.55 ms and left the 4B shape's at 3.36 ms, and tests/unit/test_linear.py passed there.
+
+`gemv_fp8` is the same kernel over E4M3 weights with per-row scales (tandem.model.dtype=fp8 at up to
+`GEMV_MAX_ROWS` rows: half the weight bytes, x stays bfloat16).
 """
 
 from __future__ import annotations
@@ -29,14 +29,14 @@ import torch.nn.functional as F
 
 from tandem.csrc import kv_cuda
 
-__all__ = ["BLAS", "GEMV_MAX_ROWS", "gemv_runs", "linear"]
+__all__ = ["GEMV_MAX_ROWS", "gemv_fp8", "gemv_fp8_runs", "gemv_runs", "linear"]
 
 _DTYPE_CODES = {torch.float16: 1, torch.bfloat16: 2}
 _KERNEL_ROWS = 8  # csrc/gemv.h's kGemvMaxRows
 
 
 def _max_rows() -> int:
-    text = os.environ.get("TANDEM_GEMV_ROWS", "0").strip()
+    text = os.environ.get("TANDEM_GEMV_ROWS", "8").strip()
     try:
         rows = int(text)
     except ValueError:
@@ -47,14 +47,6 @@ def _max_rows() -> int:
 
 
 GEMV_MAX_ROWS = _max_rows()
-
-BLAS = os.environ.get("TANDEM_BLAS", "default").strip() or "default"
-if BLAS not in ("default", "cublas", "cublaslt"):
-    raise ValueError(f"TANDEM_BLAS must be default, cublas or cublaslt, got {BLAS!r}")
-if BLAS != "default":
-    if torch.version.cuda is None:
-        raise ValueError(f"TANDEM_BLAS={BLAS} needs a CUDA build of torch; this one is {torch.__version__}")
-    torch.backends.cuda.preferred_blas_library(BLAS)
 
 
 def gemv_runs(
@@ -92,20 +84,49 @@ def linear(
     flat = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
     if not gemv_runs(flat, weight, bias, limit):
         return F.linear(x, weight, bias)
+    return _gemv(flat, weight, bias, None).view(*x.shape[:-1], weight.shape[0])
+
+
+def _gemv(
+    x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, w_scale: torch.Tensor | None
+) -> torch.Tensor:
+    """The kernel's y [M, N] in x's dtype for x [M, K] and w [N, K] (E4M3 with `w_scale`)."""
     module = kv_cuda.module()
     assert module is not None
-    n, k = weight.shape
-    out = torch.empty((flat.shape[0], n), dtype=x.dtype, device=x.device)
+    n, k = w.shape
+    out = torch.empty((x.shape[0], n), dtype=x.dtype, device=x.device)
     module.gemv(
-        flat.data_ptr(),
-        weight.data_ptr(),
+        x.data_ptr(),
+        w.data_ptr(),
         0 if bias is None else bias.data_ptr(),
         out.data_ptr(),
-        flat.shape[0],
+        x.shape[0],
         n,
         k,
         _DTYPE_CODES[x.dtype],
         x.device.index or 0,
         int(torch.cuda.current_stream(x.device).cuda_stream),
+        **({} if w_scale is None else {"w_scale": w_scale.data_ptr()}),  # a module built before it takes none
     )
-    return out.view(*x.shape[:-1], n)
+    return out
+
+
+def gemv_fp8_runs(x: torch.Tensor, w8: torch.Tensor) -> bool:
+    """True when `gemv_fp8(x, w8, ...)` has a kernel: the module built with it, CUDA, bfloat16 x of at
+    most `GEMV_MAX_ROWS` rows, E4M3 w8 [N, K] with K a multiple of 16, contiguous, 16-byte aligned."""
+    module = kv_cuda.module()
+    if module is None or not hasattr(module, "gemv_fp8") or not x.is_cuda or x.dtype != torch.bfloat16:
+        return False
+    if x.dim() != 2 or w8.dim() != 2 or w8.dtype != torch.float8_e4m3fn or w8.shape[1] != x.shape[1]:
+        return False
+    if not 1 <= x.shape[0] <= min(GEMV_MAX_ROWS, _KERNEL_ROWS) or w8.shape[1] % 16:
+        return False
+    return all(t.is_contiguous() and t.data_ptr() % 16 == 0 and t.device == x.device for t in (x, w8))
+
+
+def gemv_fp8(
+    x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """y [M, N] bfloat16 = (x . w8^T) * scale + bias for bfloat16 x [M, K], E4M3 w8 [N, K], float32
+    scale (N values, contiguous) and a bfloat16 bias [N] or None; `gemv_fp8_runs` must hold."""
+    return _gemv(x, w8, bias, scale)

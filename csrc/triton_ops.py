@@ -12,6 +12,11 @@ replace them (docs/benchmarks, decoder-*-fused):
   one layer of the paged pool at `slots`; returns q [N, nh, hd].
 - `swiglu(gate_up)`: silu(gate) * up from the fused gate-up projection's output.
 
+For `tandem.model.dtype=fp8` (backend/model/fp8.py) the GEMM inputs are E4M3 rows with a scale each:
+`add_rms_norm_fp8` and `swiglu_fp8` quantise the row they produce in the same kernel, and
+`quantize_rows` does it for attention's output (the rule is `csrc/fp8.py`'s). With an E4M3 KV pool
+(`tandem.kv.dtype=fp8`) `rope_kv_write` stores K and V quantised at the layer's per-head scales.
+
 Numerics follow the torch modules (`backend/model/layers.py`) step for step, each intermediate rounded to the
 model dtype where torch rounds it (the norm in float32, then cast, then times the weight; RoPE as
 x*cos + rotate_half(x)*sin with each product rounded), so results differ from the torch path only in
@@ -31,14 +36,21 @@ from typing import Any
 
 import torch
 
+from tandem.csrc.fp8 import E4M3_MAX, TINY, is_fp8, reference_quantize_rows, write_kv
+
 __all__ = [
     "add_rms_norm",
+    "add_rms_norm_fp8",
     "available",
+    "quantize_rows",
     "reference_add_rms_norm",
+    "reference_add_rms_norm_fp8",
     "reference_rope_kv_write",
     "reference_swiglu",
+    "reference_swiglu_fp8",
     "rope_kv_write",
     "swiglu",
+    "swiglu_fp8",
 ]
 
 _triton: ModuleType | None
@@ -91,9 +103,11 @@ def reference_rope_kv_write(
     kv: torch.Tensor,
     slots: torch.Tensor,
     num_heads: int,
+    kv_inv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [N, nh, hd] with (q-norm and) RoPE applied; K (normed, rotated) and V written into `kv`
-    [2, S, kvh, hd] at `slots` [N]. `qkv` is [N, (nh + 2 kvh) * hd] in q, k, v order."""
+    [2, S, kvh, hd] at `slots` [N] (an E4M3 `kv` takes them times `kv_inv_scales` [2, kvh], the
+    layer's inverse scales). `qkv` is [N, (nh + 2 kvh) * hd] in q, k, v order."""
     n = qkv.shape[0]
     kvh, hd = kv.shape[2], kv.shape[3]
     q, k, v = qkv.split([num_heads * hd, kvh * hd, kvh * hd], dim=-1)
@@ -101,7 +115,7 @@ def reference_rope_kv_write(
     if q_norm is not None and k_norm is not None:
         q, k = _reference_rms(q, q_norm, eps), _reference_rms(k, k_norm, eps)
     q, k = _reference_rope(q, cos, sin), _reference_rope(k, cos, sin)
-    kv.index_copy_(1, slots, torch.stack((k, v)))
+    write_kv(kv, slots, torch.stack((k, v)), kv_inv_scales)
     return q
 
 
@@ -111,20 +125,64 @@ def reference_swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.silu(gate) * up
 
 
+def reference_add_rms_norm_fp8(
+    a: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(E4M3 rows of `reference_add_rms_norm`'s normed output, their scales [N, 1], the new residual)."""
+    h, x = reference_add_rms_norm(a, residual, weight, eps)
+    h8, scale = reference_quantize_rows(h)
+    return h8, scale, x
+
+
+def reference_swiglu_fp8(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """E4M3 rows of `reference_swiglu` (rounded to gate_up's dtype first) and their scales [N, 1]."""
+    return reference_quantize_rows(reference_swiglu(gate_up))
+
+
 # ---- Triton kernels -------------------------------------------------------------------------------------
 
 if _triton is not None:
     triton = _triton
     tl = _tl
+    # Kernels may read module globals only as constexprs.
+    F8_MAX = tl.constexpr(E4M3_MAX)
+    F8_TINY = tl.constexpr(TINY)
+
+    @triton.jit
+    def _store_rows_fp8(out_ptr, scale_ptr, row, offs, mask, y):  # type: ignore[no-untyped-def]
+        # csrc/fp8.py's rule: amax, inv = 448 / amax, scale = amax / 448 (IEEE divisions), rn(y * inv).
+        amax = tl.maximum(tl.max(tl.abs(y), axis=0), F8_TINY)
+        lim = tl.zeros_like(amax) + F8_MAX
+        q = tl.clamp(y * tl.math.div_rn(lim, amax), -F8_MAX, F8_MAX)
+        tl.store(out_ptr + offs, q.to(tl.float8e4nv, fp_downcast_rounding="rtne"), mask=mask)
+        tl.store(scale_ptr + row, tl.math.div_rn(amax, lim))
+
+    @triton.jit
+    def _store_e4m3(dst, x1, x2, inv, mask, HALF: tl.constexpr):  # type: ignore[no-untyped-def]
+        # Both halves of a head's row as E4M3 at inverse scale `inv` (csrc/fp8.py's KV rule).
+        q1 = tl.clamp(x1.to(tl.float32) * inv, -F8_MAX, F8_MAX)
+        q2 = tl.clamp(x2.to(tl.float32) * inv, -F8_MAX, F8_MAX)
+        tl.store(dst, q1.to(tl.float8e4nv, fp_downcast_rounding="rtne"), mask=mask)
+        tl.store(dst + HALF, q2.to(tl.float8e4nv, fp_downcast_rounding="rtne"), mask=mask)
 
     @triton.jit
     def _add_rms_norm_kernel(  # type: ignore[no-untyped-def]
-        a_ptr, r_ptr, w_ptr, out_ptr, res_ptr, n_cols, eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr
+        a_ptr,
+        r_ptr,
+        w_ptr,
+        out_ptr,
+        res_ptr,
+        scale_ptr,
+        n_cols,
+        eps,
+        HAS_RES: tl.constexpr,
+        BLOCK: tl.constexpr,
+        FP8: tl.constexpr,
     ):
         row = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK)
         mask = offs < n_cols
-        dt = out_ptr.dtype.element_ty
+        dt = a_ptr.dtype.element_ty
         x = tl.load(a_ptr + row * n_cols + offs, mask=mask, other=0.0).to(tl.float32)
         if HAS_RES:
             r = tl.load(r_ptr + row * n_cols + offs, mask=mask, other=0.0).to(tl.float32)
@@ -133,7 +191,18 @@ if _triton is not None:
         var = tl.sum(x * x, axis=0) / n_cols
         y = (x * tl.math.rsqrt(var + eps)).to(dt).to(tl.float32)
         w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        tl.store(out_ptr + row * n_cols + offs, (w * y).to(dt), mask=mask)
+        if FP8:
+            _store_rows_fp8(out_ptr + row * n_cols, scale_ptr, row, offs, mask, (w * y).to(dt).to(tl.float32))
+        else:
+            tl.store(out_ptr + row * n_cols + offs, (w * y).to(dt), mask=mask)
+
+    @triton.jit
+    def _quantize_rows_kernel(x_ptr, out_ptr, scale_ptr, n_cols, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
+        row = tl.program_id(0).to(tl.int64)
+        offs = tl.arange(0, BLOCK)
+        mask = offs < n_cols
+        y = tl.load(x_ptr + row * n_cols + offs, mask=mask, other=0.0).to(tl.float32)
+        _store_rows_fp8(out_ptr + row * n_cols, scale_ptr, row, offs, mask, y)
 
     # n_rows (the batch) is not specialised: Triton would compile a variant for 1, for multiples of 16
     # and for other values, so decode steps at different batch sizes compiled their own kernels.
@@ -147,6 +216,7 @@ if _triton is not None:
         q_ptr,
         kv_ptr,
         slot_ptr,
+        inv_ptr,
         plane,
         n_rows,
         eps,
@@ -155,6 +225,7 @@ if _triton is not None:
         HD: tl.constexpr,
         HAS_NORM: tl.constexpr,
         ROWS: tl.constexpr,
+        KV_FP8: tl.constexpr,
     ):
         # One head (program_id 1) of ROWS consecutive rows (program_id 0): a [ROWS, HD/2] tile per half.
         rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS).to(tl.int64)
@@ -186,26 +257,42 @@ if _triton is not None:
             o1 = ((x1 * c1).to(dt).to(tl.float32) - (x2 * s1).to(dt).to(tl.float32)).to(dt)
             o2 = ((x2 * c2).to(dt).to(tl.float32) + (x1 * s2).to(dt).to(tl.float32)).to(dt)
             if j < NH:
-                dst = q_ptr + rows[:, None] * (NH * HD) + j * HD + offs[None, :]
+                qdst = q_ptr + rows[:, None] * (NH * HD) + j * HD + offs[None, :]
+                tl.store(qdst, o1, mask=m)
+                tl.store(qdst + HALF, o2, mask=m)
             else:
                 dst = kv_ptr + slot[:, None] * (KVH * HD) + (j - NH) * HD + offs[None, :]
-            tl.store(dst, o1, mask=m)
-            tl.store(dst + HALF, o2, mask=m)
+                if KV_FP8:  # csrc/fp8.py: rn(k * (1 / s)), the inverse a power of two
+                    _store_e4m3(dst, o1, o2, tl.load(inv_ptr + (j - NH)), m, HALF)
+                else:
+                    tl.store(dst, o1, mask=m)
+                    tl.store(dst + HALF, o2, mask=m)
         else:
             dst = kv_ptr + plane + slot[:, None] * (KVH * HD) + (j - NH - KVH) * HD + offs[None, :]
-            tl.store(dst, tl.load(src, mask=m), mask=m)
-            tl.store(dst + HALF, tl.load(src + HALF, mask=m), mask=m)
+            v1 = tl.load(src, mask=m)
+            v2 = tl.load(src + HALF, mask=m)
+            if KV_FP8:  # V's inverse scales follow K's: index KVH + head
+                _store_e4m3(dst, v1, v2, tl.load(inv_ptr + (j - NH)), m, HALF)
+            else:
+                tl.store(dst, v1, mask=m)
+                tl.store(dst + HALF, v2, mask=m)
 
     @triton.jit
-    def _swiglu_kernel(gu_ptr, out_ptr, inter, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
+    def _swiglu_kernel(  # type: ignore[no-untyped-def]
+        gu_ptr, out_ptr, scale_ptr, inter, BLOCK: tl.constexpr, FP8: tl.constexpr
+    ):
+        # FP8: one program a row (BLOCK covers it) so the row's amax is in the program.
         row = tl.program_id(0).to(tl.int64)
         offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < inter
-        dt = out_ptr.dtype.element_ty
+        dt = gu_ptr.dtype.element_ty
         g = tl.load(gu_ptr + row * 2 * inter + offs, mask=mask, other=0.0).to(tl.float32)
         u = tl.load(gu_ptr + row * 2 * inter + inter + offs, mask=mask, other=0.0).to(tl.float32)
         s = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
-        tl.store(out_ptr + row * inter + offs, (s * u).to(dt), mask=mask)
+        if FP8:
+            _store_rows_fp8(out_ptr + row * inter, scale_ptr, row, offs, mask, (s * u).to(dt).to(tl.float32))
+        else:
+            tl.store(out_ptr + row * inter + offs, (s * u).to(dt), mask=mask)
 
 
 # ---- entry points ---------------------------------------------------------------------------------------
@@ -231,10 +318,47 @@ def add_rms_norm(
     res = torch.empty_like(a) if residual is not None else a
     block = _triton.next_power_of_2(h)  # type: ignore[union-attr]
     _add_rms_norm_kernel[(n,)](
-        a, a if residual is None else residual, weight, out, res, h, eps,
-        HAS_RES=residual is not None, BLOCK=block, num_warps=8 if block >= 2048 else 4,
+        a, a if residual is None else residual, weight, out, res, a, h, eps,
+        HAS_RES=residual is not None, BLOCK=block, FP8=False, num_warps=8 if block >= 2048 else 4,
     )  # fmt: skip
     return out, res
+
+
+def add_rms_norm_fp8(
+    a: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`add_rms_norm` whose normed output comes as E4M3 rows and their float32 scales [N, 1] (the
+    input of an FP8 GEMM), with the new residual in a's dtype."""
+    if a.dim() != 2 or weight.shape != (a.shape[1],) or (residual is not None and residual.shape != a.shape):
+        raise ValueError(f"add_rms_norm_fp8: a {tuple(a.shape)}, weight {tuple(weight.shape)} do not fit")
+    if not available(a):
+        return reference_add_rms_norm_fp8(a, residual, weight, eps)
+    _need_contiguous(a=a, weight=weight, **({} if residual is None else {"residual": residual}))
+    n, h = a.shape
+    out = torch.empty((n, h), dtype=torch.float8_e4m3fn, device=a.device)
+    scale = torch.empty((n, 1), dtype=torch.float32, device=a.device)
+    res = torch.empty_like(a) if residual is not None else a
+    block = _triton.next_power_of_2(h)  # type: ignore[union-attr]
+    _add_rms_norm_kernel[(n,)](
+        a, a if residual is None else residual, weight, out, res, scale, h, eps,
+        HAS_RES=residual is not None, BLOCK=block, FP8=True, num_warps=8 if block >= 2048 else 4,
+    )  # fmt: skip
+    return out, scale, res
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """E4M3 rows of `x` [N, K] and their float32 scales [N, 1] (`csrc/fp8.py`'s rule); one kernel."""
+    if x.dim() != 2:
+        raise ValueError(f"quantize_rows: x must be [N, K], got {tuple(x.shape)}")
+    if not available(x):
+        return reference_quantize_rows(x)
+    _need_contiguous(x=x)
+    n, k = x.shape
+    out = torch.empty((n, k), dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty((n, 1), dtype=torch.float32, device=x.device)
+    block = _triton.next_power_of_2(k)  # type: ignore[union-attr]
+    _quantize_rows_kernel[(n,)](x, out, scale, k, BLOCK=block, num_warps=8 if block >= 2048 else 4)
+    return out, scale
 
 
 def rope_kv_write(
@@ -248,9 +372,11 @@ def rope_kv_write(
     slots: torch.Tensor,
     num_heads: int,
     rows_per_program: int = 1,
+    kv_inv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Same contract as `reference_rope_kv_write` (q returned; K and V written into `kv` at `slots`,
-    which the caller keeps inside the pool: they are not bounds-checked on the device).
+    which the caller keeps inside the pool: they are not bounds-checked on the device; an E4M3 `kv`
+    needs `kv_inv_scales` [2, kvh] float32, contiguous, on its device).
 
     `rows_per_program` (a power of two): rows one program takes per head. 1 suits a decode step (a few
     rows, one small program per row and head); a prefill passes 16: with one row a program moves 256
@@ -265,9 +391,17 @@ def rope_kv_write(
             f"rope_kv_write: qkv {tuple(qkv.shape)}, cos {tuple(cos.shape)}, slots {tuple(slots.shape)} "
             f"do not fit {num_heads} heads, kv {tuple(kv.shape)}"
         )
+    fp8 = is_fp8(kv)
+    if fp8 and (kv_inv_scales is None or kv_inv_scales.shape != (2, kvh)):
+        raise ValueError(f"rope_kv_write: an E4M3 kv needs kv_inv_scales [2, {kvh}]")
     if not available(qkv) or hd % 2 or hd & (hd - 1):
-        return reference_rope_kv_write(qkv, cos, sin, q_norm, k_norm, eps, kv, slots, num_heads)
+        return reference_rope_kv_write(
+            qkv, cos, sin, q_norm, k_norm, eps, kv, slots, num_heads, kv_inv_scales
+        )
     _need_contiguous(qkv=qkv, cos=cos, sin=sin, kv=kv, slots=slots)
+    inv = kv_inv_scales if fp8 and kv_inv_scales is not None else cos  # any pointer when unused
+    if fp8:
+        _need_contiguous(kv_inv_scales=inv)
     q = torch.empty((n, num_heads, hd), dtype=qkv.dtype, device=qkv.device)
     has_norm = q_norm is not None and k_norm is not None
     qw = q_norm if q_norm is not None else cos
@@ -276,8 +410,8 @@ def rope_kv_write(
     if r < 1 or r & (r - 1):
         raise ValueError(f"rope_kv_write: rows_per_program must be a power of two, got {r}")
     _rope_kv_write_kernel[(-(-n // r), num_heads + 2 * kvh)](
-        qkv, cos, sin, qw, kw, q, kv, slots, kv.shape[1] * kvh * hd, n, eps,
-        NH=num_heads, KVH=kvh, HD=hd, HAS_NORM=has_norm, ROWS=r, num_warps=1 if r == 1 else 4,
+        qkv, cos, sin, qw, kw, q, kv, slots, inv, kv.shape[1] * kvh * hd, n, eps,
+        NH=num_heads, KVH=kvh, HD=hd, HAS_NORM=has_norm, ROWS=r, KV_FP8=fp8, num_warps=1 if r == 1 else 4,
     )  # fmt: skip
     return q
 
@@ -292,5 +426,22 @@ def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     n, inter = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty((n, inter), dtype=gate_up.dtype, device=gate_up.device)
     block = 1024
-    _swiglu_kernel[(n, -(-inter // block))](gate_up, out, inter, BLOCK=block, num_warps=4)
+    _swiglu_kernel[(n, -(-inter // block))](gate_up, out, out, inter, BLOCK=block, FP8=False, num_warps=4)
     return out
+
+
+def swiglu_fp8(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`swiglu` as E4M3 rows and their float32 scales [N, 1] (the down projection's FP8 input)."""
+    if gate_up.dim() != 2 or gate_up.shape[1] % 2:
+        raise ValueError(f"swiglu_fp8: gate_up must be [N, 2I], got {tuple(gate_up.shape)}")
+    if not available(gate_up):
+        return reference_swiglu_fp8(gate_up)
+    _need_contiguous(gate_up=gate_up)
+    n, inter = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty((n, inter), dtype=torch.float8_e4m3fn, device=gate_up.device)
+    scale = torch.empty((n, 1), dtype=torch.float32, device=gate_up.device)
+    block = _triton.next_power_of_2(inter)  # type: ignore[union-attr]
+    _swiglu_kernel[(n, 1)](
+        gate_up, out, scale, inter, BLOCK=block, FP8=True, num_warps=16 if block >= 8192 else 8
+    )
+    return out, scale

@@ -26,12 +26,18 @@ _DTYPES: dict[str, torch.dtype] = {
 
 @dataclass(frozen=True)
 class WireLayout:
-    """Per-token KV geometry: `num_layers` x (K, V) x `num_kv_heads` x `head_dim` of `dtype_name`."""
+    """Per-token KV geometry: `num_layers` x (K, V) x `num_kv_heads` x `head_dim` of `dtype_name`.
+
+    `scale_digest` names the static per-head scales an E4M3 KV's bytes are read at (each engine derives
+    them from its weights; they never cross). "" for a KV without scales, and then it is left out of
+    `to_dict` and the fingerprint, which stay what they were before it existed. P and D whose dtype or
+    scales differ refuse each other before any byte moves (`LayoutMismatch`)."""
 
     num_layers: int
     num_kv_heads: int
     head_dim: int
     dtype_name: str
+    scale_digest: str = ""
 
     def __post_init__(self) -> None:
         for field in ("num_layers", "num_kv_heads", "head_dim"):
@@ -64,7 +70,16 @@ class WireLayout:
         return n_tokens * self.token_bytes
 
     def to_dict(self) -> dict[str, int | str]:
-        return asdict(self)
+        d: dict[str, int | str] = asdict(self)
+        if not self.scale_digest:
+            del d["scale_digest"]
+        return d
+
+    def describe(self) -> str:
+        """One phrase for an error: `28 layers x 8 KV heads x 128 float8_e4m3fn (scales ab12...)`."""
+        scales = f" (scales {self.scale_digest})" if self.scale_digest else ""
+        heads = f"{self.num_layers} layers x {self.num_kv_heads} KV heads x {self.head_dim}"
+        return f"{heads} {self.dtype_name}{scales}"
 
     @classmethod
     def from_dict(cls, d: dict[str, object]) -> WireLayout:
@@ -74,6 +89,7 @@ class WireLayout:
                 num_kv_heads=int(d["num_kv_heads"]),  # type: ignore[call-overload]
                 head_dim=int(d["head_dim"]),  # type: ignore[call-overload]
                 dtype_name=str(d["dtype_name"]),
+                scale_digest=str(d.get("scale_digest", "")),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"bad layout {d!r}: {exc}") from exc

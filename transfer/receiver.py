@@ -194,7 +194,11 @@ class TransferReceiver:
         if ticket.layout_fp != self.layout.fingerprint() or ticket.nbytes != self.layout.staging_nbytes(
             ticket.n_tokens
         ):
-            raise LayoutMismatch(f"ticket layout {ticket.layout_fp} != ours {self.layout.fingerprint()}")
+            raise LayoutMismatch(
+                f"ticket layout {ticket.layout_fp} ({ticket.nbytes} bytes) != ours "
+                f"{self.layout.fingerprint()} ({self.layout.describe()}): P and D must store the same KV "
+                "dtype and scales"
+            )
         if ticket.path != self.path.name:
             raise PathMismatch(f"ticket wants path {ticket.path!r}, this receiver uses {self.path.name!r}")
         foreign = self._foreign(ticket)

@@ -335,12 +335,14 @@ class TransferSender:
 
     def _hello(self, peer: Peer, msg: dict[str, object], fds: list[int]) -> bool:
         reason: FailReason | None = None
+        detail = ""
         if msg["v"] != PROTOCOL_VERSION:
             reason = FailReason.BAD_VERSION
         elif msg["path"] != self.path.name:
             reason = FailReason.PATH_MISMATCH
         elif msg["layout_fp"] != self.layout.fingerprint() or msg["layout"] != self.layout.to_dict():
             reason = FailReason.LAYOUT_MISMATCH
+            detail = f"LAYOUT_MISMATCH in HELLO: D's KV is {msg['layout']}, P's {self.layout.describe()}"
         if reason is None:
             try:
                 peer.arena = self.path.open_peer_arena(msg["arena"], fds)  # type: ignore[arg-type]
@@ -350,7 +352,8 @@ class TransferSender:
             return peer.conn.send(MsgType.HELLO_ACK, v=PROTOCOL_VERSION, instance=self.instance_id)
         for fd in fds:
             os.close(fd)
-        peer.conn.send(MsgType.FAILED, tid=None, reason=int(reason), detail=f"{reason.name} in HELLO")
+        detail = detail or f"{reason.name} in HELLO"
+        peer.conn.send(MsgType.FAILED, tid=None, reason=int(reason), detail=detail)
         return False
 
     def _pull(self, peer: Peer, msg: dict[str, object]) -> None:

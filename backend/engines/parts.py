@@ -22,6 +22,7 @@ from tandem.backend.metrics import MetricsSink
 from tandem.backend.model.checkpoint import load_checkpoint
 from tandem.backend.model.config import preset
 from tandem.backend.model.decoder import Decoder
+from tandem.backend.model.fp8 import require_fp8_device
 from tandem.backend.scheduling.intake import Intake, _HasSink
 from tandem.backend.settings import EngineSettings
 from tandem.transfer import PathOptions, TransferError, TransferPath, WireLayout, build_path
@@ -101,22 +102,33 @@ def control_secret(settings: EngineSettings) -> bytes | None:
 def wire_layout(decoder: Decoder) -> WireLayout:
     """The transfer library's view of this decoder's KV (it knows nothing of decoders)."""
     kv = decoder.kv_layout()
-    return WireLayout(kv.num_layers, kv.num_kv_heads, kv.head_dim, str(kv.dtype).removeprefix("torch."))
+    dtype = str(kv.dtype).removeprefix("torch.")
+    return WireLayout(kv.num_layers, kv.num_kv_heads, kv.head_dim, dtype, kv.scale_digest)
 
 
 def build_decoder(settings: EngineSettings, device: torch.device) -> Decoder:
     """The engine's decoder: a real checkpoint directory (config.json + safetensors), else a preset with
-    deterministic random weights; the same code path serves CPU and GPU instances."""
+    deterministic random weights; the same code path serves CPU and GPU instances. `tandem.model.dtype
+    =fp8` / `tandem.kv.dtype=fp8` quantise it after the load (bf16 compute), refused with
+    `Fp8Unsupported` before anything loads where the device cannot run FP8."""
     src = settings.model
+    fp8_weights, fp8_kv = src.dtype == "fp8", settings.kv.dtype == "fp8"
+    for flag, what in ((fp8_weights, "tandem.model.dtype"), (fp8_kv, "tandem.kv.dtype")):
+        if flag:
+            require_fp8_device(device, what)
+    dtype = "bfloat16" if fp8_weights or (fp8_kv and not src.dtype) else src.dtype
     if src.checkpoint:
-        decoder = load_checkpoint(src.checkpoint, device=device, dtype=src.dtype or None)
+        decoder = load_checkpoint(src.checkpoint, device=device, dtype=dtype or None)
         log.info("loaded checkpoint %s on %s", src.checkpoint, device)
     else:
         cfg = preset(src.preset)
-        if src.dtype:
-            cfg = cfg.with_dtype(src.dtype)
+        if dtype:
+            cfg = cfg.with_dtype(dtype)
         decoder = Decoder.random(cfg, device=device, seed=src.seed)
         log.info("built preset %s (random weights, seed %d) on %s", src.preset, src.seed, device)
+    if fp8_weights or fp8_kv:
+        decoder.quantize_fp8(weights=fp8_weights, kv=fp8_kv)
+        log.info("FP8: E4M3 weights %s, E4M3 KV %s", fp8_weights, fp8_kv)
     if settings.torch_threads > 0:
         torch.set_num_threads(settings.torch_threads)
     return decoder.eval()

@@ -9,12 +9,16 @@ import torch
 
 @dataclass(frozen=True)
 class KVLayout:
-    """Shape of one token's KV across all layers; equal layouts can exchange KV byte for byte."""
+    """Shape of one token's KV across all layers; equal layouts can exchange KV byte for byte.
+
+    `scale_digest` names the per-head scales of an E4M3 layout ("" for every other dtype): equal bytes
+    mean equal values only under equal scales (backend/model/fp8.py)."""
 
     num_layers: int
     num_kv_heads: int
     head_dim: int
     dtype: torch.dtype
+    scale_digest: str = ""
 
     @property
     def token_bytes(self) -> int:

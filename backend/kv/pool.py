@@ -83,6 +83,17 @@ class KVPool:
         self._free: list[int] = list(range(num_pages - 1, -1, -1))
         self._is_free: list[bool] = [True] * num_pages
 
+    def randomize(self, generator: torch.Generator) -> None:
+        """Fill every slot with N(0, 1) in the stored units (benches and D's calibration: never time on
+        zeros). Layer by layer, so the temporaries stay small; an E4M3 pool draws in bfloat16 and
+        converts (torch draws no float8)."""
+        for layer in range(self.kv.shape[0]):
+            if self.kv.dtype == torch.float8_e4m3fn:
+                draw = torch.empty(self.kv.shape[1:], dtype=torch.bfloat16, device=self.kv.device)
+                self.kv[layer].copy_(draw.normal_(0.0, 1.0, generator=generator))
+            else:
+                self.kv[layer].normal_(0.0, 1.0, generator=generator)
+
     @property
     def num_free_pages(self) -> int:
         """Pages not owned by anyone; admission control compares this with `pages_for(...)`."""

@@ -14,6 +14,8 @@ from tandem.backend.kv.layout import KVLayout
 from tandem.backend.model.rope import RopeScaling
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# What a KV pool may store beside the compute dtypes: E4M3 with per-head scales (backend/model/fp8.py).
+_KV_DTYPES = {**_DTYPES, "float8_e4m3fn": torch.float8_e4m3fn}
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -21,6 +23,13 @@ def torch_dtype(name: str) -> torch.dtype:
         return _DTYPES[name]
     except KeyError:
         raise ValueError(f"unknown dtype {name!r}; expected one of {sorted(_DTYPES)}") from None
+
+
+def kv_torch_dtype(name: str) -> torch.dtype:
+    try:
+        return _KV_DTYPES[name]
+    except KeyError:
+        raise ValueError(f"unknown KV dtype {name!r}; expected one of {sorted(_KV_DTYPES)}") from None
 
 
 @dataclass(frozen=True)
@@ -50,9 +59,12 @@ class ModelConfig:
     dtype: str = "float32"
     eos_token_id: int | None = None
     name: str = "custom"
+    kv_dtype: str = ""  # the KV pool's dtype; "" = `dtype` (`Decoder.quantize_fp8` sets float8_e4m3fn)
 
     def __post_init__(self) -> None:
         torch_dtype(self.dtype)
+        if self.kv_dtype:
+            kv_torch_dtype(self.kv_dtype)
         if self.num_heads % self.num_kv_heads:
             raise ValueError("num_heads must be a multiple of num_kv_heads")
         if min(self.vocab_size, self.row_width, self.hidden_size, self.num_layers, self.head_dim) < 1:
@@ -63,13 +75,18 @@ class ModelConfig:
         return torch_dtype(self.dtype)
 
     @property
+    def kv_torch_dtype(self) -> torch.dtype:
+        return kv_torch_dtype(self.kv_dtype) if self.kv_dtype else self.torch_dtype
+
+    @property
     def kv_bytes_per_token(self) -> int:
-        itemsize = torch.empty((), dtype=self.torch_dtype).element_size()
+        itemsize = torch.empty((), dtype=self.kv_torch_dtype).element_size()
         return self.num_layers * 2 * self.num_kv_heads * self.head_dim * itemsize
 
     def kv_layout(self) -> KVLayout:
-        """The KV a decoder built from this config reads and writes, per token."""
-        return KVLayout(self.num_layers, self.num_kv_heads, self.head_dim, self.torch_dtype)
+        """The KV a decoder built from this config reads and writes, per token (without an E4M3
+        layout's scale digest, which only the decoder knows: `Decoder.kv_layout`)."""
+        return KVLayout(self.num_layers, self.num_kv_heads, self.head_dim, self.kv_torch_dtype)
 
     def with_dtype(self, dtype: str) -> ModelConfig:
         return replace(self, dtype=dtype)

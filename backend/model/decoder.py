@@ -21,22 +21,23 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import cast
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import sdpa_kernel
 
 from tandem.backend.device import upload
 from tandem.backend.kv.layout import KVLayout
 from tandem.backend.kv.pool import KVPool
+from tandem.backend.model import attention, fp8
 from tandem.backend.model.config import ModelConfig
 from tandem.backend.model.layers import Body, DecoderLayer, rope_cos_sin
-from tandem.backend.model.prefill_attention import PREFILL_BACKENDS, attend_gpu
+from tandem.backend.model.prefill_attention import PREFILL_BACKENDS
 from tandem.backend.model.rope import inv_freq as rope_inv_freq
-from tandem.csrc import kv_cuda, triton_ops
+from tandem.csrc import triton_ops
+from tandem.csrc.fp8 import E4M3
 from tandem.csrc.linear import linear
 
 # attend(layer, q [N, nh, hd], k [N, kvh, hd], v [N, kvh, hd]) -> attention output [N, nh*hd]
@@ -44,15 +45,6 @@ _Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor
 # The fused step's form: attend(layer, qkv [N, (nh + 2 kvh) * hd] (the fused projection's output), cos,
 # sin) -> attention output [N, nh*hd]; it applies qk-norm/RoPE and writes the KV itself.
 _AttendQKV = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-def _sdpa(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool
-) -> torch.Tensor:
-    """SDPA over [B, heads, S, hd] with grouped-query K/V (kvh divides nh)."""
-    return F.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=q.shape[1] != k.shape[1]
-    )
 
 
 @dataclass(frozen=True)
@@ -109,6 +101,11 @@ class Decoder(nn.Module):
         self.register_buffer(
             "_col_offsets", torch.arange(cfg.row_width, device=dev) * cfg.vocab_size, persistent=False
         )
+        # FP8 (`quantize_fp8`): the layers' E4M3 projections, and how the pool's K/V are stored.
+        self.fp8_layers: list[fp8.Fp8Layer] | None = None
+        self.fp8_emulate = False
+        self.kv_access = attention.KVAccess()
+        self._kv_digest = ""
 
     @classmethod
     def random(cls, cfg: ModelConfig, device: torch.device | str = "cpu", seed: int = 0) -> Decoder:
@@ -135,8 +132,41 @@ class Decoder(nn.Module):
         return dec
 
     def kv_layout(self) -> KVLayout:
-        """The KV layout this decoder reads and writes; pools passed to prefill/decode must match it."""
-        return self.cfg.kv_layout()
+        """The KV layout this decoder reads and writes; pools passed to prefill/decode must match it
+        (an E4M3 layout names its scales' digest, so pools of other scales do not)."""
+        return replace(self.cfg.kv_layout(), scale_digest=self._kv_digest)
+
+    @torch.no_grad()
+    def quantize_fp8(self, weights: bool, kv: bool, emulate: bool = False) -> None:
+        """Switch this (bf16) decoder to FP8, once, after its weights are loaded (backend/model/fp8.py).
+
+        `weights`: every layer's projections to E4M3 with per-output-channel scales; the bf16 copies
+        are released (the embedding/head table and the norms stay). `kv`: the KV layout becomes E4M3
+        with per-(layer, K/V, KV head) scales derived from the weights, so pools must be made after
+        this call. `emulate` (tests, CPU): the FP8 maths from dequantised operands instead of FP8
+        kernels. Raises `fp8.Fp8Unsupported` where the device cannot run FP8 (unless emulating)."""
+        if self.fp8_layers is not None or self.kv_access.scales is not None:
+            raise ValueError("quantize_fp8: this decoder is already FP8")
+        if not emulate:
+            for flag, what in ((weights, "tandem.model.dtype"), (kv, "tandem.kv.dtype")):
+                if flag:
+                    fp8.require_fp8_device(self.device, what)
+        if self.cfg.torch_dtype != torch.bfloat16 and not emulate:
+            raise ValueError(f"FP8 computes in bfloat16; this decoder is {self.cfg.dtype}")
+        layers = cast(Sequence[DecoderLayer], self.model.layers)
+        cfg = self.cfg
+        if kv:
+            scales = fp8.kv_scales(layers, cfg.hidden_size, cfg.head_dim, cfg.num_kv_heads, cfg.qk_norm)
+            self.kv_access = attention.KVAccess(scales, (1.0 / scales).contiguous())
+            self._kv_digest = fp8.kv_digest(scales)
+            self.cfg = replace(cfg, kv_dtype=str(E4M3).removeprefix("torch."))
+        if weights:
+            self.fp8_layers = [fp8.quantize_layer(layer) for layer in layers]
+            self.fp8_emulate = emulate
+            empty = torch.empty(0, dtype=cfg.torch_dtype, device=self.device)
+            for layer in layers:
+                for lin in (*layer.self_attn.projections(), *layer.mlp.projections()):
+                    lin.weight.data = empty
 
     @property
     def device(self) -> torch.device:
@@ -172,21 +202,45 @@ class Decoder(nn.Module):
         kv: torch.Tensor,
         slots: torch.Tensor,
         rows_per_program: int,
+        inv_scales: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The fused step's qk-norm + RoPE + KV write of `layer` (`triton_ops.rope_kv_write`): q returned,
-        K and V written into `kv` (that layer of the pool) at `slots`. Prefill passes 16 rows a program,
-        a decode step 1 (each kind of call keeps its own, so a row never depends on its neighbours)."""
+        K and V written into `kv` (that layer of the pool) at `slots` (E4M3 at `inv_scales`' reciprocals
+        for an E4M3 pool). Prefill passes 16 rows a program, a decode step 1 (each kind of call keeps
+        its own, so a row never depends on its neighbours)."""
         attn = cast(Sequence[DecoderLayer], self.model.layers)[layer].self_attn
         qn = None if attn.q_norm is None else attn.q_norm.weight
         kn = None if attn.k_norm is None else attn.k_norm.weight
         return triton_ops.rope_kv_write(
-            qkv, cos, sin, qn, kn, self.cfg.rms_norm_eps, kv, slots, self.cfg.num_heads, rows_per_program
+            qkv,
+            cos,
+            sin,
+            qn,
+            kn,
+            self.cfg.rms_norm_eps,
+            kv,
+            slots,
+            self.cfg.num_heads,
+            rows_per_program,
+            inv_scales,
         )
+
+    def _heads(self) -> attention.Heads:
+        return attention.Heads(self.cfg.num_heads, self.cfg.num_kv_heads, self.cfg.head_dim)
+
+    def _forward_layers(
+        self, x: torch.Tensor, positions: torch.Tensor, att: attention.LayerAttention
+    ) -> torch.Tensor:
+        """The layers with one forward's attention: its fused form where the step runs fused."""
+        if att.fused is not None and self._fused_on(x):
+            return self._run_fused(x, positions, att.fused)
+        return self._run(x, positions, att.unfused)
 
     def _run(self, x: torch.Tensor, positions: torch.Tensor, attend: _Attend) -> torch.Tensor:
         """The layers over embedded rows `x` [N, H] -> final-normed hidden states [N, H]; `attend` is the
-        attention of each layer (it owns the pool writes). Fused on a GPU (`_run_fused`)."""
-        if self._fused_on(x):
+        attention of each layer (it owns the pool writes). Fused on a GPU (`_run_fused`), and always
+        with FP8 weights (whose CPU emulation runs the fused step's torch references)."""
+        if self._fused_on(x) or self.fp8_layers is not None:
 
             def attend_qkv(i: int, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
                 attn = cast(Sequence[DecoderLayer], self.model.layers)[i].self_attn
@@ -206,6 +260,10 @@ class Decoder(nn.Module):
         The residual add of each block is fused into the norm that follows it."""
         cos, sin = self._rope_tables(positions, x.dtype)
         layers = cast(Sequence[DecoderLayer], self.model.layers)
+        if self.fp8_layers is not None:
+            return fp8.run_layers(
+                layers, self.fp8_layers, self.model.norm, x, cos, sin, attend, self.fp8_emulate
+            )
         norm = layers[0].input_layernorm
         h, x = triton_ops.add_rms_norm(x, None, norm.weight, norm.eps)
         for i, layer in enumerate(layers):
@@ -235,7 +293,9 @@ class Decoder(nn.Module):
         t = x.shape[0]
 
         def attend(_: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            o = _sdpa(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], None, True)
+            o = attention.sdpa(
+                q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], None, True
+            )
             return o[0].transpose(0, 1).reshape(t, -1)
 
         return self._logits(self._run(x, torch.arange(t, device=x.device), attend))
@@ -279,59 +339,15 @@ class Decoder(nn.Module):
             xs.append(x)
             pos.append(torch.arange(it.start, it.start + t, device=x.device))
             new_slots.append(slots[it.start :])
-            parts.append((offset, t, it.start, slots))
+            parts.append(attention.Part(offset, t, it.start, slots))
             offset += t
         x = xs[0] if len(xs) == 1 else torch.cat(xs)
         positions = pos[0] if len(pos) == 1 else torch.cat(pos)
         written = (new_slots[0] if len(new_slots) == 1 else torch.cat(new_slots)).contiguous()
-        on_gpu = x.device.type == "cuda"
-
-        def one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
-            """One prompt's attention: q [t, nh, hd] over k/v [start + t, kvh, hd] (its prefix first)."""
-            t = q.shape[0]
-            if on_gpu:
-                return attend_gpu(q, k, v, start)
-            mask = None
-            if start:
-                q_pos = torch.arange(start, start + t, device=q.device)
-                mask = torch.arange(start + t, device=q.device)[None, :] <= q_pos[:, None]
-            o = _sdpa(
-                q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], mask, not start
-            )
-            return o[0].transpose(0, 1).reshape(t, -1)
-
-        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            kv = pool.kv[layer]
-            kv.index_copy_(1, written, torch.stack((k, v)))
-            outs = []
-            for o, t, st, every in parts:
-                kk, vv = k[o : o + t], v[o : o + t]
-                if st:
-                    past = kv.index_select(1, every[:st])
-                    kk, vv = torch.cat((past[0], kk)), torch.cat((past[1], vv))
-                outs.append(one(q[o : o + t], kk, vv, st))
-            return outs[0] if len(outs) == 1 else torch.cat(outs)
-
+        att = attention.for_prefill(pool, self.kv_access, parts, written, self._rope_kv_write)
         with sdpa_kernel(PREFILL_BACKENDS):
-            if self._fused_on(x):
-
-                def attend_fused(
-                    layer: int, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-                ) -> torch.Tensor:
-                    # qk-norm, RoPE and the KV write in one kernel (as the decode step), then each prompt's
-                    # K/V (prefix and new rows) gathered back from the pool in one copy.
-                    kv = pool.kv[layer]
-                    q = self._rope_kv_write(layer, qkv, cos, sin, kv, written, rows_per_program=16)
-                    outs = []
-                    for o, t, st, every in parts:
-                        both = kv.index_select(1, every)
-                        outs.append(one(q[o : o + t], both[0], both[1], st))
-                    return outs[0] if len(outs) == 1 else torch.cat(outs)
-
-                h = self._run_fused(x, positions, attend_fused)
-            else:
-                h = self._run(x, positions, attend)
-        last = torch.tensor([o + t - 1 for o, t, _, _ in parts], device=h.device)
+            h = self._forward_layers(x, positions, att)
+        last = torch.tensor([p.offset + p.rows - 1 for p in parts], device=h.device)
         return self._logits(h.index_select(0, last))
 
     @torch.inference_mode()
@@ -372,48 +388,14 @@ class Decoder(nn.Module):
         No host synchronisation and no shape that depends on values, so one capture per (B, S) replays
         for any batch that fits. Writes the new rows' KV into the pool; returns float32 [B, W, V].
         """
-        x = self._embed(rows)
-        b, longest = padded.shape
-        dev = pool.device
-        cfg = self.cfg
-        if self.paged_attention and kv_cuda.kernel_decodes(
-            pool.kv.dtype, dev, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        ):
-            new_slot = padded.gather(1, (lengths - 1)[:, None])[:, 0]
-            scale = cfg.head_dim**-0.5
-            if self._fused_on(x):
-
-                def attend_fused(
-                    layer: int, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-                ) -> torch.Tensor:
-                    kv = pool.kv[layer]
-                    q = self._rope_kv_write(layer, qkv, cos, sin, kv, new_slot, rows_per_program=1)
-                    return kv_cuda.decode_attention(q, kv, padded, lengths, scale).reshape(b, -1)
-
-                return self._logits(self._run_fused(x, positions, attend_fused))
-
-            def attend_in_place(
-                layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-            ) -> torch.Tensor:
-                kv = pool.kv[layer]
-                kv.index_copy_(1, new_slot, torch.stack((k, v)))
-                return kv_cuda.decode_attention(q, kv, padded, lengths, scale).reshape(b, -1)
-
-            return self._logits(self._run(x, positions, attend_in_place))
-        cols = torch.arange(longest, device=dev)
-        valid = cols[None, :] < lengths[:, None]
-        # Pad with each sequence's own newest slot (always written) so masked reads stay finite.
-        padded = padded.gather(1, torch.minimum(cols[None, :], lengths[:, None] - 1))
-        new_slots = padded.gather(1, (lengths - 1)[:, None])[:, 0]
-        flat = padded.reshape(-1)
-        mask = valid[:, None, None, :]  # [B, 1, 1, S]
-
-        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            kv = pool.kv[layer]
-            kv.index_copy_(1, new_slots, torch.stack((k, v)))
-            ctx = kv.index_select(1, flat).view(2, b, longest, *kv.shape[2:]).transpose(2, 3)
-            o = _sdpa(q[:, :, None, :], ctx[0], ctx[1], mask, False)  # [B, nh, 1, hd]
-            return o.reshape(b, -1)
-
-        h = self._run(x, positions, attend)
-        return self._logits(h)
+        att = attention.for_decode(
+            pool,
+            self.kv_access,
+            self._heads(),
+            padded,
+            lengths,
+            self.cfg.torch_dtype,
+            self.paged_attention,
+            self._rope_kv_write,
+        )
+        return self._logits(self._forward_layers(self._embed(rows), positions, att))

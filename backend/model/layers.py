@@ -118,6 +118,10 @@ class Attention(nn.Module):
         """Rebuild the fused QKV weight (after the parameters moved, e.g. `Module.to_empty`)."""
         self._qkv = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
 
+    def projections(self) -> tuple[nn.Linear, ...]:
+        """q, k, v, o: what FP8 quantises (`Decoder.quantize_fp8`)."""
+        return (self.q_proj, self.k_proj, self.v_proj, self.o_proj)
+
     def qkv_weight(self) -> Fused:
         """The fused [(nh + 2 kvh) * hd, H] weight (and bias) of q/k/v, in that order along the rows."""
         self._qkv = _kept_fused(self._qkv, [self.q_proj, self.k_proj, self.v_proj])
@@ -160,6 +164,10 @@ class MLP(nn.Module):
     def fuse(self) -> None:
         """Rebuild the fused gate-up weight (after the parameters moved, e.g. `Module.to_empty`)."""
         self._gate_up = fuse_linears([self.gate_proj, self.up_proj])
+
+    def projections(self) -> tuple[nn.Linear, ...]:
+        """gate, up, down: what FP8 quantises (`Decoder.quantize_fp8`)."""
+        return (self.gate_proj, self.up_proj, self.down_proj)
 
     def gate_up_weight(self) -> torch.Tensor:
         """The fused [2 * I, H] weight: gate's rows, then up's."""

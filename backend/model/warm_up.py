@@ -15,7 +15,6 @@ import torch
 
 from tandem.backend.kv.pool import KVPool
 from tandem.backend.model.decoder import Decoder
-from tandem.backend.model.prefill_attention import plan_cudnn
 
 log = logging.getLogger("tandem")
 
@@ -25,17 +24,13 @@ log = logging.getLogger("tandem")
 # (rope_kv_write's row count is no longer specialised; the 1/16/17-row shapes stay until a GPU run
 # shows which the other kernels and pointers still need.)
 WARM_PREFILLS = ((1, 0), (16, 0), (17, 0), (1, 1), (16, 1), (17, 1))
-# The longest prompt `warm_up` plans cuDNN prefill attention for (when it is switched on): the
-# engines' default `prefill_batch_rows`; a longer prompt runs flash attention.
-CUDNN_PLAN_ROWS = 8192
 
 
 @torch.inference_mode()
 def warm_up(decoder: Decoder, pool: KVPool) -> float:
     """One prefill per `WARM_PREFILLS` shape and an eager decode step at batch 1 and 2, on pages taken
-    from `pool` and given back (the KV written is garbage in free pages), then (only with
-    `TANDEM_PREFILL_ATTENTION=cudnn`) cuDNN's prefill-attention plans up to `CUDNN_PLAN_ROWS`. A no-op
-    on a CPU (nothing compiles there); logs and returns the seconds it took."""
+    from `pool` and given back (the KV written is garbage in free pages). A no-op on a CPU (nothing
+    compiles there); logs and returns the seconds it took."""
     if decoder.device.type != "cuda":
         return 0.0
     t0 = time.perf_counter()
@@ -62,16 +57,6 @@ def warm_up(decoder: Decoder, pool: KVPool) -> float:
     finally:
         for p in pages:
             pool.free(p)
-    plan_prefill_attention(decoder, min(cfg.max_position_embeddings, CUDNN_PLAN_ROWS))
     took = time.perf_counter() - t0
     log.info("kernels warmed up in %.1f s (first calls compile them)", took)
     return took
-
-
-def plan_prefill_attention(decoder: Decoder, max_rows: int) -> int:
-    """The opt-in cuDNN prefill attention's plans for this model's heads, up to `max_rows` rows
-    (`prefill_attention.plan_cudnn`; a no-op by default). Returns the lengths planned."""
-    cfg = decoder.cfg
-    return plan_cudnn(
-        decoder.device, cfg.torch_dtype, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, max_rows
-    )

@@ -4,15 +4,14 @@
 # step against its roofline for each preset, fused (this tree's step) and with the reference kernels
 # (main's step), with a kernel-family breakdown. Writes logs and JSON/PNG into OUT; prints the tables.
 #
-# Steps added for the opt-in kernels (not in the default list until a GPU has measured them):
-# prefill (prefill with flash and with cuDNN padded to buckets, TANDEM_PREFILL_ATTENTION),
-# linear (tandem-bench-linear per preset: cuBLAS, cuBLASLt and the GEMV), merge (the attention with
-# the split-K merge fused and as its own kernel, tokens-per-split swept, against a copy/sum of the
-# same bytes), and decoder kinds gemv (TANDEM_GEMV_ROWS=8), fused (TANDEM_DECODE_ATTENTION_MERGE=fused)
-# gemv-fused (both) and lt (TANDEM_BLAS=cublaslt) beside decoder.
+# Other steps: prefill (prefill with flash and with cuDNN padded to buckets, TANDEM_PREFILL_ATTENTION),
+# linear (tandem-bench-linear per preset: cuBLAS, cuBLASLt and the GEMV), split (the attention over
+# tokens-per-split, against a copy/sum of the same bytes), and decoder kind cublas (the step with the
+# GEMV off, TANDEM_GEMV_ROWS=0) beside decoder. The fused split-K merge and TANDEM_BLAS were measured
+# and deleted (docs/benchmarks, issue 26).
 #
 #   bench/device/run_decoder_roofline.sh OUT [PRESETS] [STEPS: tests,attention,ncu,decoder,reference]
-#   e.g. bench/device/run_decoder_roofline.sh OUT qwen3-4b-shape,orpheus-3b-shape tests,merge,linear,prefill,ncu,decoder,gemv,fused,gemv-fused,lt
+#   e.g. bench/device/run_decoder_roofline.sh OUT qwen3-4b-shape,orpheus-3b-shape tests,split,linear,prefill,ncu,decoder,cublas
 set -uo pipefail
 out=${1:?output dir}; presets=${2:-qwen3-4b-shape}; steps=${3:-tests,attention,ncu,decoder,reference}
 source "$(dirname "$0")/device_env.sh" - "$out" || exit 1
@@ -40,8 +39,7 @@ lengths = torch.full((b,), s, dtype=torch.long, device="cuda")
 q = torch.randn(b, kvh * g, hd, device="cuda").bfloat16()
 for v in (2, 3, 4):
     kv_cuda.decode_attention(q, kv, slots, lengths, hd**-0.5, variant=v)
-for v in (4, 5):  # the fused merge (opt-in)
-    kv_cuda.decode_attention(q, kv, slots, lengths, hd**-0.5, variant=v, fused_merge=True)
+kv_cuda.decode_attention(q, kv, slots, lengths, hd**-0.5, variant=5)
 if hasattr(kv_cuda.module(), "gemv"):  # the GEMV (opt-in) at batch 1: gate-up and down of the 4B shape
     from tandem.csrc import linear
     for n, k in ((19456, 2560), (2560, 9728)):
@@ -54,11 +52,11 @@ PY
     python3 /tmp/ncu_attn.py > "$out/ncu-attention.txt" 2>&1 || rc=$?
   grep -E "decode_partial|gemv_kernel|Memory Throughput|DRAM Throughput|Duration|Achieved Occupancy|Registers|Stall|L1/TEX Hit|Theoretical Occ" "$out/ncu-attention.txt" | head -70
 fi
-if [[ ,$steps, == *,merge,* ]]; then
-  python3 -m tandem.bench.decode_attention --variants 4,5 --merges kernel,fused --chunks 0,128,256,512 \
+if [[ ,$steps, == *,split,* ]]; then
+  python3 -m tandem.bench.decode_attention --variants 4,5 --chunks 0,128,256,512,1024 \
     --page-sizes 16 --batches 1,4,16,64,128 --context 1024,2048 --ceiling --out "$out" \
-    --name decode-attention-merge > "$out/attention-merge.log" 2>&1 || rc=$?
-  tail -90 "$out/attention-merge.log"
+    --name decode-attention-split > "$out/attention-split.log" 2>&1 || rc=$?
+  tail -90 "$out/attention-split.log"
 fi
 for p in ${presets//,/ }; do
   if [[ ,$steps, == *,linear,* ]]; then
@@ -77,16 +75,14 @@ if [[ ,$steps, == *,prefill,* ]]; then  # prefill attention: flash (default) aga
     done
   done
 fi
-# kinds: decoder (this tree's step), reference (main's: torch modules, attention variant 2), and the
-# opt-in kernels: gemv, fused, gemv-fused.
+# kinds: decoder (this tree's step), reference (main's: torch modules, attention variant 2), cublas
+# (the GEMV off).
 for p in ${presets//,/ }; do
-  for kind in decoder reference gemv fused gemv-fused lt; do
+  for kind in decoder reference cublas; do
     [[ ,$steps, == *,$kind,* ]] || continue
     flag=""; [ "$kind" = reference ] && flag="--reference-kernels"
-    gemv=0; [[ $kind == gemv* ]] && gemv=8
-    merge=kernel; [[ $kind == *fused ]] && merge=fused
-    blas=default; [ "$kind" = lt ] && blas=cublaslt
-    TANDEM_BLAS=$blas TANDEM_GEMV_ROWS=$gemv TANDEM_DECODE_ATTENTION_MERGE=$merge python3 -m tandem.bench.decoder --preset "$p" --device cuda --graphs \
+    gemv=8; [ "$kind" = cublas ] && gemv=0
+    TANDEM_GEMV_ROWS=$gemv python3 -m tandem.bench.decoder --preset "$p" --device cuda --graphs \
       --forward-only $flag --breakdown 1x2048,64x2048 --batches 1,8,32,64,128 --context 2048 --prompts "" \
       --steps 20 --warmup 3 --out "$out" --name "roofline-$p-$kind" \
       > "$out/roofline-$p-$kind.log" 2> "$out/roofline-$p-$kind.err" || rc=$?

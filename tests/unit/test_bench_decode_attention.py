@@ -29,8 +29,6 @@ def test_refuses_without_cuda(capsys) -> None:
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--merges", "both"], "--merges takes fused and/or kernel"),
-        (["--merges", ","], "--merges takes fused and/or kernel"),
         (["--chunks", "128,-1"], "--chunks must be >= 0"),
     ],
 )

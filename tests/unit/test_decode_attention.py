@@ -162,52 +162,6 @@ def test_kernel_is_graph_capturable() -> None:
     assert not torch.equal(out, eager)  # the replay read the new lengths on the device
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("variant", [4, 5])
-@pytest.mark.parametrize(
-    ("batch", "s", "chunk"), [(1, 2048, None), (1, 300, 32), (7, 1000, 64), (48, 2048, None)]
-)
-def test_fused_merge_matches_the_merge_kernel(variant: int, batch: int, s: int, chunk: int | None) -> None:
-    """The last block of each (sequence, heads) merges the splits itself: the output of the two-kernel
-    form (same arithmetic, same order), and the counters it merged on are zero again afterwards."""
-    _need_cuda()
-    q, kv, slots, lengths = _case(batch, 8, 4, 128, s, torch.bfloat16, "cuda", seed=batch + s)
-    scale = 128**-0.5
-    two = kv_cuda.decode_attention(q, kv, slots, lengths, scale, variant, chunk=chunk, fused_merge=False)
-    for _ in range(3):  # the counters are reused call after call
-        one = kv_cuda.decode_attention(q, kv, slots, lengths, scale, variant, chunk=chunk, fused_merge=True)
-        torch.testing.assert_close(one, two, atol=1e-6, rtol=1e-6)
-    torch.testing.assert_close(one.float(), _float_reference(q, kv, slots, lengths), atol=1.6e-2, rtol=1.6e-2)
-    torch.cuda.synchronize()
-    assert all(int(c.count_nonzero()) == 0 for c in kv_cuda._counters.values())
-
-
-@pytest.mark.gpu
-def test_fused_merge_replays_in_a_graph_and_refuses_a_capture_without_counters(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """The counters come from an eager call (a graph replays on them, zero again after each replay);
-    a capture that would have to allocate them is refused with a clear error instead."""
-    _need_cuda()
-    monkeypatch.setattr(kv_cuda, "_counters", {})
-    q, kv, slots, lengths = _case(6, 8, 4, 128, 1024, torch.bfloat16, "cuda", seed=11)
-    scale = 128**-0.5
-    with pytest.raises(RuntimeError, match="call it once eagerly"), torch.cuda.graph(torch.cuda.CUDAGraph()):
-        kv_cuda.decode_attention(q, kv, slots, lengths, scale, 4, fused_merge=True)
-    kv_cuda.decode_attention(q, kv, slots, lengths, scale, 4, fused_merge=True)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = kv_cuda.decode_attention(q, kv, slots, lengths, scale, 4, fused_merge=True)
-    for n in ([1024, 1, 5, 700, 999, 64], [3, 1024, 17, 256, 2, 900]):
-        lengths.copy_(torch.tensor(n, device="cuda"))
-        graph.replay()
-        torch.cuda.synchronize()
-        want = kv_cuda.decode_attention(q, kv, slots, lengths, scale, 4, fused_merge=False)
-        torch.testing.assert_close(out, want, atol=1e-6, rtol=1e-6)
-    assert int(kv_cuda._counters[0].count_nonzero()) == 0
-
-
 def _gpu_decoder(dtype: str) -> Decoder:
     cfg = replace(PRESETS["tiny"], num_heads=8, num_kv_heads=2, head_dim=64, hidden_size=256, dtype=dtype)
     return Decoder.random(cfg, device="cuda", seed=5)
@@ -340,10 +294,7 @@ def test_decoder_switch_changes_nothing_on_the_cpu() -> None:
     assert torch.equal(out[True], out[False])
 
 
-@pytest.mark.parametrize(
-    ("name", "value"),
-    [("TANDEM_DECODE_ATTENTION_KERNEL", "6"), ("TANDEM_DECODE_ATTENTION_MERGE", "both")],
-)
+@pytest.mark.parametrize(("name", "value"), [("TANDEM_DECODE_ATTENTION_KERNEL", "6")])
 def test_bad_kernel_switch_stops_the_import_naming_it(name: str, value: str) -> None:
     env = {**os.environ, name: value}
     proc = subprocess.run(

@@ -291,3 +291,24 @@ def test_unpulled_offers_released_once_on_close(xdg: str) -> None:
     p.r.close()
     p.s.close()
     assert sorted(p.released) == sorted(t.transfer_id for t in tickets)
+
+
+def test_an_fp8_d_and_a_bf16_p_refuse_each_other_naming_both_layouts(pair: Pair) -> None:
+    """tandem.kv.dtype=fp8 on one side only: same geometry, other bytes (and scales). D refuses P's
+    ticket at once; a ticket doctored past D's check meets P's HELLO, whose error names both KVs."""
+    fp8 = WireLayout(2, 2, 16, "float8_e4m3fn", scale_digest="00ff00ff00ff00ff")
+    assert fp8.fingerprint() != LAYOUT.fingerprint() and "scale_digest" not in LAYOUT.to_dict()
+    r2 = TransferReceiver(fp8, "u", ARENA, HostShmPath())
+    try:
+        ticket, _ = pair.offer(4)
+        with pytest.raises(LayoutMismatch, match=r"float8_e4m3fn \(scales 00ff00ff00ff00ff\).*same KV dtype"):
+            r2.request(ticket, 1.0)
+        forged = dataclasses.replace(ticket, layout_fp=fp8.fingerprint(), nbytes=fp8.staging_nbytes(4))
+        h = r2.request(forged, 2.0)
+        assert settle(r2, h) is TransferState.FAILED and isinstance(h.error, LayoutMismatch)
+        assert "float8_e4m3fn" in str(h.error) and "bfloat16" in str(h.error)
+        assert (
+            h.region_state is RegionState.FREE and int(r2._arena.region_bytes(h.region).count_nonzero()) == 0
+        )
+    finally:
+        r2.close()

@@ -107,9 +107,7 @@ def time_steps(batch: DecodeBatch, plan: list[Point], steps: int, seed: int = 0)
     if len(batch):
         raise RuntimeError("calibration needs an empty batch")
     pool = batch.pool
-    gen = torch.Generator(device=pool.device).manual_seed(seed)
-    for layer in range(pool.kv.shape[0]):  # never time on zeros; layer by layer: no large temporary
-        pool.kv[layer].normal_(0.0, 1.0, generator=gen)
+    pool.randomize(torch.Generator(device=pool.device).manual_seed(seed))  # never time on zeros
     rng = np.random.default_rng(seed)
     timed: list[FinishedStep] = []
     # The calibration's steps and streams are not the service's: keep them out of its metrics.
