@@ -15,6 +15,8 @@ class ErrorCode(str, Enum):
     UNAVAILABLE = "UNAVAILABLE"
     INTERNAL = "INTERNAL"
     CANCELLED = "CANCELLED"
+    ALREADY_EXISTS = "ALREADY_EXISTS"  # a registered voice's name is taken
+    NOT_FOUND = "NOT_FOUND"  # no registered voice of that name
 
 
 class TandemError(Exception):
@@ -47,6 +49,18 @@ class StreamFailed(TandemError):
 
 class Cancelled(TandemError):
     code = ErrorCode.CANCELLED
+
+
+class AlreadyExists(TandemError):
+    """The name is taken (a registered voice); nothing was changed."""
+
+    code = ErrorCode.ALREADY_EXISTS
+
+
+class NotFound(TandemError):
+    """No such thing to act on (a registered voice to delete)."""
+
+    code = ErrorCode.NOT_FOUND
 
 
 class PoolExhausted(Exception):

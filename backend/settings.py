@@ -121,9 +121,10 @@ class FrontendSettings:
     `tokenizer` is a `tokenizer.json`; a relative path is relative to the model's directory in the
     repository; "" means `<tandem.model.checkpoint>/tokenizer.json`, and without a checkpoint the
     model takes no TEXT. `family` is auto (detected from the tokenizer and config), plain or orpheus.
-    `voices` (comma-separated) lists the VOICEs a request may name; "" takes the checkpoint's list
-    (`tandem_voices` in its config.json) and, without one, any voice. `family` and `grammar` are
-    also read by `prefill` and `tts_mono`, which sample under the family's grammar.
+    `voices` (comma-separated) lists the model's built-in VOICEs; "" takes the checkpoint's list
+    (`tandem_voices` in its config.json) and, without one, there are none; "*" takes any name as a
+    built-in voice. Besides those, a request may name a registered voice (`VoiceSettings`). `family`
+    and `grammar` are also read by `prefill` and `tts_mono`, which sample under the family's grammar.
     """
 
     tokenizer: str = ""
@@ -133,6 +134,25 @@ class FrontendSettings:
     grammar: str = (
         "auto"  # the audio-token grammar (backend/generation/grammar.py): auto (on for Orpheus), off, orpheus
     )
+
+
+@dataclass(frozen=True)
+class VoiceSettings:
+    """Registered voices (`backend/voices/`, docs/operations.md "Registered voices"): where they are
+    kept and what a reference recording may be. Read by `voices` (which writes the store) and by the
+    models that speak with them (`frontend`, `tts_mono`); all three must name the same `dir`.
+
+    `dir` "" is `$XDG_STATE_HOME/tandem/voices` (`~/.local/state/tandem/voices` without it): state
+    that survives a reboot, unlike `$XDG_RUNTIME_DIR`. A reference is `min_seconds`..`max_seconds`
+    long, its file at most `max_file_bytes`, its transcript 1..`max_transcript_bytes` UTF-8 bytes;
+    `max_pending` registrations wait for the encoder at most (one more is UNAVAILABLE)."""
+
+    dir: str = ""
+    max_file_bytes: int = 16 * 2**20
+    min_seconds: float = 1.0
+    max_seconds: float = 30.0
+    max_transcript_bytes: int = 1024
+    max_pending: int = 4
 
 
 @dataclass(frozen=True)
@@ -185,6 +205,7 @@ class EngineSettings:
     frontend: FrontendSettings = field(default_factory=FrontendSettings)
     codec: CodecSettings = field(default_factory=CodecSettings)
     rate: RateSettings = field(default_factory=RateSettings)
+    voices: VoiceSettings = field(default_factory=VoiceSettings)
     torch_threads: int = 0  # 0: torch's default
 
 
@@ -202,6 +223,7 @@ _SECTIONS = {
     "frontend": "frontend",
     "codec": "codec",
     "rate": "rate",
+    "voices": "voices",
 }
 
 

@@ -35,7 +35,12 @@ from tandem.serving.repository import gpu_group, render, tensor_dims
 
 SOURCE = Path(__file__).resolve().parent.parent / "model_repository"
 ENGINES = ("prefill", "decode", "tts_mono")
-CODEC_USERS = ("decode", "vocoder", "tts_mono")  # D frames rows, the vocoder and tts_mono decode them
+# D frames rows, the vocoder and tts_mono decode them, `voices` encodes references with it.
+CODEC_USERS = ("decode", "vocoder", "tts_mono", "voices")
+VOICE_USERS = ("frontend", "tts_mono", "voices")  # built-in voices and the store: who speaks, who registers
+# The voices of a family's fine-tuned checkpoint (canopyai/Orpheus-TTS, orpheus-3b-0.1-ft), which its
+# config.json does not list.
+FAMILY_VOICES = {"orpheus": "tara,leah,jess,leo,dan,mia,zac,zoe"}
 CHUNK_FRAMES_MAX = 16  # frames per chunk once grown (1.37 s of Orpheus audio)
 ORPHEUS_DEFAULT_ROWS = 1200  # a request's length when it names none (the OpenAI body never does)
 
@@ -60,6 +65,12 @@ def _codec_parameters(args: argparse.Namespace, cfg: ModelConfig, params: dict[s
     spec = codec_spec(settings)
     for m in CODEC_USERS:
         params.setdefault(m, {}).update(codec)
+    voices = args.voices if args.voices is not None else FAMILY_VOICES.get(family or "")
+    if voices is None and args.checkpoint:
+        voices = ""  # the checkpoint's own `tandem_voices`, else no built-in voices
+    if voices is not None:
+        for m in VOICE_USERS:
+            params.setdefault(m, {})["tandem.frontend.voices"] = voices
     if family == "orpheus":  # Orpheus' own engine asks for up to 1,200 tokens (14.6 s of audio) by default
         for m in ("prefill", "tts_mono"):  # the models that validate a request's length
             params.setdefault(m, {})["tandem.limits.default_new_rows"] = str(ORPHEUS_DEFAULT_ROWS)
@@ -93,6 +104,15 @@ def main(argv: list[str] | None = None) -> int:
         "--family", choices=sorted(FAMILIES), help="the model family; default: detected from --checkpoint"
     )
     ap.add_argument("--vocoder-gpus", help="one vocoder instance per listed GPU (the codec decodes there)")
+    ap.add_argument(
+        "--voices",
+        help="built-in voices, comma-separated ('*': any name); default: the family's (Orpheus: tara, "
+        "leah, jess, leo, dan, mia, zac, zoe), else the checkpoint's tandem_voices, else none",
+    )
+    ap.add_argument(
+        "--voices-dir",
+        help="where registered voices are kept (absolute); default: $XDG_STATE_HOME/tandem/voices",
+    )
     ap.add_argument("--dtype", default=None)
     ap.add_argument("--prefill-gpus")
     ap.add_argument("--decode-gpus")
@@ -116,15 +136,19 @@ def main(argv: list[str] | None = None) -> int:
 
     params: dict[str, dict[str, str]] = {m: {} for m in ENGINES}
     params["frontend"] = {}  # the text front end reads the model's config (no weights) and its tokenizer
+    params["voices"] = {}  # the registrar reads the model's config (row width), encodes with its codec
+    if args.voices_dir:
+        for m in VOICE_USERS:
+            params[m]["tandem.voices.dir"] = str(Path(args.voices_dir).resolve())
     if args.checkpoint:
         cfg = config_from_hf(json.loads((Path(args.checkpoint) / "config.json").read_text()))
-        for m in (*ENGINES, "frontend"):
+        for m in (*ENGINES, "frontend", "voices"):
             params[m]["tandem.model.checkpoint"] = str(Path(args.checkpoint).resolve())
         for m in ("frontend", "tts_mono"):  # "": the checkpoint's own tokenizer.json (none: TEXT refused)
             params[m]["tandem.frontend.tokenizer"] = ""
     else:
         cfg = preset(args.preset or "tiny")
-        for m in (*ENGINES, "frontend"):
+        for m in (*ENGINES, "frontend", "voices"):
             params[m]["tandem.model.preset"] = cfg.name
     for m in ENGINES:
         if args.dtype:
@@ -162,6 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     vocoder = _gpus(args.vocoder_gpus)
     if vocoder:
         groups["vocoder"] = ", ".join(gpu_group([g]) for g in vocoder)
+        groups["voices"] = gpu_group(vocoder[:1])  # the encoder beside the first vocoder's decoder
     mono = _gpus(args.mono_gpus)
     if mono:
         groups["tts_mono"] = ", ".join(gpu_group([g]) for g in mono)

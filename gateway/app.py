@@ -13,6 +13,8 @@ Routes (FastAPI on uvicorn; `cli/gateway.py` starts it):
 - `GET /health`: 200 when Triton answers and the unit is ready by `serving.health` (every
   `tandem_engine_up` 1, no `tandem_draining` 1), else 503 with the reasons.
 - `GET /metrics`: the gateway's own metrics (`gateway/metrics.py`).
+- `POST /v1/voices`, `GET /v1/voices`, `DELETE /v1/voices/{name}`: registered voices
+  (`gateway/voices.py`).
 
 Errors are OpenAI's JSON, `{"error": {"message", "type", "param", "code"}}`, with `code` the tandem
 code (`gateway/errors.py`) and the HTTP status by it: 400 INVALID_ARG, 404 NOT_FOUND (unknown
@@ -50,6 +52,7 @@ from tandem.gateway.stream import (
     stream_audio,
     text_inputs,
 )
+from tandem.gateway.voices import install as install_voice_routes
 from tandem.serving.health import HealthUnavailable, fetch_health
 
 log = logging.getLogger("tandem.gateway")
@@ -257,6 +260,8 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         detail = f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid request')}"
         gw.metrics.requests.labels(status="400").inc()
         return error_response(ClientError(ClientCode.INVALID_ARG, detail), param)
+
+    install_voice_routes(app)  # POST/GET/DELETE /v1/voices (gateway/voices.py)
 
     @app.post("/v1/audio/speech")
     async def speech(body: SpeechBody) -> Response:

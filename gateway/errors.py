@@ -26,18 +26,20 @@ from enum import Enum
 
 
 class ClientCode(str, Enum):
-    """The codes a client can see. The first four are tandem's (`backend.errors.ErrorCode`)."""
+    """The codes a client can see: tandem's (`backend.errors.ErrorCode`), NOT_FOUND also Triton's."""
 
     INVALID_ARG = "INVALID_ARG"
     UNAVAILABLE = "UNAVAILABLE"
     INTERNAL = "INTERNAL"
     CANCELLED = "CANCELLED"
     NOT_FOUND = "NOT_FOUND"
+    ALREADY_EXISTS = "ALREADY_EXISTS"  # a registered voice's name is taken (`backend.errors`)
 
 
 HTTP_STATUS = {
     ClientCode.INVALID_ARG: 400,
     ClientCode.NOT_FOUND: 404,
+    ClientCode.ALREADY_EXISTS: 409,
     ClientCode.CANCELLED: 499,
     ClientCode.INTERNAL: 500,
     ClientCode.UNAVAILABLE: 503,

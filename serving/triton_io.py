@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import sys
 from collections.abc import Collection, Mapping
 from typing import Any
@@ -36,6 +37,7 @@ from tandem.backend.prompt import (
 from tandem.backend.settings import EngineSettings, Limits, parse_settings, triton_parameters
 from tandem.backend.text.defaults import load_generation_defaults
 from tandem.backend.text.frontend import TextFrontend, build_frontend, model_config
+from tandem.backend.voices.store import VoiceStore, resolve_dir
 from tandem.backend.worker.channel import Reply
 from tandem.serving.repository import ROW_TENSORS
 
@@ -99,6 +101,8 @@ def triton_error(pb: Any, err: BaseException) -> Any:
         ErrorCode.UNAVAILABLE: pb.TritonError.UNAVAILABLE,
         ErrorCode.CANCELLED: pb.TritonError.CANCELLED,
         ErrorCode.INTERNAL: pb.TritonError.INTERNAL,
+        ErrorCode.ALREADY_EXISTS: pb.TritonError.ALREADY_EXISTS,
+        ErrorCode.NOT_FOUND: pb.TritonError.NOT_FOUND,
     }
     message = str(err) if isinstance(err, TandemError) else f"[INTERNAL] {type(err).__name__}: {err}"
     return pb.TritonError(message, codes[code])
@@ -149,10 +153,20 @@ def read_request(
     return rows, dataclasses.replace(params, grammar_start=int(rows.shape[0]))
 
 
-def text_frontend(args: Mapping[str, Any], settings: EngineSettings, cfg: ModelConfig) -> TextFrontend | None:
+def voice_store(settings: EngineSettings) -> VoiceStore:
+    """The unit's registered voices (`tandem.voices.dir`; "" = the XDG state default, read from
+    this process's environment here, the one place that reads it)."""
+    return VoiceStore(resolve_dir(settings.voices.dir, os.environ))
+
+
+def text_frontend(
+    args: Mapping[str, Any], settings: EngineSettings, cfg: ModelConfig, voices: bool = True
+) -> TextFrontend | None:
     """The model's text front end (None: it refuses TEXT); a relative tokenizer path is relative to
-    the model's directory in the repository (`args["model_repository"]`)."""
-    return build_frontend(settings, cfg, args["model_repository"])
+    the model's directory in the repository (`args["model_repository"]`). `voices`: it speaks with
+    the registered voices too (the models that take TEXT)."""
+    store = voice_store(settings) if voices else None
+    return build_frontend(settings, cfg, args["model_repository"], store)
 
 
 def generation_defaults(
@@ -162,7 +176,7 @@ def generation_defaults(
     that validate requests (`prefill`, `tts_mono`). Without a `frontend` one is built for the family
     (from the checkpoint's tokenizer) and dropped."""
     if frontend is None:
-        frontend = text_frontend(args, settings, cfg)
+        frontend = text_frontend(args, settings, cfg, voices=False)
     return load_generation_defaults(settings, cfg, frontend)
 
 
@@ -184,6 +198,24 @@ def read_frontend_request(pb: Any, request: Any, frontend: TextFrontend | None) 
         return np.asarray(prompt)
     assert frontend is not None
     return frontend.rows(text)
+
+
+def read_voice_inputs(pb: Any, request: Any) -> dict[str, bytes | None]:
+    """A `voices` request's BYTES [1] inputs (`backend/voices/request.py` INPUTS) as bytes, None
+    where absent; InvalidInput for one that is not a single element."""
+    from tandem.backend.voices.request import INPUTS
+
+    out: dict[str, bytes | None] = {}
+    for name in INPUTS:
+        arr = _input(pb, request, name)
+        if arr is None:
+            out[name] = None
+            continue
+        if arr.size != 1:
+            raise InvalidInput(f"{name} must be one BYTES element, got shape {list(arr.shape)}")
+        value = arr.reshape(-1)[0]
+        out[name] = value if isinstance(value, bytes) else str(value).encode()
+    return out
 
 
 def has_stream_id(request: Any) -> bool:
@@ -216,9 +248,11 @@ def bytes_tensor(pb: Any, name: str, text: str) -> Any:
 def reply_tensors(pb: Any, reply: Reply) -> list[Any]:
     """A worker's Reply as the Triton tensors of its model's response: P's `HANDOFF`; D's `TOKENS`,
     `CODES`, `WINDOW` (the vocoder step's inputs) and `TIMINGS`; `tts_mono`'s `TOKENS`, `AUDIO` and
-    `TIMINGS` (empty except on the final response)."""
+    `TIMINGS` (empty except on the final response); the voice registrar's `RESULT`."""
     if reply.handoff:
         return [bytes_tensor(pb, "HANDOFF", reply.handoff)]
+    if reply.result:
+        return [bytes_tensor(pb, "RESULT", reply.result)]
     named = (
         ("TOKENS", reply.rows),
         ("CODES", reply.frames),

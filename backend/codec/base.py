@@ -120,6 +120,20 @@ class Codec(Protocol):
         ...
 
 
+class Encoder(Protocol):
+    """A codec's encoder: audio -> frames, the inverse direction of `Codec.decode`. Registered voices
+    (`backend/voices/registrar.py`) encode a reference recording once with it."""
+
+    @property
+    def spec(self) -> CodecSpec: ...
+
+    def encode(self, pcm: np.ndarray, frame_width: int) -> np.ndarray:
+        """Frames of `pcm` (float32 mono at `spec.sample_rate`, read only): a new int64 [F, K] array
+        in the codec's canonical order, K = `frame_width` (the layout's codes per frame, for codecs
+        whose frame width follows the model's rows). Raises ValueError for a width it cannot make."""
+        ...
+
+
 class AudioLayout(Protocol):
     """How a model's generated rows carry codec frames (backend/codec/orpheus.py, `RowLayout`)."""
 

@@ -14,7 +14,7 @@ from typing import Protocol
 
 import torch
 
-from tandem.backend.codec.base import AudioLayout, Codec, CodecSpec, Framing, RowLayout
+from tandem.backend.codec.base import AudioLayout, Codec, CodecSpec, Encoder, Framing, RowLayout
 from tandem.backend.codec.config import CodecSettings, VocoderConfig
 from tandem.backend.codec.orpheus import OrpheusLayout
 
@@ -69,6 +69,19 @@ def framing(settings: CodecConfigured) -> Framing:
 
 def build_codec(settings: CodecConfigured, device: torch.device) -> Codec:
     """The codec itself, on `device` (SNAC loads its weights here; the reference codec has none)."""
+    spec = codec_spec(settings)
+    if spec.kind == "reference":
+        from tandem.backend.codec.reference import ReferenceVocoder
+
+        return ReferenceVocoder(settings.vocoder)
+    from tandem.backend.codec.snac import SnacCodec
+
+    return SnacCodec(settings.codec.path, spec, device)
+
+
+def build_encoder(settings: CodecConfigured, device: torch.device) -> Encoder:
+    """The codec's encoder, on `device`, for registering voices (both codecs encode: SNAC with its
+    own encoder, the reference codec by analysing its tones)."""
     spec = codec_spec(settings)
     if spec.kind == "reference":
         from tandem.backend.codec.reference import ReferenceVocoder

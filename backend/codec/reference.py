@@ -108,6 +108,29 @@ class ReferenceVocoder:
             out.append(self.synthesize(w.frames[lo : lo + w.emitted], w.emit_from))
         return out
 
+    def encode(self, pcm: np.ndarray, frame_width: int) -> np.ndarray:
+        """`Encoder.encode`, the analysis `synthesize` inverts: each row-long frame of `pcm`, for each
+        column c, is projected (windowed, as synthesized) onto column c's 24 candidate tones; the
+        strongest gives the semitone and its amplitude the level. Rows of one column this codec made
+        come back exactly; with more columns, whose two-octave ranges overlap, a tone can be read
+        into its neighbour's column (the mapping is not injective), and any other audio becomes the
+        rows whose tones are nearest it. Deterministic. int64 [F, frame_width], ids < 192."""
+        spr, sr, width = self.samples_per_row, self.sample_rate, frame_width
+        n = pcm.shape[0] // spr
+        if width < 1:
+            raise ValueError(f"frame_width must be >= 1, got {width}")
+        frames = np.asarray(pcm[: n * spr], dtype=np.float64).reshape(n, spr) * self._window
+        octave = np.arange(width, dtype=np.int64) % 3
+        hz = self._semitone_hz[None, :] << octave[:, None]  # [W, 24]
+        hz = np.where(hz < self._nyquist, hz, hz >> octave[:, None])
+        t = np.arange(spr, dtype=np.float64)
+        basis = np.exp(-2j * np.pi * hz[:, :, None] * t / sr) * self._window  # [W, 24, spr]
+        mags = np.abs(np.einsum("fs,wks->fwk", frames, basis)) * 2.0 / float(np.sum(self._window**2))
+        semitone = np.argmax(mags, axis=2)  # [F, W]
+        amp = np.take_along_axis(mags, semitone[:, :, None], axis=2)[:, :, 0] / (_HEADROOM / width)
+        level = np.clip(np.rint((amp - 0.25) / 0.75 * (_LEVELS - 1)), 0, _LEVELS - 1).astype(np.int64)
+        return level * _SEMITONES + semitone
+
     def synthesize(self, rows: np.ndarray, first_row: int) -> np.ndarray:
         """See `Vocoder.synthesize`. Raises ValueError for non-2-D or non-integer rows, or first_row < 0."""
         if rows.ndim != 2 or rows.dtype.kind not in "iu":

@@ -134,6 +134,19 @@ class SnacCodec:
             at += count
         return out
 
+    def encode(self, pcm: np.ndarray, frame_width: int) -> np.ndarray:
+        """`Encoder.encode`: SNAC's own `encode` on the codec's device (it pads the audio to whole
+        frames), its per-level codes regrouped into frames [F, 7] in canonical order. Seconds of CPU
+        per second of audio (docs/benchmarks); the registrar runs it on its own thread."""
+        if frame_width != self._width:
+            raise ValueError(f"SNAC frames have {self._width} codes, asked for {frame_width}")
+        x = torch.from_numpy(np.ascontiguousarray(pcm, dtype=np.float32)).reshape(1, 1, -1).to(self.device)
+        with torch.inference_mode():
+            levels = self._model.encode(x)
+        frames = levels[0].shape[1]
+        parts = [c.reshape(1, frames, count) for c, count in zip(levels, self._counts, strict=True)]
+        return torch.cat(parts, dim=2)[0].to(torch.int64).cpu().numpy()
+
     def decode(self, windows: list[CodecWindow]) -> list[np.ndarray]:
         """See `Codec.decode`: one SNAC call per distinct window length (windows emitting nothing
         cost nothing)."""

@@ -16,6 +16,13 @@ A family is a prompt template. Which one applies comes from the checkpoint (its 
   each token fills column 0 and the other columns are 0. For models without a template of their
   own, the CPU default's tiny model among them.
 
+Voices: a VOICE is one of the model's built-in voices (`tandem.frontend.voices`, else the
+checkpoint's `tandem_voices`; `*`: any name) and goes into the template as above, or a registered
+voice (`backend/voices/store.py`, read on every request so a new registration counts at once and a
+deleted one is refused), whose prompt is its cloning prefix (`backend/text/cloning.py`) followed by
+the template of the text without a voice name. Anything else is refused naming VOICE and listing
+what there is.
+
 Every problem with a request's text is `InvalidInput` naming it; a tokenizer that cannot serve the
 model (ids past its vocabulary, a template token it lacks) is a load-time ValueError.
 """
@@ -23,6 +30,7 @@ model (ids past its vocabulary, a template token it lacks) is a load-time ValueE
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Sequence
 from enum import IntEnum
 from pathlib import Path
@@ -34,7 +42,9 @@ from tandem.backend.model.checkpoint import config_from_hf
 from tandem.backend.model.config import ModelConfig, preset
 from tandem.backend.prompt import TextRequest
 from tandem.backend.settings import EngineSettings, Limits
+from tandem.backend.text.cloning import orpheus_prefix, plain_prefix
 from tandem.backend.text.tokenizer import TextTokenizer
+from tandem.backend.voices.store import VoiceRecord, VoiceStore
 
 
 class Family(IntEnum):
@@ -56,6 +66,7 @@ ORPHEUS_SUFFIX = (ORPHEUS_END_OF_TEXT, ORPHEUS_END_OF_HUMAN, ORPHEUS_START_OF_AI
 # Orpheus' audio ids end at 128266 + 7 * 4096 (backend/generation/grammar.py): a model whose vocabulary holds
 # them and whose tokenizer names the custom tokens at their ids is an Orpheus checkpoint.
 ORPHEUS_MIN_VOCAB = 128266 + 7 * 4096
+ANY_VOICE = "*"  # `tandem.frontend.voices`: every name is a built-in voice
 
 
 def detect_family(tokenizer: TextTokenizer, cfg: ModelConfig) -> Family:
@@ -91,8 +102,9 @@ class TextFrontend:
         family: Family,
         cfg: ModelConfig,
         limits: Limits,
-        voices: Sequence[str] = (),
+        voices: Sequence[str] = (ANY_VOICE,),
         max_text_bytes: int = 4096,
+        store: VoiceStore | None = None,
     ) -> None:
         """Raises ValueError when the tokenizer cannot serve `cfg` (ids past its vocabulary, a
         template token missing) or a family does not fit the model (Orpheus needs one id per row)."""
@@ -115,34 +127,71 @@ class TextFrontend:
         self.family = family
         self.cfg = cfg
         self.limits = limits
-        self.voices = tuple(voices)
+        self.voices = tuple(voices)  # built-in; (ANY_VOICE,) takes any name
         self.max_text_bytes = max_text_bytes
+        self.store = store
+        self._prefixes: dict[str, tuple[VoiceRecord, np.ndarray]] = {}
+        self._lock = threading.Lock()
 
-    def check_voice(self, voice: str) -> None:
-        if voice and self.voices and voice not in self.voices:
-            raise InvalidInput(f"VOICE {voice!r} is not one of this model's voices: {', '.join(self.voices)}")
+    def check_voice(self, voice: str) -> VoiceRecord | None:
+        """None for no voice or a built-in one; the record of a registered one (which wins over
+        `*`, never over a listed name: registration refuses those); else InvalidInput naming VOICE
+        and listing the voices there are."""
+        if not voice or voice in self.voices:
+            return None
+        record = self.store.get(voice) if self.store is not None else None
+        if record is None:
+            with self._lock:
+                self._prefixes.pop(voice, None)  # deleted: its prefix goes too
+        if record is not None or ANY_VOICE in self.voices:
+            return record
+        there = ", ".join([*self.voices, *(self.store.names() if self.store else [])]) or "none"
+        raise InvalidInput(f"VOICE {voice!r} is not one of this model's voices: {there}")
 
-    def ids(self, request: TextRequest) -> list[int]:
-        """The family's prompt ids for `request` (one per row)."""
-        self.check_voice(request.voice)
-        spoken = f"{request.voice}: {request.text}" if request.voice else request.text
-        ids = self.tokenizer.encode(spoken)
+    def _text_ids(self, text: str, voice: str = "") -> list[int]:
+        ids = self.tokenizer.encode(f"{voice}: {text}" if voice else text)
         if self.family == Family.ORPHEUS:
             return [*ORPHEUS_PREFIX, *ids, *ORPHEUS_SUFFIX]
         return ids
 
+    def ids(self, request: TextRequest) -> list[int]:
+        """The family's prompt ids for `request` with a built-in voice or none (one per row)."""
+        if self.check_voice(request.voice) is not None:
+            raise ValueError("ids() serves built-in voices; rows() also serves registered ones")
+        return self._text_ids(request.text, request.voice)
+
+    def prefix(self, record: VoiceRecord) -> np.ndarray:
+        """The cloning prefix rows (int64 [P, W]) of a registered voice, built once per stored
+        version of it (a re-registered voice is a new record)."""
+        with self._lock:
+            hit = self._prefixes.get(record.name)
+        if hit is not None and hit[0] is record:
+            return hit[1]
+        if self.family == Family.ORPHEUS:
+            rows = orpheus_prefix(self.tokenizer, record).reshape(-1, 1)
+        else:
+            rows = plain_prefix(self.tokenizer, record, self.cfg)
+        with self._lock:
+            self._prefixes[record.name] = (record, rows)
+        return rows
+
     def rows(self, request: TextRequest) -> np.ndarray:
         """int64 [N, W] prompt rows (C-contiguous; the caller owns them). Raises InvalidInput for an
         unknown voice, text that makes no token, or more rows than `limits.max_prompt_rows`."""
-        ids = self.ids(request)
+        record = self.check_voice(request.voice)
+        ids = self._text_ids(request.text, request.voice if record is None else "")
         if not ids:
             raise InvalidInput("TEXT makes no token")
-        if len(ids) > self.limits.max_prompt_rows:
+        head = self.prefix(record) if record is not None else np.zeros((0, self.cfg.row_width), np.int64)
+        total = head.shape[0] + len(ids)
+        if total > self.limits.max_prompt_rows:
+            voice = f" with the {head.shape[0]}-row prefix of VOICE {request.voice!r}" if record else ""
             raise InvalidInput(
-                f"TEXT makes {len(ids)} prompt rows; the limit is {self.limits.max_prompt_rows}"
+                f"TEXT makes {total} prompt rows{voice}; the limit is {self.limits.max_prompt_rows}"
             )
-        out = np.zeros((len(ids), self.cfg.row_width), dtype=np.int64)
-        out[:, 0] = ids
+        out = np.zeros((total, self.cfg.row_width), dtype=np.int64)
+        out[: head.shape[0]] = head
+        out[head.shape[0] :, 0] = ids
         return out
 
 
@@ -163,11 +212,20 @@ def _checkpoint_voices(checkpoint: str) -> tuple[str, ...]:
     return tuple(voices)
 
 
-def build_frontend(settings: EngineSettings, cfg: ModelConfig, model_dir: str | Path) -> TextFrontend | None:
+def builtin_voices(settings: EngineSettings) -> tuple[str, ...]:
+    """The model's built-in voices: `tandem.frontend.voices`, else the checkpoint's `tandem_voices`."""
+    listed = tuple(v.strip() for v in settings.frontend.voices.split(",") if v.strip())
+    return listed or _checkpoint_voices(settings.model.checkpoint)
+
+
+def build_frontend(
+    settings: EngineSettings, cfg: ModelConfig, model_dir: str | Path, store: VoiceStore | None = None
+) -> TextFrontend | None:
     """The model's text front end from its settings, or None when it has no tokenizer (it then
-    refuses TEXT). `model_dir` anchors a relative `tandem.frontend.tokenizer`. Called once by the
-    `frontend` and `tts_mono` adapters at start-up; raises ValueError (load failure) when the tokenizer
-    or the family does not fit the model."""
+    refuses TEXT). `model_dir` anchors a relative `tandem.frontend.tokenizer`; `store`: the
+    registered voices it may speak with. Called once by the `frontend` and `tts_mono` adapters at
+    start-up; raises ValueError (load failure) when the tokenizer or the family does not fit the
+    model."""
     fs = settings.frontend
     checkpoint = settings.model.checkpoint
     if fs.tokenizer:
@@ -179,6 +237,6 @@ def build_frontend(settings: EngineSettings, cfg: ModelConfig, model_dir: str | 
     else:
         return None
     tokenizer = TextTokenizer.load(path)
-    voices = tuple(v.strip() for v in fs.voices.split(",") if v.strip()) or _checkpoint_voices(checkpoint)
     family = parse_family(fs.family, tokenizer, cfg)
-    return TextFrontend(tokenizer, family, cfg, settings.limits, voices, fs.max_text_bytes)
+    voices = builtin_voices(settings)
+    return TextFrontend(tokenizer, family, cfg, settings.limits, voices, fs.max_text_bytes, store)

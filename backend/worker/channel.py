@@ -50,6 +50,7 @@ class EngineKind(enum.StrEnum):
     PREFILL = "prefill"
     DECODE = "decode"
     MONO = "mono"
+    VOICES = "voices"  # the voice registrar (backend/voices/registrar.py)
 
 
 # A worker's exit status when P holds ABORT_ACKs it cannot prove: its death (the free slot lock) and
@@ -105,7 +106,8 @@ class Ready(msgspec.Struct, frozen=True, tag=True):
 
 
 class Submit(msgspec.Struct, frozen=True, tag=True):
-    """A validated request. Prompt engines (P, mono) get `prompt` and sampling; D gets `handoff`."""
+    """A validated request. Prompt engines (P, mono) get `prompt` and sampling; D gets `handoff`;
+    the `voices` engine its inputs' bytes (`Array` "BYTES", `data` the raw bytes)."""
 
     req_id: int
     stream_id: int
@@ -114,6 +116,7 @@ class Submit(msgspec.Struct, frozen=True, tag=True):
     sampling: list[Any] = msgspec.field(default_factory=list)  # SamplingParams.to_wire()
     max_new_rows: int = 0
     handoff: str = ""
+    inputs: dict[str, Array] = msgspec.field(default_factory=dict)  # `voices`: its raw BYTES inputs
 
 
 class Cancel(msgspec.Struct, frozen=True, tag=True):
@@ -132,7 +135,8 @@ class Reply(msgspec.Struct, frozen=True, tag=True):
     serving/triton_io.py `reply_tensors`); `final` ends the request.
 
     D's chunk: `rows` and the codec window it sounds (`frames` [N, K], `window` [3]); the monolithic
-    engine's chunk: `rows` and `audio` (PCM); P's one reply: `handoff` (JSON). `timings` is the
+    engine's chunk: `rows` and `audio` (PCM); P's one reply: `handoff` (JSON); the voice
+    registrar's: `result` (JSON). `timings` is the
     stream's per-stage stamps (JSON) on a final chunk, "" otherwise."""
 
     req_id: int
@@ -143,6 +147,7 @@ class Reply(msgspec.Struct, frozen=True, tag=True):
     audio: Array | None = None
     timings: str = ""
     handoff: str = ""
+    result: str = ""  # the `voices` engine's one answer (JSON)
 
 
 class Fail(msgspec.Struct, frozen=True, tag=True):

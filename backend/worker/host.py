@@ -99,6 +99,13 @@ class RequestSink:
         self._finish(True)
         self._host.channel.send(Fail(self.req_id, error.code.value, str(error)))
 
+    def answer(self, result: dict[str, object]) -> None:
+        """VoiceSink: the one answer of a `voices` request (JSON in RESULT)."""
+        if self._done:
+            return
+        self._finish(True)
+        self._host.channel.send(Reply(self.req_id, True, result=json.dumps(result)))
+
     def cancelled(self) -> bool:
         return self.cancel_requested
 
@@ -135,6 +142,8 @@ class EngineHost:
 
         i = self.init
         device = resolve_device(self.settings.device, i.instance_kind, i.device_id)
+        if i.kind == EngineKind.VOICES:
+            return self._build_voices(device)
         decoder = build_decoder(self.settings, device)
         if i.kind == EngineKind.PREFILL:
             from tandem.backend.engines.prefill import PrefillEngine
@@ -161,6 +170,27 @@ class EngineHost:
             pool_tokens=p.num_pages * p.page_size,
             detail=f"{i.kind} engine on {device}",
         )
+
+    def _build_voices(self, device: Any) -> Ready:
+        """The `voices` engine: the codec's encoder on the instance's device, over the unit's store."""
+        import torch
+
+        from tandem.backend.codec.builder import build_encoder, codec_spec, layout
+        from tandem.backend.text.frontend import builtin_voices, model_config
+        from tandem.backend.voices.registrar import VoiceRegistrar
+        from tandem.backend.voices.store import VoiceStore, resolve_dir
+
+        s = self.settings
+        if s.torch_threads > 0:
+            torch.set_num_threads(s.torch_threads)
+        spec = codec_spec(s)
+        width = layout(spec.layout).frame_width(model_config(s).row_width)
+        encoder = build_encoder(s, device)
+        store = VoiceStore(resolve_dir(s.voices.dir, os.environ))  # the stub's environment, inherited
+        self.engine = VoiceRegistrar(encoder, width, store, s.voices, builtin_voices(s))
+        self.engine.start()
+        detail = f"voices: {spec.kind} encoder on {device}, store {store.dir}"
+        return Ready(pid=os.getpid(), cfg={}, pool_tokens=0, detail=detail)
 
     # ---- serving ---------------------------------------------------------------------------------
 
@@ -214,6 +244,14 @@ class EngineHost:
     def _request(self, msg: Submit, sink: RequestSink) -> Any:
         timings = Timings(msg.timings)
         kind = self.init.kind
+        if kind == EngineKind.VOICES:
+            from tandem.backend.text.frontend import builtin_voices
+            from tandem.backend.voices.registrar import VoiceJob
+            from tandem.backend.voices.request import parse_voice_request
+
+            raw = {name: a.data for name, a in msg.inputs.items()}
+            req = parse_voice_request(raw, self.settings.voices, builtin_voices(self.settings))
+            return VoiceJob(req, sink)
         if kind == EngineKind.DECODE:
             from tandem.backend.engines.decode.engine import DecodeRequest
 

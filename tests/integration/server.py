@@ -70,13 +70,17 @@ class TritonProcess:
     def metrics_url(self) -> str:
         return f"http://localhost:{self.metrics_port}/metrics"
 
-    def start(self, timeout_s: float = 180.0) -> TritonProcess:
+    def start(self, timeout_s: float = 600.0) -> TritonProcess:
+        """Start the server and wait until it is ready. The bound is generous on purpose: on a
+        shared 2-core CPU under other test runs, loading the seven models (seven stubs and four
+        engine workers, each importing torch) has taken over 180 s."""
         binary = Path(sys.executable).parent / "tritonserver"  # the launcher `make setup` installs
         server = (str(binary),) if binary.exists() else (sys.executable, "-m", "tandem.serving.launcher")
         env = dict(os.environ)
         run_dir = self.workdir / "run"
         run_dir.mkdir(mode=0o700, exist_ok=True)
         env["XDG_RUNTIME_DIR"] = str(run_dir)  # a private transfer control dir per server
+        env["XDG_STATE_HOME"] = str(self.workdir / "state")  # its own voice store, kept across restarts
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(
                 [

@@ -117,3 +117,35 @@ def test_a_text_request_carries_text_and_voice_and_no_prompt() -> None:
     assert by_name["VOICE"].datatype() == "BYTES"
     with_prompt = build_inputs(np.zeros((3, 1), dtype=np.int64), VOICE_ID="v1")
     assert [i.name() for i in with_prompt] == ["PROMPT", "VOICE_ID"]
+
+
+ORPHEUS_FT_VOICES = "tara,leah,jess,leo,dan,mia,zac,zoe"
+
+
+def test_orpheus_voices_are_written_for_every_model_that_speaks_or_registers(tmp_path: Path) -> None:
+    """A real Orpheus checkpoint lists no voices (no `tandem_voices`): tandem-repo writes the fine-tuned
+    model's eight, so `bob` is refused; `--voices` overrides; the codec goes to `voices` (its encoder);
+    `--voices-dir` names one store for all of them."""
+    ckpt, codec = _checkpoint(tmp_path / "ckpt"), _codec_dir(tmp_path / "snac")
+    out = tmp_path / "repo"
+    assert (
+        main(["--out", str(out), "--checkpoint", str(ckpt), "--codec", str(codec), "--voices-dir", "/srv/v"])
+        == 0
+    )
+    for model in ("frontend", "tts_mono", "voices"):
+        assert model_parameter(out, model, "tandem.frontend.voices") == ORPHEUS_FT_VOICES
+        assert model_parameter(out, model, "tandem.voices.dir") == "/srv/v"
+    assert model_parameter(out, "voices", "tandem.codec.kind") == "snac"
+    assert model_parameter(out, "voices", "tandem.model.checkpoint") == str(ckpt.resolve())
+    other = tmp_path / "other"
+    assert (
+        main(["--out", str(other), "--checkpoint", str(ckpt), "--codec", str(codec), "--voices", "ana,bo"])
+        == 0
+    )
+    assert model_parameter(other, "frontend", "tandem.frontend.voices") == "ana,bo"
+
+
+def test_a_preset_keeps_the_checked_in_voices(tmp_path: Path) -> None:
+    assert main(["--out", str(tmp_path / "repo"), "--preset", "tiny"]) == 0
+    for model in ("frontend", "tts_mono", "voices"):
+        assert model_parameter(tmp_path / "repo", model, "tandem.frontend.voices") == ORPHEUS_FT_VOICES

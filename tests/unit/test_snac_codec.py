@@ -158,3 +158,18 @@ def test_a_directory_without_weights_is_refused(tmp_path: Path, snac_dir: Path) 
     (tmp_path / "config.json").write_text((snac_dir / "config.json").read_text())
     with pytest.raises(ValueError, match=r"no pytorch_model\.bin"):
         parse_settings({"codec.kind": "snac", "codec.path": str(tmp_path)})
+
+
+def test_encode_regroups_snacs_levels_into_canonical_frames(codec: SnacCodec) -> None:
+    """`encode` (registered voices): SNAC's own `encode` of 24 kHz audio, its three levels (12, 24, 48
+    codes a second) regrouped per frame as [c0[i], c1[2i], c1[2i+1], c2[4i..4i+3]], written out here;
+    SNAC pads the audio to whole 2,048-sample frames."""
+    pcm = (0.3 * np.sin(2 * np.pi * 220 * np.arange(30000) / 24000)).astype(np.float32)
+    frames = codec.encode(pcm, 7)
+    with torch.inference_mode():
+        c0, c1, c2 = (c[0].numpy() for c in codec._model.encode(torch.from_numpy(pcm).reshape(1, 1, -1)))
+    assert frames.dtype == np.int64 and frames.shape == (15, 7)  # 30,000 samples -> 15 frames
+    for i in range(15):
+        assert frames[i].tolist() == [c0[i], c1[2 * i], c1[2 * i + 1], *c2[4 * i : 4 * i + 4]]
+    with pytest.raises(ValueError, match="SNAC frames have 7 codes, asked for 4"):
+        codec.encode(pcm, 4)

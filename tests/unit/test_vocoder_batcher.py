@@ -35,7 +35,9 @@ class _Response:
 
 
 class _Error:
-    INVALID_ARG, UNAVAILABLE, CANCELLED, INTERNAL = range(4)
+    """pb_utils.TritonError's codes that tandem's errors map to (serving/triton_io.triton_error)."""
+
+    INVALID_ARG, UNAVAILABLE, CANCELLED, INTERNAL, ALREADY_EXISTS, NOT_FOUND = range(6)
 
     def __init__(self, message: str, code: int) -> None:
         self.message, self.code = message, code

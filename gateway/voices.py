@@ -1,0 +1,150 @@
+"""The gateway's voice routes: register a voice from a reference recording, list, delete.
+
+- `POST /v1/voices` (multipart/form-data: `name`, `transcript`, `file` — the recording, any format
+  FFmpeg reads): 201 with the stored voice (`id`, `transcript`, `duration_s`, `frames`, `codes`,
+  `codec`, `created`, `seconds`: decode/encode/store times). The unit encodes the reference once
+  with the codec's own encoder (seconds per second of audio on a CPU), so the answer takes that long.
+- `GET /v1/voices`: OpenAI-style list of the model's built-in voices (`builtin` true) and the
+  registered ones (`builtin` false).
+- `DELETE /v1/voices/{name}`: 200 `{"id", "object": "voice", "deleted": true}`.
+
+Every error is the gateway's OpenAI error JSON (`app.error_response`), `param` the form field:
+400 INVALID_ARG (a field missing or malformed, not audio, too short or long, a built-in name),
+409 ALREADY_EXISTS (the name is taken), 404 NOT_FOUND (no such registered voice, or the unit serves
+no `voices` model), 503 UNAVAILABLE. The Triton side is the `voices` model (`gateway/voice_client.py`
+builds its inputs); its refusals name NAME, TRANSCRIPT, AUDIO, here `name`, `transcript`, `file`.
+
+Size: a body whose Content-Length exceeds the model's `tandem.voices.max_file_bytes` plus
+`FORM_SLACK` is refused (400, `file`) before it is read; a chunked body is cut at `UPLOAD_CEILING`
+(413, the route's `max_body_size`); the file itself is checked again as read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import tritonclient.grpc.aio as aio
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.responses import JSONResponse
+from starlette.datastructures import UploadFile
+from starlette.formparsers import MultiPartException
+from tritonclient.utils import InferenceServerException
+
+from tandem.gateway.errors import ClientCode, classify
+from tandem.gateway.stream import GatewayError, refuse
+from tandem.gateway.voice_client import MODEL, REGISTER_TIMEOUT_S, result_json, voice_inputs
+
+FORM_SLACK = 64 * 1024  # the form's other fields and multipart framing
+UPLOAD_CEILING = 64 * 2**20
+FORM_PARAMS = {"NAME": "name", "TRANSCRIPT": "transcript", "AUDIO": "file", "ACTION": None}
+CALL_TIMEOUT_S = 30.0
+
+router = APIRouter()
+
+
+@dataclass(frozen=True)
+class VoiceLimits:
+    """What the gateway checks itself, read from the `voices` model's config once."""
+
+    max_file_bytes: int
+
+
+@dataclass
+class VoiceRoutes:
+    """The routes' state on `app.state.voices`: the limits, once the `voices` model answered."""
+
+    limits: VoiceLimits | None = None
+
+
+def install(app: FastAPI) -> None:
+    """Add the voice routes to the gateway's app (`gateway/app.py` calls this once)."""
+    app.state.voices = VoiceRoutes()
+    app.include_router(router)
+
+
+def _client(request: Request) -> aio.InferenceServerClient:
+    client = request.app.state.gateway.client
+    if client is None:
+        raise refuse(ClientCode.UNAVAILABLE, "the gateway is starting")
+    return client
+
+
+async def _call(request: Request, inputs: list[Any], timeout_s: float) -> dict[str, Any]:
+    try:
+        result = await _client(request).infer(MODEL, inputs, client_timeout=timeout_s)
+    except InferenceServerException as exc:
+        error = classify(str(exc.message()), exc.status())
+        first = error.detail.split(" ", 1)[0]
+        raise GatewayError(error, FORM_PARAMS.get(first)) from None
+    return result_json(result.as_numpy("RESULT")[0])
+
+
+async def _limits(request: Request) -> VoiceLimits:
+    routes: VoiceRoutes = request.app.state.voices
+    limits = routes.limits
+    if limits is None:
+        try:
+            cfg = await _client(request).get_model_config(MODEL, as_json=True)
+        except InferenceServerException as exc:
+            raise GatewayError(classify(str(exc.message()), exc.status())) from None
+        params = cfg["config"].get("parameters") or {}
+        raw = params.get("tandem.voices.max_file_bytes", {}).get("string_value") or str(16 * 2**20)
+        limits = VoiceLimits(int(raw))
+        routes.limits = limits
+    return limits
+
+
+def _card(voice: dict[str, Any]) -> dict[str, Any]:
+    out = {"id": voice["name"], "object": "voice"}
+    out.update({k: v for k, v in voice.items() if k != "name"})
+    return out
+
+
+@router.post("/v1/voices", status_code=201, max_body_size=UPLOAD_CEILING)
+async def register(request: Request) -> JSONResponse:
+    limits = await _limits(request)
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > limits.max_file_bytes + FORM_SLACK:
+        raise refuse(
+            ClientCode.INVALID_ARG,
+            f"file: the request is {int(length)} bytes; a reference file may be {limits.max_file_bytes}",
+            "file",
+        )
+    try:
+        form = await request.form(max_files=1, max_fields=2, max_part_size=FORM_SLACK)
+    except MultiPartException as exc:
+        raise refuse(ClientCode.INVALID_ARG, f"the form (multipart: name, transcript, file): {exc}") from None
+    try:
+        name, transcript, upload = form.get("name"), form.get("transcript"), form.get("file")
+        if not isinstance(name, str) or not name:
+            raise refuse(ClientCode.INVALID_ARG, "name is required (a form field)", "name")
+        if not isinstance(transcript, str) or not transcript.strip():
+            raise refuse(
+                ClientCode.INVALID_ARG, "transcript is required: what the recording says", "transcript"
+            )
+        if not isinstance(upload, UploadFile):
+            raise refuse(
+                ClientCode.INVALID_ARG, "file is required: the reference recording (a file part)", "file"
+            )
+        data = await upload.read(limits.max_file_bytes + 1)
+        if len(data) > limits.max_file_bytes:
+            raise refuse(
+                ClientCode.INVALID_ARG, f"file is over the limit of {limits.max_file_bytes} bytes", "file"
+            )
+    finally:
+        await form.close()
+    result = await _call(request, voice_inputs("register", name, transcript, data), REGISTER_TIMEOUT_S)
+    return JSONResponse(_card(result), status_code=201)
+
+
+@router.get("/v1/voices")
+async def list_voices(request: Request) -> dict[str, Any]:
+    result = await _call(request, voice_inputs("list"), CALL_TIMEOUT_S)
+    return {"object": "list", "data": [_card(v) for v in result["voices"]]}
+
+
+@router.delete("/v1/voices/{name}")
+async def delete(request: Request, name: str) -> dict[str, Any]:
+    await _call(request, voice_inputs("delete", name), CALL_TIMEOUT_S)
+    return {"id": name, "object": "voice", "deleted": True}

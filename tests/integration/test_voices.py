@@ -1,0 +1,229 @@
+"""Registered voices on the checked-in repository (tiny model, byte tokenizer, the reference codec
+and its encoder) through the real tritonserver and tandem-gateway: register over HTTP (16 kHz WAV)
+and gRPC (24 kHz FLAC), list, speak with it over HTTP and gRPC (`tts` equals `tts_mono` token for
+token; other audio than a built-in voice under one seed), P's prefix cache serves the reference's
+rows on the second request, the voice survives a restart of the server and the gateway, delete,
+and every bad input gets its stated status naming the field. The Orpheus layout with real SNAC:
+`test_voices_orpheus.py`."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import openai
+import pytest
+
+from tandem.gateway.client import TTSClient
+from tandem.gateway.errors import ClientCode
+from tandem.gateway.voice_client import VoiceClient, VoiceError
+from tests.integration.gateway_process import gateway_process
+from tests.integration.helpers import metric_value, metrics_text
+from tests.integration.server import TritonProcess
+from tests.support.voice_audio import encoded_bytes, http_call, register_http, speech_like, wav_bytes
+
+MAX_FILE = 1_000_000  # tandem.voices.max_file_bytes here, so an over-size file stays cheap
+TRANSCRIPT = "Hello there, this is how I sound when I read a sentence aloud."
+BUILTIN = ("tara", "leah", "jess", "leo", "dan", "mia", "zac", "zoe")
+SPEAK = {"TEXT": "A new sentence.", "MAX_TOKENS": 12, "SEED": 7, "TEMPERATURE": 1.0}
+
+
+class Unit:
+    """The server and gateway of this module, restartable (same ports, same voice store)."""
+
+    def __init__(self, work: Path) -> None:
+        self.work = work
+        overrides = {"voices": {"tandem.voices.max_file_bytes": str(MAX_FILE)}}
+        self.server = TritonProcess(work / "server", overrides)
+        self._gateway = contextlib.ExitStack()
+        self.base = ""
+
+    def start(self) -> Unit:
+        self.server.start(timeout_s=600)
+        self.base = self._gateway.enter_context(gateway_process(self.server, self.work, timeout_s=120))
+        return self
+
+    def stop(self) -> None:
+        self._gateway.close()
+        self.server.stop()
+
+
+@pytest.fixture(scope="module")
+def unit(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Unit]:
+    u = Unit(tmp_path_factory.mktemp("voices")).start()
+    yield u
+    u.stop()
+
+
+def speak(url: str, model: str, voice: str, **extra: object) -> object:
+    with TTSClient(url, model) as c:
+        return c.run(None, VOICE=voice, **{**SPEAK, **extra})
+
+
+def hit_tokens(unit: Unit, model: str) -> float:
+    return metric_value(
+        metrics_text(unit.server.metrics_url), "tandem_prefix_cache_hit_tokens_total", model=model
+    )
+
+
+def test_register_over_http_and_grpc_and_list(unit: Unit) -> None:
+    status, body = register_http(unit.base, "ana", TRANSCRIPT, wav_bytes(speech_like(3.0, 16000), 16000))
+    assert status == 201, body
+    assert body["id"] == "ana" and body["object"] == "voice" and body["builtin"] is False
+    assert body["codec"] == "reference" and body["duration_s"] == pytest.approx(3.0, abs=0.01)
+    assert body["frames"] == 63  # 3 s at the reference codec's 21 rows/s
+    with VoiceClient(unit.server.url) as vc:
+        flac = encoded_bytes(speech_like(2.0, 24000, seed=1), 24000)
+        got = vc.register("bo_b-2", "Another voice reads this.", flac)
+        assert got["name"] == "bo_b-2" and got["frames"] == 42
+        listed = {v["name"]: v["builtin"] for v in vc.list()}
+    assert listed == {**dict.fromkeys(BUILTIN, True), "ana": False, "bo_b-2": False}
+    status, body = http_call("GET", f"{unit.base}/v1/voices")
+    assert status == 200 and body["object"] == "list"
+    assert [(v["id"], v["builtin"]) for v in body["data"]] == [
+        *((b, True) for b in BUILTIN),
+        ("ana", False),
+        ("bo_b-2", False),
+    ]
+
+
+def test_speak_with_it_over_grpc_and_the_prefix_cache_hits(unit: Unit) -> None:
+    frames = 63
+    before = {m: hit_tokens(unit, m) for m in ("prefill", "tts_mono")}
+    first = {m: speak(unit.server.url, m, "ana") for m in ("tts", "tts_mono")}
+    for r in first.values():
+        assert r.error is None and r.rows is not None and r.rows.shape[0] == 12  # type: ignore[attr-defined]
+    np.testing.assert_array_equal(first["tts"].rows, first["tts_mono"].rows)  # type: ignore[attr-defined]
+    mid = {m: hit_tokens(unit, m) for m in ("prefill", "tts_mono")}
+    second = speak(unit.server.url, "tts", "ana")
+    mono = speak(unit.server.url, "tts_mono", "ana")
+    after = {m: hit_tokens(unit, m) for m in ("prefill", "tts_mono")}
+    assert after["prefill"] - mid["prefill"] >= frames, (before, mid, after)  # the reference's rows, cached
+    assert after["tts_mono"] - mid["tts_mono"] >= frames
+    np.testing.assert_array_equal(second.rows, first["tts"].rows)  # type: ignore[attr-defined]
+    np.testing.assert_array_equal(mono.rows, first["tts"].rows)  # type: ignore[attr-defined]
+    builtin = speak(unit.server.url, "tts", "tara")
+    assert builtin.error is None and not np.array_equal(builtin.rows, first["tts"].rows)  # type: ignore[attr-defined]
+    assert not np.array_equal(builtin.audio, first["tts"].audio)  # type: ignore[attr-defined]
+
+
+def test_speak_with_it_over_http(unit: Unit) -> None:
+    sdk = openai.OpenAI(base_url=f"{unit.base}/v1", api_key="unused", max_retries=0)
+    resp = sdk.audio.speech.create(model="tts", input="Hello there.", voice="ana", response_format="pcm")
+    assert len(resp.content) > 0 and len(resp.content) % 2 == 0
+
+
+@pytest.mark.parametrize(
+    ("name", "transcript", "file", "status", "param", "needle"),
+    [
+        ("x1", TRANSCRIPT, b"not a recording at all " * 40, 400, "file", "AUDIO is not an audio file"),
+        (
+            "x2",
+            TRANSCRIPT,
+            wav_bytes(speech_like(3.0, 16000), 16000)[:44],
+            400,
+            "file",
+            "AUDIO holds no samples",
+        ),
+        (
+            "x3",
+            TRANSCRIPT,
+            wav_bytes(speech_like(0.5, 16000), 16000),
+            400,
+            "file",
+            "shortest reference is 1 s",
+        ),
+        (
+            "x4",
+            TRANSCRIPT,
+            wav_bytes(speech_like(31.0, 8000), 8000),
+            400,
+            "file",
+            "longest reference is 30 s",
+        ),
+        ("x5", TRANSCRIPT, b"\0" * (MAX_FILE + 1), 400, "file", "file is over the limit of 1000000 bytes"),
+        ("x6", TRANSCRIPT, b"\0" * (MAX_FILE + 70_000), 400, "file", "a reference file may be 1000000"),
+        ("x7", "   ", wav_bytes(speech_like(2.0, 16000), 16000), 400, "transcript", "transcript is required"),
+        ("x8", None, wav_bytes(speech_like(2.0, 16000), 16000), 400, "transcript", "transcript is required"),
+        ("x9", TRANSCRIPT, None, 400, "file", "file is required"),
+        ("../x", TRANSCRIPT, wav_bytes(speech_like(2.0, 16000), 16000), 400, "name", "is not a voice name"),
+        ("a" * 65, TRANSCRIPT, wav_bytes(speech_like(2.0, 16000), 16000), 400, "name", "is not a voice name"),
+        ("tara", TRANSCRIPT, wav_bytes(speech_like(2.0, 16000), 16000), 400, "name", "'tara' is a built-in"),
+        ("ana", TRANSCRIPT, wav_bytes(speech_like(2.0, 16000), 16000), 409, "name", "already a registered"),
+    ],
+    ids=[
+        "not-audio",
+        "unreadable",
+        "short",
+        "long",
+        "big-file",
+        "big-body",
+        "blank-transcript",
+        "no-transcript",
+        "no-file",
+        "path-name",
+        "long-name",
+        "builtin-name",
+        "same-name",
+    ],
+)
+def test_bad_registrations(unit: Unit, name, transcript, file, status, param, needle) -> None:
+    got_status, body = register_http(unit.base, name, transcript, file)
+    assert got_status == status, body
+    err = body["error"]
+    assert err["param"] == param and needle in err["message"], err
+    assert err["code"] == ("ALREADY_EXISTS" if status == 409 else "INVALID_ARG")
+    names = [v["id"] for v in http_call("GET", f"{unit.base}/v1/voices")[1]["data"]]
+    assert not set(names) & {"x1", "x2", "x3", "x4", "x5", "x6", "x7", "x8", "x9"}  # nothing else kept
+
+
+def test_bad_requests_over_grpc(unit: Unit) -> None:
+    with VoiceClient(unit.server.url) as vc:
+        with pytest.raises(VoiceError, match=r"\[INVALID_ARG\] NAME '\.\./x' is not a voice name") as e:
+            vc.register("../x", TRANSCRIPT, wav_bytes(speech_like(2.0, 16000), 16000))
+        assert e.value.error.code is ClientCode.INVALID_ARG
+        with pytest.raises(VoiceError, match=r"\[INVALID_ARG\] TRANSCRIPT is required"):
+            vc.register("x", "", wav_bytes(speech_like(2.0, 16000), 16000))
+        with pytest.raises(VoiceError, match=r"\[ALREADY_EXISTS\] NAME 'ana'") as e:
+            vc.register("ana", TRANSCRIPT, wav_bytes(speech_like(2.0, 16000), 16000))
+        with pytest.raises(VoiceError, match=r"\[INVALID_ARG\] NAME 'tara' is a built-in voice"):
+            vc.delete("tara")
+        with pytest.raises(VoiceError, match=r"\[NOT_FOUND\] NAME 'nobody' is not a registered voice"):
+            vc.delete("nobody")
+    for model in ("tts", "tts_mono"):
+        r = speak(unit.server.url, model, "bob")
+        assert r.error_code is ClientCode.INVALID_ARG  # type: ignore[attr-defined]
+        assert "VOICE 'bob' is not one of this model's voices: tara, leah" in r.error  # type: ignore[attr-defined]
+
+
+def test_bad_voice_requests_over_http(unit: Unit) -> None:
+    status, body = http_call("DELETE", f"{unit.base}/v1/voices/tara")
+    assert status == 400 and body["error"]["param"] == "name" and "built-in" in body["error"]["message"]
+    status, body = http_call("DELETE", f"{unit.base}/v1/voices/nobody")
+    assert status == 404 and body["error"]["code"] == "NOT_FOUND" and body["error"]["param"] == "name"
+    sdk = openai.OpenAI(base_url=f"{unit.base}/v1", api_key="unused", max_retries=0)
+    with pytest.raises(openai.BadRequestError) as e:
+        sdk.audio.speech.create(model="tts", input="Hello there.", voice="alloy")
+    assert e.value.body["param"] == "voice" and "tara, leah" in e.value.body["message"]  # type: ignore[index]
+
+
+def test_the_voice_survives_a_restart_then_is_deleted(unit: Unit) -> None:
+    before = speak(unit.server.url, "tts", "ana")
+    unit.stop()
+    unit.start()
+    status, body = http_call("GET", f"{unit.base}/v1/voices")
+    assert status == 200 and {"ana", "bo_b-2"} <= {v["id"] for v in body["data"]}
+    after = speak(unit.server.url, "tts", "ana")
+    np.testing.assert_array_equal(after.rows, before.rows)  # type: ignore[attr-defined]
+    status, body = http_call("DELETE", f"{unit.base}/v1/voices/ana")
+    assert status == 200 and body == {"id": "ana", "object": "voice", "deleted": True}
+    assert "ana" not in {v["id"] for v in http_call("GET", f"{unit.base}/v1/voices")[1]["data"]}
+    for model in ("tts", "tts_mono"):
+        gone = speak(unit.server.url, model, "ana")
+        assert gone.error_code is ClientCode.INVALID_ARG and "VOICE 'ana' is not one" in gone.error  # type: ignore[attr-defined]
+    sdk = openai.OpenAI(base_url=f"{unit.base}/v1", api_key="unused", max_retries=0)
+    with pytest.raises(openai.BadRequestError) as e:
+        sdk.audio.speech.create(model="tts", input="Hello there.", voice="ana")
+    assert e.value.body["param"] == "voice"  # type: ignore[index]
