@@ -2,13 +2,17 @@
 
 Routes (FastAPI on uvicorn; `cli/gateway.py` starts it):
 
-- `POST /v1/audio/speech`: OpenAI's body (`model`, `input`, `voice`, `response_format` `wav` (the
-  default here; OpenAI's is mp3) or `pcm`, `speed` 1.0 only, `stream_format` `audio` or `sse`,
-  `instructions` accepted and unused). The audio is streamed as the model produces it: the status
-  and headers wait for the first audio (or the error that comes instead, with its own status), then
-  each response's audio goes out at once. `X-Tandem-Stream-Id` is the stream id (Triton
-  `sequence_id`) the gateway chose; `X-Sample-Rate` the PCM rate. A caller who hangs up cancels the
-  stream (the gRPC call is cancelled; Triton tells the engines).
+- `POST /v1/audio/speech`: OpenAI's body (`model`, `input` up to 4,096 characters, `voice`,
+  `response_format` mp3 (the default, as OpenAI's), opus, aac, flac, wav or pcm, `speed` 0.25-4.0,
+  `stream_format` `audio` or `sse`, `instructions` refused: no served family follows them) and
+  tandem's `seed` (same seed, same audio). The input is spoken whole by a speech session
+  (`gateway/session.py`: sentence segments, one stream each, two in flight, audio in order); the
+  audio is streamed as the model produces it: the status and headers wait for the first audio (or
+  the error that comes instead, with its own status), then each response's audio goes out at once.
+  `X-Tandem-Stream-Id` is the first segment's stream id (Triton `sequence_id`; the next segments'
+  follow it, +1 each); `X-Sample-Rate` the PCM rate. A caller who hangs up cancels every stream of
+  the session (the gRPC calls are cancelled; Triton tells the engines).
+- `WS /v1/audio/speech/stream-input`: text in pieces, audio out, turn by turn (`gateway/ws.py`).
 - `GET /v1/models`, `GET /v1/models/{id}`: the served models, OpenAI's list format.
 - `GET /health`: 200 when Triton answers and the unit is ready by `serving.health` (every
   `tandem_engine_up` 1, no `tandem_draining` 1), else 503 with the reasons.
@@ -39,8 +43,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
 
 from tandem.gateway.audio import AudioFormat, Framer, StreamFormat
+from tandem.gateway.encode import SPEED_MAX, SPEED_MIN
 from tandem.gateway.errors import HTTP_STATUS, ClientCode, ClientError
 from tandem.gateway.metrics import GatewayMetrics
+from tandem.gateway.session import SentenceQueue, SpeechSession
 from tandem.gateway.stream import (
     AudioPiece,
     GatewayError,
@@ -53,6 +59,7 @@ from tandem.gateway.stream import (
     text_inputs,
 )
 from tandem.gateway.voices import install as install_voice_routes
+from tandem.gateway.ws import install as install_ws_route
 from tandem.serving.health import HealthUnavailable, fetch_health
 
 log = logging.getLogger("tandem.gateway")
@@ -74,6 +81,8 @@ class GatewaySettings:
     models: tuple[str, ...] = ("tts", "tts_mono")
     idle_timeout_s: float = 60.0  # no response from Triton for this long ends a stream (UNAVAILABLE)
     retry_s: float = 1.0  # how often start-up asks Triton for the models' configs until it answers
+    ws_idle_timeout_s: float = 60.0  # a WebSocket with no frame and no turn speaking this long is closed
+    ws_max_pending_chars: int = 8192  # a WebSocket turn's unspoken text at most (gateway/ws.py)
 
 
 class VoiceRef(BaseModel):
@@ -89,9 +98,10 @@ class SpeechBody(BaseModel):
     input: str = Field(max_length=4096)
     voice: str | VoiceRef
     instructions: str | None = None
-    response_format: Literal["mp3", "opus", "aac", "flac", "wav", "pcm"] = "wav"
+    response_format: Literal["mp3", "opus", "aac", "flac", "wav", "pcm"] = "mp3"
     speed: float = 1.0
     stream_format: Literal["audio", "sse"] = "audio"
+    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)  # tandem's: every segment's SEED
 
     @property
     def voice_name(self) -> str:
@@ -151,29 +161,53 @@ class Gateway:
             )
         return self.models[name]
 
+    @property
+    def ws_limits(self) -> tuple[float, int]:
+        return self.settings.ws_idle_timeout_s, self.settings.ws_max_pending_chars
+
+    def session(
+        self, model: SpeechModel, voice: str, seed: int | None
+    ) -> tuple[int, SpeechSession[AudioPiece]]:
+        """A speech session speaking with `voice` and `seed` on `model`; its first stream id (the
+        next segments' ids follow it)."""
+        assert self.client is not None
+        client, idle = self.client, self.settings.idle_timeout_s
+        base = new_stream_id() >> 1  # room for a session's consecutive ids below 2**63
+
+        def open_segment(text: str, index: int) -> AsyncGenerator[AudioPiece, None]:
+            req = StreamRequest(model.name, text_inputs(model, text, voice, seed), base + index)
+            return stream_audio(client, req, idle)
+
+        return base, SpeechSession(open_segment)
+
     async def speech(self, body: SpeechBody) -> Response:
         received = time.monotonic()
         model = self.model(body.model)
-        if body.speed != 1.0:
-            raise refuse(ClientCode.INVALID_ARG, f"speed = {body.speed:g}: only 1.0 is supported", "speed")
-        if body.response_format not in {f.value for f in AudioFormat}:
-            raise refuse(
-                ClientCode.INVALID_ARG,
-                f"response_format {body.response_format!r} is not supported: use wav or pcm",
-                "response_format",
-            )
-        inputs = text_inputs(model, body.input, body.voice_name)
-        assert self.client is not None
-        req = StreamRequest(model.name, inputs, new_stream_id())
+        check_speech(body.speed, body.instructions)
+        text = SentenceQueue()
+        text.feed(body.input)
+        text.flush()
+        if text.done:
+            raise refuse(ClientCode.INVALID_ARG, "input is empty", "input")
+        first_id, session = self.session(model, body.voice_name, body.seed)
         framer = Framer(
-            AudioFormat(body.response_format), StreamFormat(body.stream_format), model.sample_rate
+            AudioFormat(body.response_format),
+            StreamFormat(body.stream_format),
+            model.sample_rate,
+            speed=body.speed,
         )
-        return await self.respond(req, framer, received)
+        return await self.respond_pieces(session.speak(text), framer, received, first_id)
 
     async def respond(self, req: StreamRequest, framer: Framer, received: float) -> Response:
-        """Waits for the first audio (an error before it is a JSON error with its status), then streams."""
+        """One stream's response (`respond_pieces`)."""
         assert self.client is not None
         pieces = stream_audio(self.client, req, self.settings.idle_timeout_s)
+        return await self.respond_pieces(pieces, framer, received, req.stream_id)
+
+    async def respond_pieces(
+        self, pieces: AsyncGenerator[AudioPiece, None], framer: Framer, received: float, stream_id: int
+    ) -> Response:
+        """Waits for the first audio (an error before it is a JSON error with its status), then streams."""
         try:
             first: AudioPiece | None = await anext(pieces)
         except StopAsyncIteration:
@@ -182,7 +216,7 @@ class Gateway:
             await pieces.aclose()
             raise
         self.metrics.first_audio.observe(time.monotonic() - received)
-        headers = {"X-Tandem-Stream-Id": str(req.stream_id), "X-Sample-Rate": str(framer.sample_rate)}
+        headers = {"X-Tandem-Stream-Id": str(stream_id), "X-Sample-Rate": str(framer.sample_rate)}
         return StreamingResponse(
             self._body(first, pieces, framer), media_type=framer.media_type, headers=headers
         )
@@ -195,11 +229,14 @@ class Gateway:
         try:
             if first is not None:
                 rows += first.rows
-                yield framer.piece(first.pcm)
+                if data := framer.piece(first.pcm):
+                    yield data
                 async for piece in pieces:
                     rows += piece.rows
-                    yield framer.piece(piece.pcm)
-            yield framer.end(rows)
+                    if data := framer.piece(piece.pcm):
+                        yield data
+            if data := framer.end(rows):
+                yield data
             status = "200"
         except GatewayError as exc:
             status = str(HTTP_STATUS[exc.error.code])
@@ -233,6 +270,22 @@ class Gateway:
         return JSONResponse({"status": "ok" if ok else "unavailable", "reasons": reasons}, 200 if ok else 503)
 
 
+def check_speech(speed: float, instructions: str | None) -> None:
+    """`speed` in [0.25, 4.0]; `instructions` none: the served families (plain, Orpheus) speak the
+    text as written and follow no style instructions, so they are refused rather than dropped."""
+    if not SPEED_MIN <= speed <= SPEED_MAX:
+        raise refuse(
+            ClientCode.INVALID_ARG, f"speed = {speed:g}: outside [{SPEED_MIN:g}, {SPEED_MAX:g}]", "speed"
+        )
+    if instructions and instructions.strip():
+        raise refuse(
+            ClientCode.INVALID_ARG,
+            "instructions are not supported: the served models speak the input as written and follow no "
+            "style instructions (leave instructions out)",
+            "instructions",
+        )
+
+
 def create_app(settings: GatewaySettings) -> FastAPI:
     gw = Gateway(settings)
 
@@ -262,6 +315,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         return error_response(ClientError(ClientCode.INVALID_ARG, detail), param)
 
     install_voice_routes(app)  # POST/GET/DELETE /v1/voices (gateway/voices.py)
+    install_ws_route(app, gw)  # WS /v1/audio/speech/stream-input (gateway/ws.py)
 
     @app.post("/v1/audio/speech")
     async def speech(body: SpeechBody) -> Response:

@@ -5,6 +5,9 @@
 - `wav`: a 44-byte RIFF/WAVE header, then the same samples. The length is unknown when the first
   bytes go out, so both RIFF sizes are 0xFFFFFFFF (the streaming convention players accept); a
   complete file's length is the bytes received.
+- `mp3`, `opus`, `aac`, `flac`: FFmpeg's encoders and muxers through PyAV (`gateway/encode.py`),
+  each piece's bytes as the muxer writes them; the response's last bytes come with `end`.
+- `speed` != 1: the PCM goes through FFmpeg's `atempo` (`encode.Tempo`) before any of the above.
 - `stream_format=sse`: every piece of the chosen format (the WAV header in the first) is one
   `speech.audio.delta` event with the bytes base64-encoded, then one `speech.audio.done` event with
   `usage.output_tokens` (rows generated); an error after the first audio is an `error` event.
@@ -20,15 +23,20 @@ from __future__ import annotations
 import base64
 import json
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 
 import numpy as np
 
+from tandem.gateway.encode import CODECS, Encoder, Tempo
 from tandem.gateway.errors import ClientError
 
 
 class AudioFormat(str, Enum):
+    MP3 = "mp3"
+    OPUS = "opus"
+    AAC = "aac"
+    FLAC = "flac"
     WAV = "wav"
     PCM = "pcm"
 
@@ -38,7 +46,14 @@ class StreamFormat(str, Enum):
     SSE = "sse"
 
 
-MEDIA_TYPES = {AudioFormat.WAV: "audio/wav", AudioFormat.PCM: "audio/pcm"}
+MEDIA_TYPES = {  # what OpenAI answers with
+    AudioFormat.MP3: "audio/mpeg",
+    AudioFormat.OPUS: "audio/opus",
+    AudioFormat.AAC: "audio/aac",
+    AudioFormat.FLAC: "audio/flac",
+    AudioFormat.WAV: "audio/wav",
+    AudioFormat.PCM: "audio/pcm",
+}
 
 
 def pcm16(audio: np.ndarray) -> bytes:
@@ -66,30 +81,57 @@ def _sse(event: dict[str, object]) -> bytes:
 
 @dataclass
 class Framer:
-    """One response's framing; `first` is True until the first piece went out."""
+    """One response's framing; `first` is True until the first piece went out. `speed`: `atempo`'s
+    factor, 1.0 leaves the PCM as it is."""
 
     audio: AudioFormat
     stream: StreamFormat
     sample_rate: int
     first: bool = True
+    speed: float = 1.0
+    _tempo: Tempo | None = field(default=None, init=False, repr=False)
+    _encoder: Encoder | None = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.speed != 1.0:
+            self._tempo = Tempo(self.sample_rate, self.speed)
+        if self.audio.value in CODECS:
+            self._encoder = Encoder(self.audio.value, self.sample_rate)
 
     @property
     def media_type(self) -> str:
         return "text/event-stream" if self.stream is StreamFormat.SSE else MEDIA_TYPES[self.audio]
 
     def piece(self, audio: np.ndarray) -> bytes:
-        data = pcm16(audio)
+        """One piece of PCM as the response's bytes (b"" while an encoder or `atempo` holds it)."""
+        if self._tempo is not None:
+            audio = self._tempo.push(audio)
+        return self._frame(audio)
+
+    def _frame(self, audio: np.ndarray) -> bytes:
+        data = self._encoder.encode(audio) if self._encoder is not None else pcm16(audio)
         if self.first and self.audio is AudioFormat.WAV:
             data = wav_header(self.sample_rate) + data
         self.first = False
         if self.stream is StreamFormat.SSE:
-            return _sse({"type": "speech.audio.delta", "audio": base64.b64encode(data).decode()})
+            return (
+                _sse({"type": "speech.audio.delta", "audio": base64.b64encode(data).decode()})
+                if data
+                else b""
+            )
         return data
 
     def end(self, rows: int) -> bytes:
+        """What `atempo` and the encoder still hold, then (SSE) the `speech.audio.done` event."""
+        tail = self._frame(self._tempo.finish()) if self._tempo is not None else b""
+        if self._encoder is not None:
+            last = self._encoder.finish()
+            if self.stream is StreamFormat.SSE and last:
+                last = _sse({"type": "speech.audio.delta", "audio": base64.b64encode(last).decode()})
+            tail += last
         if self.stream is StreamFormat.SSE:
-            return _sse({"type": "speech.audio.done", "usage": {"output_tokens": rows}})
-        return b""
+            return tail + _sse({"type": "speech.audio.done", "usage": {"output_tokens": rows}})
+        return tail
 
     def error(self, err: ClientError) -> bytes | None:
         """The bytes that tell a caller of an error after the first audio; None: end the body instead."""

@@ -37,7 +37,12 @@ from tandem.gateway.client import build_inputs
 from tandem.gateway.errors import ClientCode, ClientError, classify
 
 TEXT, VOICE, VOICE_ID = "TEXT", "VOICE", "VOICE_ID"
-OPENAI_PARAMS = {TEXT: "input", VOICE: "voice", VOICE_ID: "voice"}  # Triton input -> the body's field
+OPENAI_PARAMS = {
+    TEXT: "input",
+    VOICE: "voice",
+    VOICE_ID: "voice",
+    "SEED": "seed",
+}  # Triton input -> the body's field
 
 
 class GatewayError(Exception):
@@ -97,9 +102,11 @@ def _bytes_input(name: str, value: str) -> grpcclient.InferInput:
     return t
 
 
-def text_inputs(model: SpeechModel, text: str, voice: str) -> list[grpcclient.InferInput]:
-    """OpenAI's `input` and `voice` as `model`'s inputs. Raises GatewayError (INVALID_ARG) when the
-    model takes no text."""
+def text_inputs(
+    model: SpeechModel, text: str, voice: str, seed: int | None = None
+) -> list[grpcclient.InferInput]:
+    """OpenAI's `input` and `voice` (and tandem's `seed`, to `SEED`) as `model`'s inputs. Raises
+    GatewayError (INVALID_ARG) when the model takes no text."""
     if not model.takes_text:
         raise refuse(
             ClientCode.INVALID_ARG,
@@ -114,6 +121,8 @@ def text_inputs(model: SpeechModel, text: str, voice: str) -> list[grpcclient.In
         inputs.append(_bytes_input(VOICE, voice))
     if VOICE_ID in model.inputs:
         inputs.append(_bytes_input(VOICE_ID, voice))
+    if seed is not None:
+        inputs += build_inputs(None, SEED=seed)
     return inputs
 
 
