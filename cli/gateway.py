@@ -31,6 +31,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--idle-timeout", type=float, default=60.0, help="seconds without a response that end a stream"
     )
+    ap.add_argument(
+        "--ws-idle-timeout",
+        type=float,
+        default=60.0,
+        help="seconds a stream-input WebSocket may send nothing while nothing speaks before it is closed",
+    )
+    ap.add_argument(
+        "--ws-max-pending-chars",
+        type=int,
+        default=8192,
+        help="a WebSocket turn's unspoken characters at most (a text frame past it is refused)",
+    )
     args = ap.parse_args(argv)
     host = args.triton.rsplit(":", 1)[0]
     settings = GatewaySettings(
@@ -38,6 +50,8 @@ def main(argv: list[str] | None = None) -> int:
         metrics_url=args.metrics_url or f"http://{host}:8002/metrics",
         models=tuple(m for m in args.models.split(",") if m),
         idle_timeout_s=args.idle_timeout,
+        ws_idle_timeout_s=args.ws_idle_timeout,
+        ws_max_pending_chars=args.ws_max_pending_chars,
     )
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level="info")

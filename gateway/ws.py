@@ -108,7 +108,9 @@ def parse_frame(raw: str) -> Any:
         return _FRAME.validate_python(data)
     except ValidationError as exc:
         first = exc.errors()[0]
-        loc = [str(p) for p in first.get("loc", ()) if p != data.get("type")]
+        loc = [str(p) for p in first.get("loc", ())]
+        if loc and loc[0] == data.get("type"):  # the union's tag leads the location
+            loc = loc[1:]
         if first.get("type") == "union_tag_invalid":
             return _raise(f"type {data['type']!r} is not one of config, text, flush, cancel, close", "type")
         param = loc[0] if loc else None

@@ -19,9 +19,13 @@ from tests.integration.server import TritonProcess, free_port
 
 @contextlib.contextmanager
 def gateway_process(
-    server: TritonProcess, log_dir: Path, models: Sequence[str] = ("tts", "tts_mono"), timeout_s: float = 60.0
+    server: TritonProcess,
+    log_dir: Path,
+    models: Sequence[str] = ("tts", "tts_mono"),
+    timeout_s: float = 60.0,
+    extra_args: Sequence[str] = (),
 ) -> Iterator[str]:
-    """Starts `tandem-gateway --triton ... --port ...` for `server` and yields its base URL once
+    """Starts `tandem-gateway --triton ... --port ... [extra_args]` for `server` and yields its base URL once
     `/v1/models` lists every one of `models`; stops it (SIGTERM) on exit. Raises RuntimeError with
     the gateway's log when it exits or does not list them within `timeout_s`."""
     port = free_port()
@@ -32,6 +36,7 @@ def gateway_process(
         f"--port={port}",
         f"--metrics-url={server.metrics_url}",
         f"--models={','.join(models)}",
+        *extra_args,
     ]
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
