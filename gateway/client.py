@@ -4,6 +4,9 @@ Sets the stream id (Triton `sequence_id`) for the user, sends one request per st
 every response: generated rows, audio, the TIMINGS stamps, and client-side times (first audio,
 tokens/s after the first response). Used by the CLI, the tests and the benchmark.
 
+`TTSClient.speak` speaks a whole text as a speech session does (`gateway/session.py`): its segments,
+one stream each, two in flight (the second on a connection of its own), results in order.
+
 Errors: a stream's error reaches the callback as a message only (gRPC streaming drops the status of
 an in-stream error). `StreamResult.error_code` is its code by `serving.client_errors.classify` (tandem's
 bracketed code behind Triton's `in ensemble 'tts', ` prefix, Triton core's known messages, the gRPC
@@ -26,6 +29,7 @@ import numpy as np
 import tritonclient.grpc as grpcclient
 
 from tandem.gateway.errors import ClientCode, classify
+from tandem.gateway.session import run_pipelined, segments
 
 _ids = itertools.count(1)
 
@@ -65,6 +69,29 @@ class StreamResult:
         first_rows = self.response_rows[0] if self.response_rows else 0
         span = (self.done_ns - self.first_response_ns) / 1e9
         return (n - first_rows) / span if span > 0 and n > first_rows else float("nan")
+
+
+@dataclass
+class SpeechResult:
+    """A text spoken by `TTSClient.speak`: its segments and each one's stream, in order; a failed
+    segment's result is the last (no segment after it was started)."""
+
+    segments: list[str]
+    results: list[StreamResult]
+
+    @property
+    def audio(self) -> np.ndarray:
+        parts = [r.audio for r in self.results if r.audio is not None]
+        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.float32)
+
+    @property
+    def rows(self) -> int:
+        """Rows generated over every segment (the usage)."""
+        return sum(0 if r.rows is None else int(r.rows.shape[0]) for r in self.results)
+
+    @property
+    def error(self) -> str | None:
+        return next((r.error for r in self.results if r.error), None)
 
 
 def build_inputs(prompt: np.ndarray | None, **params: Any) -> list[grpcclient.InferInput]:
@@ -209,6 +236,33 @@ class TTSClient:
 
     def run(self, prompt: np.ndarray | None, timeout_s: float = 120.0, **params: Any) -> StreamResult:
         return self.wait([self.send(prompt, **params)], timeout_s)[0]
+
+    def speak(
+        self,
+        text: str,
+        voice: str | None = None,
+        seed: int | None = None,
+        timeout_s: float = 300.0,
+        **params: Any,
+    ) -> SpeechResult:
+        """`text` spoken whole: one TEXT stream per segment with the same VOICE and SEED (and any
+        other input of the contract in `params`), two in flight; stops at the first failed segment."""
+        parts = segments(text)
+        second = TTSClient(self.url, self.model)  # the stream in flight beside this one's
+        clients = (self, second)
+
+        def start(part: str, index: int) -> tuple[TTSClient, str]:
+            client = clients[index % 2]
+            return client, client.send(None, TEXT=part, VOICE=voice, SEED=seed, **params)
+
+        def finish(handle: tuple[TTSClient, str]) -> StreamResult:
+            return handle[0].wait([handle[1]], timeout_s)[0]
+
+        try:
+            results = list(run_pipelined(parts, start, finish, stop=lambda r: r.error is not None))
+        finally:
+            second.close()
+        return SpeechResult(parts, results)
 
     def close(self, cancel: bool = False) -> None:
         self._client.stop_stream(cancel_requests=cancel)

@@ -15,7 +15,7 @@ Segments (`SentenceQueue`):
   so the first audio waits on one sentence's prefill, not a paragraph's;
 - a sentence longer than `max_chars` is split at the last clause mark (`,;:` or a dash) before the
   limit, else the last space, else at the limit (never a piece under half of it but the last).
-Segments are stripped of surrounding whitespace; blank ones are dropped.
+Segments are stripped of surrounding whitespace and joined with one space; blank ones are dropped.
 
 Pipelining (`SpeechSession.speak`): at most `window` (2) streams in flight per session; segment i+1's
 stream starts once segment i's first audio has arrived (and a slot is free), so playback never waits
@@ -121,11 +121,13 @@ class SentenceQueue:
     def take(self) -> str | None:
         """The next segment, or None when no complete sentence waits."""
         while self._sentences:
-            parts = [self._sentences.popleft()]
-            if not self.first:
-                while self._sentences and len("".join(parts)) + len(self._sentences[0]) <= self.max_chars:
-                    parts.append(self._sentences.popleft())
-            segment = "".join(parts).strip()
+            segment = self._sentences.popleft().strip()
+            while not self.first and self._sentences:  # pysbd may drop a boundary's space: one between
+                nxt = self._sentences[0].strip()
+                if len(segment) + 1 + len(nxt) > self.max_chars:
+                    break
+                segment = f"{segment} {nxt}" if segment and nxt else segment or nxt
+                self._sentences.popleft()
             if segment:
                 self.first = False
                 return segment
@@ -258,15 +260,25 @@ class SpeechSession(Generic[P]):
 
 
 def run_pipelined(
-    parts: list[str], start: Callable[[str, int], H], finish: Callable[[H], R], window: int = WINDOW
+    parts: list[str],
+    start: Callable[[str, int], H],
+    finish: Callable[[H], R],
+    window: int = WINDOW,
+    stop: Callable[[R], bool] | None = None,
 ) -> Iterator[R]:
     """The synchronous form (`TTSClient.speak`): `start(part, index)` opens a stream and returns a
     handle, `finish(handle)` waits for its result; at most `window` started and unfinished, results in
-    order. A caller that stops iterating leaves the started ones to be cancelled by closing its client."""
+    order. After a result `stop` says yes to (a failed segment), nothing more starts: the ones started
+    are finished and dropped."""
     started: deque[H] = deque()
     nxt = 0
     while nxt < len(parts) or started:
         while nxt < len(parts) and len(started) < window:
             started.append(start(parts[nxt], nxt))
             nxt += 1
-        yield finish(started.popleft())
+        result = finish(started.popleft())
+        yield result
+        if stop is not None and stop(result):
+            for handle in started:
+                finish(handle)
+            return

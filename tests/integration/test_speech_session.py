@@ -17,13 +17,15 @@ from collections.abc import Iterator
 from typing import Any
 
 import av
-import numpy as np
 import openai
 import pytest
+from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import ClientConnection, connect
 
 from tandem.backend.codec.config import VocoderConfig
 from tandem.backend.settings import Limits
+from tandem.gateway.audio import pcm16
+from tandem.gateway.client import TTSClient
 from tandem.gateway.session import segments
 from tests.integration.gateway_process import gateway_process, http_post
 from tests.integration.helpers import metric_value, metrics_text, wait_metric
@@ -117,6 +119,17 @@ def test_segments_come_in_order(sdk):
     both, _, _ = _speak(sdk, f"{a} {b}", response_format="pcm", seed=11)
     assert segments(f"{a} {b}") == [a, b]
     assert both == one + two
+
+
+def test_tts_client_speaks_a_text_as_the_gateway_does(server, sdk):
+    """`TTSClient.speak` over gRPC: the same segments, voice and seed, the same audio as the HTTP route."""
+    text = "First sentence, spoken first. Second sentence, spoken second and longer than the first one."
+    with TTSClient(server.url, "tts_mono") as client:
+        spoken = client.speak(text, voice="tara", seed=11)
+    assert spoken.error is None and spoken.segments == segments(text) and len(spoken.results) == 2
+    assert spoken.rows == 2 * ROWS
+    over_http, _, _ = _speak(sdk, text, model="tts_mono", response_format="pcm", seed=11)
+    assert pcm16(spoken.audio) == over_http
 
 
 def test_4097_characters_are_a_400_naming_input(gateway):
@@ -339,5 +352,5 @@ def test_ws_idle_socket_gets_an_error_and_is_closed(gateway):
         e = _event(ws, timeout=WS_IDLE_S + 10)
         assert (e["code"], e["type"]) == ("UNAVAILABLE", "error") and "no frame for 3 s" in e["message"]
         assert time.perf_counter() - t0 >= WS_IDLE_S - 0.5
-        with pytest.raises(Exception):  # closed by the server
+        with pytest.raises(ConnectionClosed):  # closed by the server
             ws.recv(timeout=5)
