@@ -9,7 +9,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 
 from tandem.gateway.client import TTSClient, build_inputs
-from tests.integration.helpers import (
+from tests.support.helpers import (
     SPR,
     TINY_V,
     TINY_W,

@@ -9,9 +9,9 @@ import pytest
 from tandem.backend.metrics import Engine, zero_series
 from tandem.backend.timing import FIRST_AUDIO_STAGES, waterfall
 from tandem.gateway.client import TTSClient, run_concurrent
-from tests.integration.helpers import SPR, TINY_W, metric_value, metrics_text, prompt, run, wait_metric
-from tests.integration.server import TritonProcess
 from tests.integration.test_mono import BAD
+from tests.support.helpers import SPR, TINY_W, metric_value, metrics_text, prompt, run, wait_metric
+from tests.support.server import TritonProcess
 
 
 def _jobs(n: int, seed: int) -> list[tuple[np.ndarray, dict]]:

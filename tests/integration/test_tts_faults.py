@@ -15,9 +15,9 @@ import pytest
 import tritonclient.grpc as grpcclient
 
 from tandem.gateway.client import build_inputs, next_stream_id, run_concurrent
-from tests.integration.helpers import TINY_W, metric_value, metrics_text, prompt, wait_metric
-from tests.integration.server import TritonProcess
 from tests.support.fault_hooks import fault_parameters
+from tests.support.helpers import TINY_W, metric_value, metrics_text, prompt, wait_metric
+from tests.support.server import TritonProcess
 
 
 def call(url: str, model: str, inputs, sequence: bool, timeout_s: float = 30.0):
