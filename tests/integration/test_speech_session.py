@@ -27,9 +27,9 @@ from tandem.backend.settings import Limits
 from tandem.gateway.audio import pcm16
 from tandem.gateway.client import TTSClient
 from tandem.gateway.session import segments
-from tests.integration.gateway_process import gateway_process, http_post
-from tests.integration.helpers import metric_value, metrics_text, wait_metric
-from tests.integration.server import TritonProcess
+from tests.support.gateway_process import gateway_process, http_post
+from tests.support.helpers import metric_value, metrics_text, wait_metric
+from tests.support.server import TritonProcess
 
 RATE = 22050
 ROWS = Limits().default_new_rows
