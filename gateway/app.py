@@ -172,7 +172,7 @@ class Gateway:
         next segments' ids follow it)."""
         assert self.client is not None
         client, idle = self.client, self.settings.idle_timeout_s
-        base = new_stream_id() >> 1  # room for a session's consecutive ids below 2**63
+        base = (new_stream_id() >> 1) + 1  # non-zero, with room for a session's consecutive ids below 2**63
 
         def open_segment(text: str, index: int) -> AsyncGenerator[AudioPiece, None]:
             req = StreamRequest(model.name, text_inputs(model, text, voice, seed), base + index)
