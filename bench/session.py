@@ -11,7 +11,7 @@ Each round, one request at a time, interleaved so drift hits every way alike:
 - `ws_cancel`: a long turn on `--cancel-model` speaking, `cancel` sent to its `turn_done`
   (the audio already on the wire is read on the way).
 
-Prints a table and writes JSON (commit, device, every sample) to `--out`.
+Prints a table and writes JSON (commit, device, each way's quantiles) to `--out`.
 """
 
 from __future__ import annotations
@@ -146,7 +146,6 @@ def main(argv: list[str] | None = None) -> int:
         "cancel_model": args.cancel_model,
         "rounds": args.rounds,
         "figures": figures,
-        "samples_s": samples,
     }
     write_json(args.out, payload)
     rows = [[k, v["p50_ms"], v["p99_ms"], v["mean_ms"], v["n"]] for k, v in figures.items()]
