@@ -1,17 +1,13 @@
 """Batched, order-independent token sampling.
 
-Why counter-based randomness: a stream's first token is sampled by the prefill engine and the rest by
-the decode engine, and each step shares a batch with whatever other streams happen to be running. For a
-seeded request to be reproducible, the random number used for (stream, position, column) must depend on
-nothing else. So there is no running RNG state at all: each uniform is a hash (splitmix64) of
-(seed, position, column), computed on the CPU with numpy for the whole batch at once and moved to the
-logits' device. Everything else (top-k, top-p, temperature, inverse-CDF draw) is vectorised on that device.
+No running RNG state: each uniform is a hash (splitmix64) of (seed, position, column), so a seeded
+stream gets the same tokens whichever engine samples it (P its first row, D the rest) and whatever
+shares its batch. Top-k, top-p, temperature and the inverse-CDF draw are vectorised on the logits'
+device.
 
-Before the draw, two logit processors: the repetition penalty (HF's and vLLM's rule: a logit of an id
-the stream already generated is divided by the penalty when positive, multiplied when negative; the
-ids come from a per-stream `seen` mask the running batch keeps on the device, `mark_seen`) and the
-stream's audio-token grammar (`backend/generation/grammar.py`), a pure function of its position.
-Both therefore keep a stream's tokens independent of its batch companions, and P, D and `tts_mono` equal.
+Before the draw: the repetition penalty (HF's and vLLM's rule, over a per-stream `seen` mask on the
+device, `mark_seen`) and the stream's audio-token grammar (`grammar.py`), both pure functions of the
+stream alone.
 """
 
 from __future__ import annotations

@@ -1,18 +1,13 @@
 """Paged, per-token KV storage shared by every sequence one engine runs.
 
-Why paged: streams start and finish at arbitrary times and prompts vary from tens to thousands of rows,
-so one contiguous buffer per sequence would fragment device memory. Instead one big tensor is cut into
-fixed-size pages; a sequence owns a list of pages (in any order), and every token of it lives in one
-*slot* (a row of the token axis). Attention reads K/V by slot index, so a sequence's pages need not be
-adjacent. The layout is layer-major, `[L, 2, slots, kvh, hd]`, which makes `gather`/`scatter` of a whole
-sequence (what the prefill->decode hand-off moves) one row copy each over the token axis: the
-`tandem.csrc.kv_cuda` kernels on a GPU (torch `index_select`/`index_copy_` on the CPU or when the kernels
-are not built; bit-for-bit the same).
+One tensor `[L, 2, slots, kvh, hd]` cut into fixed-size pages; a sequence owns a list of pages in any
+order, each of its tokens one slot, and attention reads K/V by slot. `gather`/`scatter` of a whole
+sequence (what the P -> D hand-off moves) is one row copy each over the token axis (the
+`tandem.csrc.kv_cuda` kernels on a GPU, torch on the CPU; bit-for-bit the same).
 
-The free list is a LIFO stack: the most recently freed page is handed out first. That keeps hot pages
-hot and makes fragmented allocations easy to provoke in tests (allocate, free every other page, allocate).
-Allocation and free are not locked: each engine calls them from one thread, or (D, whose admission
-thread allocates while its engine thread frees) under D's one lock (`backend/engines/decode/admission.py`).
+The free list is a LIFO stack (the most recently freed page first). Allocation and free are not
+locked: each engine calls them from one thread, or (D) under its one lock (docs/architecture.md,
+"D's engine").
 """
 
 from __future__ import annotations

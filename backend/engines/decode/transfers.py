@@ -78,7 +78,7 @@ class WaitingTransfers:
         self.waiting.append(Waiting(stream, handle, first_row, dead=True))
 
     def poll(self) -> None:
-        """Each entry leaves `waiting` right when it is handled (see the module docstring).
+        """Each entry leaves `waiting` right when it is handled.
 
         A verified transfer's stream gets its transfer stamps in waterfall order: `copy_start`,
         `copy_end` (P's, carried in DONE), `d_done` (D's reader thread received DONE),
@@ -137,13 +137,9 @@ class WaitingTransfers:
             raise
 
     def _release_after_scatter(self, handle: TransferHandle) -> None:
-        """Give a verified region back to the receiver only once the scatter has read it.
-
-        On a GPU the scatter is queued on the engine's stream (behind the running step), while P's
-        next copy into a reused region is ordered on nothing of ours: completing at once could let
-        that copy land before the scatter read the bytes. So a CUDA scatter records an event and the
-        region returns when it has passed (checked every iteration). A CPU scatter has already run.
-        """
+        """Give a verified region back to the receiver only once the scatter has read it: P's next copy
+        into a reused region is ordered on nothing of ours. CUDA: when an event recorded after the scatter
+        has passed (checked every iteration); CPU: at once."""
         if self.pool.device.type != "cuda":
             self.receiver.complete(handle)
             return
