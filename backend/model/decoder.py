@@ -1,20 +1,16 @@
 """The audio-token LM: a Llama/Qwen2/Qwen3 decoder that reads and writes paged KV.
 
-Why its own implementation rather than transformers: the engines split prefill and decode across
-processes and keep every sequence's KV in a shared `KVPool` addressed by slot, so attention must read
-K/V by slot index (fragmented pages, prefix-cache pages shared between prompts) and batch decode steps of
-unrelated sequences. HF's cache classes assume one contiguous cache per batch. The maths is HF's, module
-for module (see `layers.py`), so real checkpoints load unchanged and logits match transformers.
+Its own implementation because attention must read K/V by slot from a shared `KVPool` (fragmented
+pages, shared prefix pages) and batch unrelated sequences' decode steps; the maths is HF's, module for
+module (`layers.py`), so checkpoints load unchanged and logits match transformers.
 
-On a GPU the layers run fused (`Decoder._run_fused`, about ten kernels a layer): one QKV and one gate-up
-GEMM over weights concatenated at construction (`layers.fuse_linears`; the HF parameters view them),
-the Triton kernels of `tandem.csrc.triton_ops`; every projection and the head go through
-`tandem.csrc.linear` (cuBLAS, or at small batch and when enabled its CUDA GEMV). The CPU runs the
-torch modules one by one, so its numbers (greedy tokens included) are the unfused ones.
+On a GPU the layers run fused (`_run_fused`, about ten kernels a layer: one QKV and one gate-up GEMM,
+the `tandem.csrc.triton_ops` kernels, projections through `tandem.csrc.linear`); the CPU runs the torch
+modules one by one (the unfused numbers).
 
-Rows: a prompt or generated step is a row of `row_width` (W) ids. Column c is embedded with rows
-c*V..c*V+V-1 of one [W*V, H] table and the W embeddings are summed; the head is one [W*V, H] matrix whose
-logits reshape to [W, V]. W=1 is exactly an HF causal LM.
+Rows: a step is a row of `row_width` (W) ids. Column c is embedded with rows c*V..c*V+V-1 of one
+[W*V, H] table and the W embeddings are summed; the head's logits reshape to [W, V]. W=1 is exactly an
+HF causal LM.
 """
 
 from __future__ import annotations
