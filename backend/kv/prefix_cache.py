@@ -67,10 +67,9 @@ class PrefixCache:
         return keys
 
     def peek(self, rows: torch.Tensor | np.ndarray) -> tuple[int, bytes | None]:
-        """(tokens `allocate` would serve from the cache now, the key of the prompt's first full page
-        or None) without allocating, evicting or counting anything. Lets an engine size a prefill
-        batch, and hold back a prompt whose first page another prompt of the batch is computing (it
-        hits the cache one forward later instead of computing the same prefix twice)."""
+        """(tokens `allocate` would serve from the cache now, key of the prompt's first full page or None),
+        allocating, evicting and counting nothing: for sizing a prefill batch and holding back a prompt
+        whose first page another member is computing."""
         arr = _as_rows(rows)
         max_pages = (arr.shape[0] - 1) // self.pool.page_size
         keys = self._keys(arr, max_pages) if self.enabled else []
