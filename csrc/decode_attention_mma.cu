@@ -390,28 +390,7 @@ __global__ void __launch_bounds__(kWarps * 32, F8 ? 2 : 3)
     }
   }
   __syncthreads();
-  for (int i = threadIdx.x; i < G * HD; i += kWarps * 32) {
-    const int g = i / HD;
-    const int d = i - g * HD;
-    float mx = -INFINITY;
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) mx = fmaxf(mx, s_m[w][g]);
-    float sum = 0.f, a = 0.f;
-    if (mx != -INFINITY) {
-#pragma unroll
-      for (int w = 0; w < kWarps; ++w) {
-        const float f = s_m[w][g] == -INFINITY ? 0.f : exp2f(s_m[w][g] - mx);
-        sum += s_l[w][g] * f;
-        a += s_acc[w][g][d] * f;
-      }
-    }
-    const int64_t at = (static_cast<int64_t>(b) * nh + h * G + g) * splits + split;
-    part_acc[at * HD + d] = a;
-    if (d == 0) {
-      part_ml[at * 2] = mx;
-      part_ml[at * 2 + 1] = sum;
-    }
-  }
+  attn::store_split_partial<kWarps, G, HD>(s_m, s_l, s_acc, b, nh, h, splits, split, part_acc, part_ml);
 }
 
 // Variant 5: one block per (sequence, split, group of NW KV heads); warp w takes KV head w of the

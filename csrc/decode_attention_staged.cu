@@ -186,38 +186,9 @@ __global__ void __launch_bounds__(Geo<T, 32 * EPL>::kWarps * 32)
   __shared__ float s_m[NW][G];
   __shared__ float s_l[NW][G];
   float(*s_acc)[G][HD] = reinterpret_cast<float(*)[G][HD]>(tiles);
-#pragma unroll
-  for (int g = 0; g < G; ++g) {
-    if (lane == 0) {
-      s_m[warp][g] = m[g];
-      s_l[warp][g] = l[g];
-    }
-#pragma unroll
-    for (int e = 0; e < EPL; ++e) s_acc[warp][g][lane * EPL + e] = acc[g][e];
-  }
+  attn::stash_warp_state<EPL, G, HD>(s_m, s_l, s_acc, warp, lane, m, l, acc);
   __syncthreads();
-  for (int i = threadIdx.x; i < G * HD; i += NW * 32) {
-    const int g = i / HD;
-    const int d = i - g * HD;
-    float mx = -INFINITY;
-#pragma unroll
-    for (int w = 0; w < NW; ++w) mx = fmaxf(mx, s_m[w][g]);
-    float sum = 0.f, a = 0.f;
-    if (mx != -INFINITY) {
-#pragma unroll
-      for (int w = 0; w < NW; ++w) {
-        const float f = s_m[w][g] == -INFINITY ? 0.f : exp2f(s_m[w][g] - mx);
-        sum += s_l[w][g] * f;
-        a += s_acc[w][g][d] * f;
-      }
-    }
-    const int64_t at = (static_cast<int64_t>(b) * nh + h * G + g) * splits + split;
-    part_acc[at * HD + d] = a;
-    if (d == 0) {
-      part_ml[at * 2] = mx;
-      part_ml[at * 2 + 1] = sum;
-    }
-  }
+  attn::store_split_partial<NW, G, HD>(s_m, s_l, s_acc, b, nh, h, splits, split, part_acc, part_ml);
 }
 
 template <typename T, int EPL, int G>
