@@ -45,15 +45,7 @@ __global__ void __launch_bounds__(kWarps * 32)
                    float* __restrict__ part_ml) {
   constexpr int HD = 32 * EPL;
   using P = Pack<T, EPL>;
-  const int b = blockIdx.x / kv_heads;
-  const int h = blockIdx.x - b * kv_heads;
-  const int split = blockIdx.y;
-  const int warp = threadIdx.x >> 5;
-  const int lane = threadIdx.x & 31;
-  const int nh = kv_heads * G;
-  const int64_t len = lengths[b];
-  const int64_t t0 = static_cast<int64_t>(split) * chunk;
-  const int64_t t1 = t0 + chunk < len ? t0 + chunk : len;
+  const auto [b, h, split, warp, lane, nh, len, t0, t1] = attn::split_block<G>(kv_heads, lengths, chunk);
 
   float qr[G][EPL];
 #pragma unroll
@@ -63,13 +55,7 @@ __global__ void __launch_bounds__(kWarps * 32)
     for (int e = 0; e < EPL; ++e) qr[g][e] = to_float(p.v[e]) * scale_log2;
   }
   float m[G], l[G], acc[G][EPL];
-#pragma unroll
-  for (int g = 0; g < G; ++g) {
-    m[g] = -INFINITY;
-    l[g] = 0.f;
-#pragma unroll
-    for (int e = 0; e < EPL; ++e) acc[g][e] = 0.f;
-  }
+  attn::init_state(m, l, acc);
 
   const int64_t row = static_cast<int64_t>(kv_heads) * HD;  // elements per slot of one of K / V
   const T* kbase = kv + static_cast<int64_t>(h) * HD + lane * EPL;
@@ -137,15 +123,7 @@ __global__ void __launch_bounds__(kWarps * 32)
   constexpr int NV = HD / VEC;
   constexpr int kBatch = 8;  // V rows in flight per lane in P.V
   using P = Pack<T, EPL>;
-  const int b = blockIdx.x / kv_heads;
-  const int h = blockIdx.x - b * kv_heads;
-  const int split = blockIdx.y;
-  const int warp = threadIdx.x >> 5;
-  const int lane = threadIdx.x & 31;
-  const int nh = kv_heads * G;
-  const int64_t len = lengths[b];
-  const int64_t t0 = static_cast<int64_t>(split) * chunk;
-  const int64_t t1 = t0 + chunk < len ? t0 + chunk : len;
+  const auto [b, h, split, warp, lane, nh, len, t0, t1] = attn::split_block<G>(kv_heads, lengths, chunk);
 
   __shared__ __align__(16) float s_q[G][HD];
   for (int i = threadIdx.x; i < G * HD; i += kWarps * 32) {
@@ -155,13 +133,7 @@ __global__ void __launch_bounds__(kWarps * 32)
   __syncthreads();
 
   float m[G], l[G], acc[G][EPL];
-#pragma unroll
-  for (int g = 0; g < G; ++g) {
-    m[g] = -INFINITY;
-    l[g] = 0.f;
-#pragma unroll
-    for (int e = 0; e < EPL; ++e) acc[g][e] = 0.f;
-  }
+  attn::init_state(m, l, acc);
   const int64_t row = static_cast<int64_t>(kv_heads) * HD;
   const T* kbase = kv + static_cast<int64_t>(h) * HD;
   const T* vbase = kbase + pool_rows * row + lane * EPL;

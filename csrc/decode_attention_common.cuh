@@ -64,6 +64,59 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
+// Copy rows of n (<= 32) tokens, lane t holding token t's slot, into shared rows of `stride` bytes
+// (cp.async); lane i copies pieces i, i + 32, ... so each warp copy is whole consecutive rows.
+// `zero_rest`: the pieces of rows n..31 are zeroed instead of left as they were. One group committed.
+template <int CH>
+__device__ __forceinline__ void load_tile(unsigned char* dst, int stride, const unsigned char* src, int64_t pool_row,
+                                          int64_t slot, int n, int lane, bool zero_rest) {
+#pragma unroll
+  for (int k = 0; k < CH; ++k) {
+    const int i = lane + 32 * k;
+    const int r = i / CH;
+    const int c = i - r * CH;
+    const int64_t s = __shfl_sync(0xffffffffu, slot, r);
+    if (r < n) {
+      cp_async16(dst + r * stride + c * 16, src + s * pool_row + c * 16);
+    } else if (zero_rest) {
+      *reinterpret_cast<uint4*>(dst + r * stride + c * 16) = make_uint4(0, 0, 0, 0);
+    }
+  }
+  cp_async_commit();
+}
+
+// Where a block of variants 1-3 works: sequence b and KV head h (blockIdx.x), split (blockIdx.y),
+// its warp and lane, the query heads nh, and the split's tokens [t0, t1) of the sequence's len.
+struct SplitBlock {
+  int b, h, split, warp, lane, nh;
+  int64_t len, t0, t1;
+};
+template <int G>
+__device__ __forceinline__ SplitBlock split_block(int kv_heads, const int64_t* __restrict__ lengths, int64_t chunk) {
+  const int b = blockIdx.x / kv_heads;
+  const int h = blockIdx.x - b * kv_heads;
+  const int split = blockIdx.y;
+  const int warp = threadIdx.x >> 5;
+  const int lane = threadIdx.x & 31;
+  const int nh = kv_heads * G;
+  const int64_t len = lengths[b];
+  const int64_t t0 = static_cast<int64_t>(split) * chunk;
+  const int64_t t1 = t0 + chunk < len ? t0 + chunk : len;
+  return {b, h, split, warp, lane, nh, len, t0, t1};
+}
+
+// An empty online-softmax state per query head: max -inf, sum 0, output 0 (EPL elements a lane).
+template <int G, int EPL>
+__device__ __forceinline__ void init_state(float (&m)[G], float (&l)[G], float (&acc)[G][EPL]) {
+#pragma unroll
+  for (int g = 0; g < G; ++g) {
+    m[g] = -INFINITY;
+    l[g] = 0.f;
+#pragma unroll
+    for (int e = 0; e < EPL; ++e) acc[g][e] = 0.f;
+  }
+}
+
 // The end of a split's block: its NW warps each hold an online-softmax state per query head of the
 // group in shared memory (s_m: max, s_l: sum, s_acc: unnormalised output); every thread of the block
 // merges them into the split's partial of each of the G heads (part_acc [.., splits, HD], part_ml

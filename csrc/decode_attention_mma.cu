@@ -42,6 +42,7 @@ namespace {
 using attn::cp_async16;
 using attn::cp_async_commit;
 using attn::cp_async_wait;
+using attn::load_tile;
 
 constexpr int kTile = 32;
 constexpr int kWarps = 4;
@@ -106,24 +107,6 @@ __device__ __forceinline__ void convert_tile(unsigned char* dst, int stride, con
     *reinterpret_cast<uint4*>(dst + r * stride + c * 32) = lo;
     *reinterpret_cast<uint4*>(dst + r * stride + c * 32 + 16) = hi;
   }
-}
-
-template <int CH>
-__device__ __forceinline__ void load_tile(unsigned char* dst, int stride, const unsigned char* src, int64_t pool_row,
-                                          int64_t slot, int n, int lane, bool zero_rest) {
-#pragma unroll
-  for (int k = 0; k < CH; ++k) {
-    const int i = lane + 32 * k;
-    const int r = i / CH;
-    const int c = i - r * CH;
-    const int64_t s = __shfl_sync(0xffffffffu, slot, r);
-    if (r < n) {
-      cp_async16(dst + r * stride + c * 16, src + s * pool_row + c * 16);
-    } else if (zero_rest) {
-      *reinterpret_cast<uint4*>(dst + r * stride + c * 16) = make_uint4(0, 0, 0, 0);
-    }
-  }
-  cp_async_commit();
 }
 
 __device__ __forceinline__ unsigned smem_u32(const void* p) {
