@@ -19,9 +19,9 @@ import pytest
 from tandem.gateway.client import TTSClient
 from tandem.gateway.errors import ClientCode
 from tandem.gateway.voice_client import VoiceClient, VoiceError
-from tests.integration.gateway_process import gateway_process
-from tests.integration.helpers import metric_value, metrics_text, wait_metric
-from tests.integration.server import TritonProcess
+from tests.support.gateway_process import gateway_process
+from tests.support.helpers import metric_value, metrics_text, wait_metric
+from tests.support.server import TritonProcess
 from tests.support.voice_audio import encoded_bytes, http_call, register_http, speech_like, wav_bytes
 
 MAX_FILE = 1_000_000  # tandem.voices.max_file_bytes here, so an over-size file stays cheap

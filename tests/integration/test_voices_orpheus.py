@@ -21,11 +21,11 @@ from tandem.cli import make_repository
 from tandem.gateway.client import TTSClient
 from tandem.gateway.errors import ClientCode
 from tandem.gateway.voice_client import VoiceClient
-from tests.fixtures.snac_dir import write_snac_dir
-from tests.fixtures.text_models import ORPHEUS_VOICES, orpheus_checkpoint
-from tests.integration.gateway_process import gateway_process
-from tests.integration.helpers import metric_value, metrics_text
-from tests.integration.server import TritonProcess
+from tests.support.gateway_process import gateway_process
+from tests.support.helpers import metric_value, metrics_text
+from tests.support.server import TritonProcess
+from tests.support.snac_dir import write_snac_dir
+from tests.support.text_models import ORPHEUS_VOICES, orpheus_checkpoint
 from tests.support.voice_audio import encoded_bytes, http_call, register_http, speech_like, wav_bytes
 
 MODELS = ("tts", "tts_mono")
