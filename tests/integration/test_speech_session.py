@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import av
+import numpy as np
 import openai
 import pytest
 from websockets.exceptions import ConnectionClosed
@@ -83,6 +84,15 @@ def _sse(body: bytes) -> tuple[bytes, dict[str, Any]]:
     return audio, events[-1]
 
 
+def _max_step(a: bytes, b: bytes) -> int:
+    """The largest difference between two 16-bit PCM bodies of one length. The same tokens give the
+    same audio up to a step or two: the vocoder's float sums round apart when it runs two streams'
+    rows in one batch (a session's two streams in flight) rather than one."""
+    x, y = (np.frombuffer(v, "<i2").astype(np.int32) for v in (a, b))
+    assert len(x) == len(y)
+    return int(np.abs(x - y).max())
+
+
 def _decode(data: bytes) -> tuple[int, int]:
     """(sample rate, samples) of a file, decoded by FFmpeg through PyAV."""
     with av.open(io.BytesIO(data)) as c:
@@ -118,7 +128,7 @@ def test_segments_come_in_order(sdk):
     two, _, _ = _speak(sdk, b, response_format="pcm", seed=11)
     both, _, _ = _speak(sdk, f"{a} {b}", response_format="pcm", seed=11)
     assert segments(f"{a} {b}") == [a, b]
-    assert both == one + two
+    assert _max_step(both, one + two) <= 2
 
 
 def test_tts_client_speaks_a_text_as_the_gateway_does(server, sdk):
@@ -128,8 +138,11 @@ def test_tts_client_speaks_a_text_as_the_gateway_does(server, sdk):
         spoken = client.speak(text, voice="tara", seed=11)
     assert spoken.error is None and spoken.segments == segments(text) and len(spoken.results) == 2
     assert spoken.rows == 2 * ROWS
+    with TTSClient(server.url, "tts_mono") as client:  # each segment alone: the same tokens
+        alone = [client.run(None, TEXT=part, VOICE="tara", SEED=11) for part in spoken.segments]
+    assert all(np.array_equal(a.rows, b.rows) for a, b in zip(alone, spoken.results, strict=True))
     over_http, _, _ = _speak(sdk, text, model="tts_mono", response_format="pcm", seed=11)
-    assert pcm16(spoken.audio) == over_http
+    assert _max_step(pcm16(spoken.audio), over_http) <= 2
 
 
 def test_4097_characters_are_a_400_naming_input(gateway):
@@ -178,7 +191,7 @@ def test_same_seed_same_audio(sdk):
     a, _, _ = _speak(sdk, text, response_format="pcm", seed=1234)
     b, _, _ = _speak(sdk, text, response_format="pcm", seed=1234)
     c, _, _ = _speak(sdk, text, response_format="pcm", seed=1235)
-    assert a == b and a != c
+    assert _max_step(a, b) <= 2 and _max_step(a, c) > 1000  # another seed: other tokens
 
 
 @pytest.mark.parametrize(
