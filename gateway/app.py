@@ -5,7 +5,7 @@ Routes (FastAPI on uvicorn; `cli/gateway.py` starts it):
 - `POST /v1/audio/speech`: OpenAI's body (`model`, `input` up to 4,096 characters, `voice`,
   `response_format` mp3 (the default, as OpenAI's), opus, aac, flac, wav or pcm, `speed` 0.25-4.0,
   `stream_format` `audio` or `sse`, `instructions` refused: no served family follows them) and
-  tandem's `seed` (same seed, same audio). The input is spoken whole by a speech session
+  tandem's `seed` (every segment's SEED). The input is spoken whole by a speech session
   (`gateway/session.py`: sentence segments, one stream each, two in flight, audio in order); the
   audio is streamed as the model produces it: the status and headers wait for the first audio (or
   the error that comes instead, with its own status), then each response's audio goes out at once.
