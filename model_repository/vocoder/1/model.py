@@ -8,10 +8,12 @@ from tandem.backend.codec.builder import build_codec
 from tandem.backend.device import resolve_device
 from tandem.serving import triton_io as io
 from tandem.serving.chunk_render import VocoderBatcher
+from tandem.serving.stub_guard import StubGuard
 
 
 class TritonPythonModel:
     def initialize(self, args):
+        self.guard = StubGuard(pb_utils, args)  # heartbeat; exits with the server
         io.setup_logging(args["model_name"])
         settings, _ = io.load_settings(args)
         device = resolve_device(
@@ -24,4 +26,5 @@ class TritonPythonModel:
         return None
 
     def finalize(self):
+        self.guard.close()
         self.batcher.close()
