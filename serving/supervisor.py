@@ -8,7 +8,8 @@ own"): a dead or stalled engine never needs this supervisor. What is left here i
   `--model-control-mode=explicit --load-model=*` unless a model-control mode is given, loopback
   addresses unless `--grpc-address`/`--http-address`/`--metrics-address` are given, Triton's
   `--exit-timeout-secs` (the drain bound, `--drain-timeout`) and a shared-memory prefix of the unit's
-  (`tandem_<uid>_<unit>_`, so that it removes the regions of a server that is gone);
+  (`tandem_<uid>_<unit>_<hash of the unit dir>_`, so that it removes the regions of a server that is
+  gone, and only those);
 * holds the unit's lock (`<unit dir>/unit.lock`) for as long as it runs: a second supervisor of the
   same unit fails at start, naming the setting to change;
 * watches the server's stubs by pid (`tandem.serving.process_tree`): a stub that exits (or is left a
@@ -44,6 +45,7 @@ import contextlib
 import ctypes
 import fcntl
 import glob
+import hashlib
 import json
 import os
 import select
@@ -59,7 +61,7 @@ from pathlib import Path
 from types import FrameType
 
 from tandem.serving import process_tree
-from tandem.serving.api_key import DEFAULT_UNIT, UNIT_PARAMETER, ApiKeyError, resolve, unit_dir
+from tandem.serving.api_key import UNIT_PARAMETER, ApiKeyError, resolve, unit_dir, unit_of
 from tandem.serving.health import HealthUnavailable, UnitHealth, fetch_health
 from tandem.serving.launcher import LauncherError, build_command
 from tandem.serving.repository import model_parameter
@@ -218,15 +220,18 @@ class Supervisor:
         self.proxy: subprocess.Popen[str] | None = None
         self.proxy_starts = 0
         self.metrics_url = metrics_url(self.args)
-        self.unit = DEFAULT_UNIT
+        self.unit = unit_of(self.args)
         model_dir = find_model_dir(self.args, self.model)
         if model_dir is not None:
-            self.unit = model_parameter(model_dir.parent, self.model, UNIT_PARAMETER) or DEFAULT_UNIT
+            self.unit = model_parameter(model_dir.parent, self.model, UNIT_PARAMETER) or self.unit
         self.dir = unit_dir(self.unit, os.environ)
         self._lock_fd = self._take_unit()
         self.prefix = shm_prefix(self.args)
         if self.prefix is None:
-            self.prefix = f"tandem_{os.getuid()}_{self.unit}_"
+            # /dev/shm is the host's: the unit dir's path (unit name and XDG_RUNTIME_DIR) keeps two
+            # units of one user apart, so that neither removes the other's regions.
+            tag = hashlib.sha256(str(self.dir).encode()).hexdigest()[:8]
+            self.prefix = f"tandem_{os.getuid()}_{self.unit}_{tag}_"
             self.args.append(f"--backend-config=python,{SHM_PREFIX_OPTION}={self.prefix}")
         self.repos = option_values(self.args, "--model-repository", "--model-store")
         self.http = http_base(self.args)
@@ -241,7 +246,8 @@ class Supervisor:
         self.answered = False
         self.probe_failures = 0
         self.next_probe = 0.0
-        log(f"unit {self.unit!r}: engines' health from {self.metrics_url}")
+        key = f"; API key in {self.api.source}" if self.api.source else ""
+        log(f"unit {self.unit!r} (unit dir {self.dir}{key}): engines' health from {self.metrics_url}")
 
     # ---- the unit's lock and state -----------------------------------------------------------------
 
