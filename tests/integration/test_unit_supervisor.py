@@ -424,12 +424,15 @@ def test_stub_death_is_seen_and_the_model_reloaded(supervised: SupervisedUnit, m
 
     def long_stream() -> tuple[str | None, float]:
         """(how the stream ended, when): its error, a client timeout, or None (it finished)."""
+        c = TTSClient(url, entry)
         try:
-            with TTSClient(url, entry) as c:
-                r = c.run(prompt(30, seed=5), timeout_s=60, MAX_TOKENS=LONG_ROWS, TEMPERATURE=0.0)
-            return r.error, time.monotonic()
+            r = c.run(prompt(30, seed=5), timeout_s=60, MAX_TOKENS=LONG_ROWS, TEMPERATURE=0.0)
         except (TimeoutError, InferenceServerException) as exc:
-            return f"{type(exc).__name__}: {exc}", time.monotonic()
+            ended = time.monotonic()
+            c.close(cancel=True)  # a plain close waits for a response that never comes
+            return f"{type(exc).__name__}: {exc}", ended
+        c.close()
+        return r.error, time.monotonic()
 
     flight = Background(long_stream)
     time.sleep(1.0)
