@@ -1,16 +1,17 @@
 """Every python-backend stub's watch over itself: a heartbeat on the metrics, an exit with its server.
 
-Each `model.py` starts one `StubGuard` first thing in `initialize()`. Its thread, every `PERIOD_S`:
+Each `model.py` starts one `StubGuard` first thing in `initialize()`. Its two threads:
 
-* exits the stub (`os._exit(1)`) when its parent is no longer the tritonserver that started it
-  (`getppid()` changed: the server was killed and the stub reparented). Its engine worker, if any,
-  sees the channel end and exits too (backend/worker/main.py). Triton 2.51's stub itself keeps
-  running for minutes after its server's SIGKILL; this ends it within a second.
-* sets `tandem_stub_heartbeat_timestamp_seconds{model, model_instance}` to the Unix time. A dead stub's
-  series stays on the server's metrics with its last value (Triton keeps it, and keeps
-  `tandem_engine_up` at its last value too), so readers (`serving/health.py`) call a model whose
-  heartbeat is older than `health.STUB_SILENT_S` dead: a dead stub is seen by `tandem-health`, the
-  gateway's `/health` and `tandem-unit` without any of them knowing the stub's pid.
+* every `PERIOD_S / 2`, exits the stub (`os._exit(1)`) when its parent is no longer the
+  tritonserver that started it (`getppid()` changed: the server was killed and the stub
+  reparented). Its engine worker, if any, sees the channel end and exits too
+  (backend/worker/main.py). Triton 2.51's stub itself keeps running for minutes after its server's
+  SIGKILL; this ends it within a second.
+* every `PERIOD_S`, sets `tandem_stub_heartbeat_timestamp_seconds{model, model_instance}` to the
+  Unix time. A dead stub's series stays on the server's metrics with its last value (Triton keeps
+  it, and keeps `tandem_engine_up` at its last value too), so readers (`serving/health.py`) call a
+  model whose heartbeat is older than `health.STUB_SILENT_S` dead: a dead stub is seen by
+  `tandem-health`, the gateway's `/health` and `tandem-unit` without any of them knowing its pid.
 
 At start it makes the stub's own `/dev/shm` region (its argv[2], made by the server, which Triton's
 boost code creates 0644 whatever the umask) mode 0600 before any request reaches it: request tensors,
@@ -85,19 +86,24 @@ class StubGuard:
         self._reloads.set(float(reloads_of(self.model)))
         self._beat.set(time.time())
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=f"{self.instance}-guard", daemon=True)
-        self._thread.start()
+        # Two threads: a metric update is a round trip to the server, which never returns once the
+        # server is dead, so the parent check must not wait behind one.
+        for target, name in ((self._watch, "watch"), (self._run, "beat")):
+            threading.Thread(target=target, name=f"{self.instance}-{name}", daemon=True).start()
 
-    def _run(self) -> None:
-        while not self._stop.wait(PERIOD_S):
+    def _watch(self) -> None:
+        while not self._stop.wait(PERIOD_S / 2):
             if os.getppid() != self._server:
                 log.error(
                     "%s: tritonserver (pid %d) is gone; this stub exits with it", self.instance, self._server
                 )
                 os._exit(1)
+
+    def _run(self) -> None:
+        while not self._stop.wait(PERIOD_S):
             try:
                 self._beat.set(time.time())
-            except Exception:  # the server is shutting down: the next beat, or the exit above
+            except Exception:  # the server is shutting down: the next beat, or the watch's exit
                 log.debug("%s: heartbeat not published", self.instance, exc_info=True)
 
     def close(self) -> None:

@@ -299,6 +299,7 @@ def test_unit_runs_the_proxy_and_restarts_the_server_when_it_dies(tmp_path: Path
 STUB_ROWS = ("prefill", "decode", "tts_mono", "vocoder", "frontend")
 ENTRY = {"tts_mono": "tts_mono"}  # the model a client calls to reach each one (else `tts`)
 FIGURES: dict[str, dict[str, float]] = {}
+IN_FLIGHT_S = 25.0  # the in-flight stream's client bound (a stream on a dead stub gets no answer)
 
 
 class SupervisedUnit:
@@ -426,7 +427,7 @@ def test_stub_death_is_seen_and_the_model_reloaded(supervised: SupervisedUnit, m
         """(how the stream ended, when): its error, a client timeout, or None (it finished)."""
         c = TTSClient(url, entry)
         try:
-            r = c.run(prompt(30, seed=5), timeout_s=60, MAX_TOKENS=LONG_ROWS, TEMPERATURE=0.0)
+            r = c.run(prompt(30, seed=5), timeout_s=IN_FLIGHT_S, MAX_TOKENS=LONG_ROWS, TEMPERATURE=0.0)
         except (TimeoutError, InferenceServerException) as exc:
             ended = time.monotonic()
             c.close(cancel=True)  # a plain close waits for a response that never comes
