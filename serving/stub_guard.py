@@ -1,12 +1,12 @@
 """Every python-backend stub's watch over itself: a heartbeat on the metrics, an exit with its server.
 
-Each `model.py` starts one `StubGuard` first thing in `initialize()`. Its two threads:
+Each `model.py` starts one `StubGuard` first thing in `initialize()`. It starts
 
-* every `PERIOD_S / 2`, exits the stub (`os._exit(1)`) when its parent is no longer the
-  tritonserver that started it (`getppid()` changed: the server was killed and the stub
-  reparented). Its engine worker, if any, sees the channel end and exits too
-  (backend/worker/main.py). Triton 2.51's stub itself keeps running for minutes after its server's
-  SIGKILL; this ends it within a second.
+* a watcher (`sh`, a child of the stub) SIGKILLs the stub once its parent is no longer the
+  tritonserver that started it (the server died and the stub was reparented), within a second. Its
+  engine worker, if any, sees the channel end and exits too (backend/worker/main.py). Triton 2.51's
+  stub itself keeps running for minutes after its server's SIGKILL, and no thread of the stub can
+  do this: a call into the dead server (a metric update, a response) blocks holding the GIL.
 * every `PERIOD_S`, sets `tandem_stub_heartbeat_timestamp_seconds{model, model_instance}` to the
   Unix time. A dead stub's series stays on the server's metrics with its last value (Triton keeps
   it, and keeps `tandem_engine_up` at its last value too), so readers (`serving/health.py`) call a
@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import subprocess
 import threading
 import time
 from collections.abc import Mapping
@@ -36,6 +37,18 @@ from tandem.backend.metrics import BY_NAME
 log = logging.getLogger("tandem")
 
 PERIOD_S = 1.0
+# $1 the stub, $2 its server: SIGKILL the stub once its parent is another (builtins only, but sleep).
+WATCH_SH = """s=$1 p=$2
+while read -r line 2>/dev/null < /proc/$s/stat; do
+  set -- $line
+  if [ "$4" != "$p" ]; then
+    echo "tandem: tritonserver $p is gone; killing its stub $s" >&2
+    kill -9 "$s"
+    exit 0
+  fi
+  sleep 1
+done
+"""
 STATE_ENV = "TANDEM_UNIT_STATE"  # the supervisor's reload counts, {"reloads": {model: n}}
 
 
@@ -86,18 +99,11 @@ class StubGuard:
         self._reloads.set(float(reloads_of(self.model)))
         self._beat.set(time.time())
         self._stop = threading.Event()
-        # Two threads: a metric update is a round trip to the server, which never returns once the
-        # server is dead, so the parent check must not wait behind one.
-        for target, name in ((self._watch, "watch"), (self._run, "beat")):
-            threading.Thread(target=target, name=f"{self.instance}-{name}", daemon=True).start()
-
-    def _watch(self) -> None:
-        while not self._stop.wait(PERIOD_S / 2):
-            if os.getppid() != self._server:
-                log.error(
-                    "%s: tritonserver (pid %d) is gone; this stub exits with it", self.instance, self._server
-                )
-                os._exit(1)
+        self._watcher = subprocess.Popen(
+            ["sh", "-c", WATCH_SH, "tandem-stub-watch", str(os.getpid()), str(self._server)],
+            stdin=subprocess.DEVNULL,
+        )
+        threading.Thread(target=self._run, name=f"{self.instance}-beat", daemon=True).start()
 
     def _run(self) -> None:
         while not self._stop.wait(PERIOD_S):
@@ -108,3 +114,5 @@ class StubGuard:
 
     def close(self) -> None:
         self._stop.set()
+        self._watcher.kill()
+        self._watcher.wait()
