@@ -37,10 +37,12 @@ from tandem.backend.metrics import BY_NAME
 log = logging.getLogger("tandem")
 
 PERIOD_S = 1.0
-# $1 the stub, $2 its server: SIGKILL the stub once its parent is another (builtins only, but sleep).
+# $1 the stub, $2 its server: SIGKILL the stub once its parent is another (builtins only, but sleep);
+# done when the stub is gone or dead (a zombie its server never reaps).
 WATCH_SH = """s=$1 p=$2
 while read -r line 2>/dev/null < /proc/$s/stat; do
   set -- $line
+  [ "$3" = Z ] && exit 0
   if [ "$4" != "$p" ]; then
     echo "tandem: tritonserver $p is gone; killing its stub $s" >&2
     kill -9 "$s"
