@@ -76,7 +76,7 @@ def _codec_parameters(args: argparse.Namespace, cfg: ModelConfig, params: dict[s
             params.setdefault(m, {})["tandem.limits.default_new_rows"] = str(ORPHEUS_DEFAULT_ROWS)
     if args.codec:
         first = spec.rows_per_frame * (1 + spec.lookahead)
-        for m in ("decode", "tts_mono"):
+        for m in ("decode", "tts_mono", "vocoder"):  # the vocoder warms the windows they cut
             params[m]["tandem.batch.first_chunk_rows"] = str(first)
             params[m]["tandem.batch.max_chunk_rows"] = str(max(first, spec.rows_per_frame * CHUNK_FRAMES_MAX))
     for published in ("tts", "tts_mono"):

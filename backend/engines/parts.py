@@ -9,12 +9,14 @@ settings must mean equal behaviour, or `tts` and `tts_mono` stop producing ident
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 from typing import TypeVar
 
 import torch
 
-from tandem.backend.codec.builder import framing
+from tandem.backend.codec.base import Codec
+from tandem.backend.codec.builder import build_codec, codec_spec, framing
 from tandem.backend.codec.reference import ChunkPolicy
 from tandem.backend.engines.batch import DecodeBatch
 from tandem.backend.kv.pool import KVPool
@@ -42,6 +44,24 @@ def make_pool(decoder: Decoder, settings: EngineSettings, storage: torch.Tensor 
 def chunk_policy(settings: EngineSettings) -> ChunkPolicy:
     b = settings.batch
     return ChunkPolicy(b.first_chunk_rows, b.chunk_growth, b.max_chunk_rows, framing(settings))
+
+
+def make_codec(settings: EngineSettings, device: torch.device) -> Codec:
+    """The vocoder's (or the monolithic engine's) codec, warmed so no stream pays a shape's first
+    call: on a GPU every window length up to the longest this chunk policy cuts (final chunks'
+    included); on a CPU, where a first call costs little more than the next, the first chunk's."""
+    codec = build_codec(settings, device)
+    warm = getattr(codec, "warm", None)
+    if warm is not None:
+        spec = codec_spec(settings)
+        lengths = chunk_policy(settings).window_frames(spec.rows_per_frame)
+        gpu = device.type == "cuda" and lengths
+        lengths = list(range(1, max(lengths) + 1)) if gpu else lengths[:1]
+        t0 = time.perf_counter()
+        warm(lengths)
+        took = time.perf_counter() - t0
+        log.info("codec %s warmed on %d window lengths in %.2f s", spec.kind, len(lengths), took)
+    return codec
 
 
 def make_batch(decoder: Decoder, pool: KVPool, settings: EngineSettings, metrics: MetricsSink) -> DecodeBatch:

@@ -156,10 +156,10 @@ class EngineHost:
             self.engine = DecodeEngine(decoder, self.settings, self.metrics)
             self._render = _render_decode
         else:
-            from tandem.backend.codec.builder import build_codec
             from tandem.backend.engines.mono import MonoEngine
+            from tandem.backend.engines.parts import make_codec
 
-            codec = build_codec(self.settings, decoder.device)
+            codec = make_codec(self.settings, decoder.device)
             self.engine = MonoEngine(decoder, self.settings, self.metrics)
             self._render = lambda req_id, chunk: _render_mono(req_id, chunk, codec)
         self.engine.start()
@@ -309,8 +309,12 @@ def _render_decode(req_id: int, chunk: Chunk) -> Reply:
 
 
 def _render_mono(req_id: int, chunk: Chunk, codec: Codec) -> Reply:
-    """The monolithic engine's chunk: the engine thread decodes its window with the model's codec."""
-    audio = codec.decode([_window(chunk)])[0]
+    """The monolithic engine's chunk: the engine thread decodes its window with the model's codec; the
+    first sounding window stamps `first_audio` once its audio exists (as the vocoder step does)."""
+    w = _window(chunk)
+    audio = codec.decode([w])[0]
+    if chunk.timings is not None and w.emit_from == 0 and w.emitted:
+        chunk.timings.mark("first_audio")
     return Reply(
         req_id,
         chunk.final,
