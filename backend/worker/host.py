@@ -138,13 +138,14 @@ class EngineHost:
     def build(self) -> Ready:
         """Decoder on the instance's device, then the engine, started. Raises whatever failed."""
         from tandem.backend.device import resolve_device
-        from tandem.backend.engines.parts import build_decoder
+        from tandem.backend.engines.parts import build_decoder, size_from_device
 
         i = self.init
         device = resolve_device(self.settings.device, i.instance_kind, i.device_id)
         if i.kind == EngineKind.VOICES:
             return self._build_voices(device)
         decoder = build_decoder(self.settings, device)
+        self.settings = size_from_device(self.settings, decoder)
         if i.kind == EngineKind.PREFILL:
             from tandem.backend.engines.prefill import PrefillEngine
 
