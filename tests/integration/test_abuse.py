@@ -21,12 +21,12 @@ import pytest
 from tandem.backend.settings import BatchSettings, Limits
 from tandem.cli.make_repository import main as tandem_repo
 from tandem.gateway.client import StreamResult, TTSClient, next_stream_id
-from tests.integration import abusers
-from tests.integration.abusers import Vanishing, one_shot, opening, sequence_batching, set_sequence_bounds
-from tests.integration.helpers import TINY_W, metric_value, metrics_text, prompt, wait_metric
-from tests.integration.server import REPO, TritonProcess
-from tests.integration.vitals import Vitals, read, settle
-from tests.integration.wire import Connection, Outcome, Response, WireTensor, request
+from tests.support import abusers
+from tests.support.abusers import Vanishing, one_shot, opening, sequence_batching, set_sequence_bounds
+from tests.support.helpers import TINY_W, metric_value, metrics_text, prompt, wait_metric
+from tests.support.server import REPO, TritonProcess
+from tests.support.vitals import Vitals, read, settle
+from tests.support.wire import Connection, Outcome, Response, WireTensor, request
 
 MAX_QUEUE, ADMISSION_S, MAX_BATCH = 8, 1.0, 8
 LIMITS = Limits()

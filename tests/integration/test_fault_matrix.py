@@ -52,7 +52,7 @@ import tritonclient.grpc as grpcclient
 
 from tandem.gateway.client import StreamResult, TTSClient, build_inputs, next_stream_id
 from tandem.serving.repository import gpu_group
-from tests.integration.faults import (
+from tests.support.faults import (
     Background,
     FaultUnit,
     Row,
@@ -67,8 +67,7 @@ from tests.integration.faults import (
     streams,
     volume,
 )
-from tests.integration.helpers import TINY_W, metric_value, metrics_text, prompt
-from tests.integration.test_tts_faults import decode, handoff
+from tests.support.helpers import TINY_W, decode, handoff, metric_value, metrics_text, prompt
 
 DEADLINE_S = 2.0
 ERROR_BOUND_S = DEADLINE_S + 1.0

@@ -14,7 +14,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from tests.integration.server import TritonProcess, free_port
+from tests.support.server import TritonProcess, free_port
 
 
 @contextlib.contextmanager
