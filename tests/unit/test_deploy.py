@@ -29,7 +29,7 @@ from tandem.backend.model.config import ModelConfig
 from tandem.backend.model.decoder import Decoder
 from tandem.cli.make_repository import main as tandem_repo
 from tandem.transfer.control import control_dir
-from tests.fixtures.snac_dir import write_snac_dir
+from tests.support.snac_dir import write_snac_dir
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
