@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
             params[m]["tandem.model.dtype"] = args.dtype
         if args.pool_pages:
             params[m]["tandem.pool.num_pages"] = str(args.pool_pages)
-    if args.max_batch:
+    if args.max_batch is not None:  # 0: D sizes it from its pool (up to 512)
         for m in ("decode", "tts_mono"):
             params[m]["tandem.batch.max_batch"] = str(args.max_batch)
     if args.unit:
