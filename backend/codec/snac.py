@@ -125,7 +125,7 @@ def fold_weight_norm(model: _M) -> _M:
 class SnacCodec:
     """`Codec` over a SNAC model on one device; owned by one model instance (not thread-safe)."""
 
-    def __init__(self, path: str | Path, spec: CodecSpec, device: torch.device) -> None:
+    def __init__(self, path: str | Path, spec: CodecSpec, device: torch.device, fold: bool = True) -> None:
         from snac import SNAC  # the package pulls einops; imported here so D never needs it
 
         self._config = read_config(path)
@@ -135,7 +135,8 @@ class SnacCodec:
         self._codebook = int(self._config.get("codebook_size", 4096))
         self.device = device
         self.noise = bool(self._config.get("noise", True))  # SNAC's own default
-        self._model = fold_weight_norm(SNAC.from_pretrained(str(path))).to(device).eval()
+        model = SNAC.from_pretrained(str(path))
+        self._model = (fold_weight_norm(model) if fold else model).to(device).eval()  # fold=False: benches
 
     @property
     def spec(self) -> CodecSpec:
