@@ -1,13 +1,13 @@
-"""A stream's journey through an engine, and the chunks it emits.
+r"""A stream's states in an engine, and the chunks it emits.
 
-A stream is one client request addressed by its stream id (Triton's correlation id). Its life:
+A stream is one client request, addressed by its stream id (Triton's correlation id):
 
     QUEUED -> (WAITING_KV: D only, the KV is crossing) -> RUNNING -> FINISHED
-                     \\-> FAILED (transfer failed, engine fault)     \\-> CANCELLED (client went away)
+                     \-> FAILED (transfer failed, engine fault)     \-> CANCELLED (client went away)
 
-The engine that owns a stream is the only one that mutates it. Everything the client sees leaves
-through the stream's `ChunkSink`: `emit(chunk)` for each group of rows (the last one with
-`final=True`) or exactly one `fail(error)`; after either terminal call the sink is never used again.
+Only the engine that owns a stream mutates it. Everything the client sees leaves through its
+`ChunkSink`: `emit(chunk)` per group of rows (the last with `final=True`) or exactly one
+`fail(error)`; after either terminal call the sink is never used again.
 """
 
 from __future__ import annotations
@@ -39,8 +39,8 @@ class Chunk:
     """Rows generated since the previous chunk of the same stream.
 
     rows: int64 [N, W]; first_row: index of rows[0] among the stream's generated rows; final: the
-    stream ends with this chunk; timings: the stream's per-stage timestamps, attached to the final
-    chunk; window: the codec frames (with their context) whose audio this chunk carries
+    stream ends with this chunk; timings: the stream's per-stage timestamps (renderers send them with
+    the final chunk); window: the codec frames (with their context) whose audio this chunk carries
     (backend/codec/base.py): the vocoder decodes it and nothing else, so it stays stateless.
     """
 

@@ -1,15 +1,9 @@
 """Online model of D's decode step time, for rate-floor admission.
 
-Every stream in the batch gets one row per step, so a stream's rate is 1 / step time. The step time
-grows with the batch size B (weights read once, per-row work) and with the total context ΣL
-(attention reads every stream's KV): t ≈ a + b·B + c·ΣL. The model is refitted by least squares over
-the most recent steps; admission asks whether the batch *with* the newcomer still steps fast enough
-for every stream to stay at or above the floor, with a margin for chunking and vocoder overhead.
-Until enough distinct steps were seen, it admits (bounded by max_batch) and learns.
-
-D seeds it at start-up with timed steps of its own loop (`backend/engines/decode/calibration.py`,
-`seed`): those samples stay in every fit beside the recent live ones, so a batch size the live
-window has not seen is predicted from measured steps, not extrapolated from small ones.
+t ≈ a + b·B + c·ΣL (batch size B, total context ΣL), refitted by least squares over recent steps and
+the start-up samples `seed` adds (`backend/engines/decode/calibration.py`), which stay in every fit.
+Admission asks whether the batch with the newcomer still keeps every stream at the floor, with a
+margin. Until enough distinct steps were seen, it admits (bounded by max_batch).
 """
 
 from __future__ import annotations
@@ -82,6 +76,29 @@ class StepTimeModel:
             return True
         budget = (1.0 - margin) / floor_tok_s
         return self.predict(batch + 1, context + new_context) <= budget
+
+    def peak(self, contexts: np.ndarray, remaining: np.ndarray) -> float:
+        """The largest step predicted while these streams (context, rows still to generate) grow by
+        one row a step and each leaves after its remaining rows, nobody joining. Between two leaves
+        the step only grows, so each stream's last step is where a peak can be."""
+        if self.coef is None or len(contexts) == 0:
+            return 0.0
+        order = np.argsort(-np.asarray(remaining), kind="stable")
+        ctx = np.asarray(contexts, dtype=np.float64)[order]
+        last = np.maximum(np.asarray(remaining, dtype=np.float64)[order] - 1.0, 0.0)
+        alive = np.arange(1, len(ctx) + 1, dtype=np.float64)  # streams still in at each one's last step
+        a, b, c = self.coef
+        return float(np.max(a + b * alive + c * (np.cumsum(ctx) + alive * last)))
+
+    def admits_ahead(
+        self, contexts: np.ndarray, remaining: np.ndarray, floor_tok_s: float, margin: float
+    ) -> bool:
+        """`admits` over the batch's future: the members' real contexts and expected remaining rows
+        (the newcomer among them) must keep every stream >= floor at the predicted peak step. An
+        idle engine (only the newcomer) always admits."""
+        if not self.ready or len(contexts) <= 1:
+            return True
+        return self.peak(contexts, remaining) <= (1.0 - margin) / floor_tok_s
 
     def admittable(
         self, batch: int, context: int, typical_context: int, floor_tok_s: float, margin: float, limit: int

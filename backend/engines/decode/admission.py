@@ -1,42 +1,14 @@
-"""D's admission: the thread that turns handoffs into members, the one lock, and what crosses it.
+"""D's admission thread (`DecodeAdmission`) and the one lock it shares with the engine (`Membership`).
 
-A handoff's way in (docs/architecture.md, "D's engine"):
-
-    worker reader thread   DecodeEngine.submit -> Intake.submit (bounded: full -> UNAVAILABLE at once)
-    admission thread       DecodeAdmission: Intake.pull/admit in arrival order -> `_admit`:
-                           the policy (not draining, batch room, rate floor), pages for the stream
-                           -> receiver.request(ticket): region + PULL on the wire -> `Admitted`
-    engine thread          takes `Admitted` from `admitted` (DecodeEngine._take_admitted)
+The lock's contract and what crosses this thread: docs/architecture.md, "D's engine".
 
 Admission has its own thread so that a handoff's pages are reserved and its PULL sent within about a
-millisecond of its arrival, whatever the engine thread is doing: the copy then overlaps the running
-step. This thread makes no torch call (each would wait for the GIL, a device copy also for the
-running step): the stream's slot table crosses to the engine thread as a numpy array.
+millisecond of its arrival, whatever the engine thread is doing. It makes no torch call (each would
+wait for the GIL, a device copy also for the running step): the stream's slot table crosses to the
+engine thread as a numpy array.
 
-**The lock** (`Membership.lock`, one per D) guards exactly:
-- the pool's free list (`KVPool.allocate`/`free` are unlocked): the admission thread allocates, the
-  engine thread frees (streams leaving the batch or failing), the receiver's threads free through
-  `return_held` (direct mode: the proof that a failed transfer's prompt pages can be reused);
-- `members` (streams admitted and not gone: queued to the engine, waiting for KV, or running),
-  `admitted_ctx` (prompt tokens of members not yet in the batch) and `running_ctx`'s updates by
-  `join`; the admission thread reads members and context under it as one snapshot;
-- each Stream's `left` and `held_pages` (a stream leaves, and its held pages return, exactly once).
-It is never held across a call into the receiver, a sink or the device. `running_ctx` is also set
-without it by the engine thread (`set_running`: one assignment, read under the lock by admission).
-
-Narrowing it honestly: the policy's check (`DecodePolicy.fits`, backend/scheduling/decode_policy.py)
-runs under the lock only so that the count and context it judges are one snapshot; the step model it
-reads is refitted by the engine thread without the lock (it swaps its coefficient array in one
-assignment, so a reader sees the old fit or the new one). The pool's free
-list could take a lock of its own, but `reserve` must check room and allocate atomically with the
-member count, so one lock is the simplest honest choice; it is held for microseconds.
-
-**What crosses** to and from this thread is part of D's one written contract (engine.py's docstring).
-Ownership on the way: a request (its sink) belongs to the intake until admitted, dropped, expired or
-failed (each exactly once); a request with a ticket carries its `TicketClaim` (`tickets.py`), marked
-pulled once the receiver took the ticket. With an `Admitted` the Stream and its pages pass to the engine
-thread; this thread never touches the stream again (the receiver may still `return_held` for it, under
-the lock).
+Ownership: a request (its sink) belongs to the intake until admitted, dropped, expired or failed
+(each exactly once); with an `Admitted` the Stream and its pages pass to the engine thread.
 
 Failure: a request `_admit` cannot place stays queued (False) and is offered again when capacity
 comes back or after 5 ms, until the intake's admission wait sheds it (UNAVAILABLE). An error while
@@ -46,6 +18,7 @@ logged and fails the whole queue; the thread keeps running.
 
 from __future__ import annotations
 
+import collections
 import functools
 import logging
 import queue
@@ -68,6 +41,8 @@ from tandem.backend.timing import Timings
 from tandem.transfer import ArenaExhausted, TransferError, TransferHandle, TransferReceiver
 
 log = logging.getLogger("tandem")
+
+Ahead = tuple[np.ndarray, np.ndarray, np.ndarray]  # every member's (contexts, generated rows, limits)
 
 
 @dataclass
@@ -95,7 +70,7 @@ class Admitted:
 
 
 class Membership:
-    """D's members and the pool's free list, under the one lock (see the module docstring)."""
+    """D's members and the pool's free list under the one lock (docs/architecture.md, "D's engine")."""
 
     def __init__(self, pool: KVPool) -> None:
         self.pool = pool
@@ -103,14 +78,25 @@ class Membership:
         self.members = 0
         self.admitted_ctx = 0
         self.running_ctx = 0  # the engine's last snapshot of the batch's context
+        # The look-ahead's view: the running streams' (context, generated, limit), the engine's last
+        # snapshot plus those joined since, and the admitted ones not yet joined: (prompt, limit) counts.
+        self.running: list[tuple[int, int, int]] = []
+        self.pending: collections.Counter[tuple[int, int]] = collections.Counter()
         self.capacity = threading.Event()  # set when pages or batch room come back
 
-    def reserve(self, capacity: int, prompt_len: int, fits: Callable[[int, int], bool]) -> list[int] | None:
-        """Admission thread: if `fits(members, context)` (called under the lock, on one snapshot) and
-        the pool has pages for `capacity` tokens, the caller's stream is a member holding them; else
-        None and nothing changed. A size the pool refuses raises ValueError (nothing changed)."""
+    def reserve(
+        self,
+        capacity: int,
+        prompt_len: int,
+        fits: Callable[[int, int, Ahead], bool],
+        max_new_rows: int = 0,
+    ) -> list[int] | None:
+        """Admission thread: if `fits(members, context, ahead)` (called under the lock, on one
+        snapshot) and the pool has pages for `capacity` tokens, the caller's stream is a member
+        holding them; else None and nothing changed. A size the pool refuses raises ValueError
+        (nothing changed)."""
         with self.lock:
-            if not fits(self.members, self.running_ctx + self.admitted_ctx):
+            if not fits(self.members, self.running_ctx + self.admitted_ctx, self._ahead()):
                 return None
             try:
                 pages = self.pool.allocate(self.pool.pages_for(capacity))
@@ -118,7 +104,23 @@ class Membership:
                 return None
             self.members += 1
             self.admitted_ctx += prompt_len
+            self.pending[(prompt_len, max_new_rows)] += 1
         return pages
+
+    def _ahead(self) -> Ahead:
+        """Under the lock: every member's (contexts, generated rows, limits)."""
+        rows = self.running + [(p, 0, n) for (p, n), k in self.pending.items() for _ in range(k)]
+        if not rows:
+            empty = np.zeros(0, dtype=np.int64)
+            return empty, empty, empty
+        table = np.array(rows, dtype=np.int64)
+        return table[:, 0], table[:, 1], table[:, 2]
+
+    def _unpend(self, stream: Stream) -> None:
+        key = (stream.prompt_len, stream.max_new_rows)
+        self.pending[key] -= 1
+        if self.pending[key] <= 0:
+            del self.pending[key]
 
     def leave(self, stream: Stream, joined: bool, wake: bool = True, hold: bool = False) -> None:
         """A member is gone (finished, failed or never started): its pages and batch room come back,
@@ -137,6 +139,7 @@ class Membership:
             self.members -= 1
             if not joined:
                 self.admitted_ctx -= stream.prompt_len
+                self._unpend(stream)
         if wake:
             self.capacity.set()
 
@@ -157,10 +160,17 @@ class Membership:
         with self.lock:
             self.admitted_ctx -= stream.prompt_len
             self.running_ctx += stream.prompt_len + 1
+            self._unpend(stream)
+            self.running.append((stream.prompt_len + 1, 1, stream.max_new_rows))
 
-    def set_running(self, context: int) -> None:
-        """Engine thread, each iteration: the queued step's context is the whole batch's now."""
+    def set_running(self, context: int, streams: list[Stream] | None = None) -> None:
+        """Engine thread, each iteration: the queued step's context is the whole batch's now, and
+        `streams` (given) are the running members the look-ahead sees."""
         self.running_ctx = context
+        if streams is not None:
+            running = [(s.prompt_len + len(s.generated), len(s.generated), s.max_new_rows) for s in streams]
+            with self.lock:
+                self.running = running
 
     def snapshot(self) -> tuple[int, int]:
         """(members, context of running and admitted members); any thread."""
@@ -228,9 +238,9 @@ class DecodeAdmission:
                 log.exception("decode admission failed")
                 self.intake.fail_all(StreamFailed("decode admission failed (see the server log)"))
 
-    def _fits(self, prompt_len: int, members: int, context: int) -> bool:
+    def _fits(self, prompt_len: int, max_new_rows: int, members: int, context: int, ahead: Ahead) -> bool:
         """Under the lock (`Membership.reserve`): the policy's verdict on one snapshot."""
-        return self.policy.fits(members, context, prompt_len)
+        return self.policy.fits(members, context, prompt_len, max_new_rows, ahead)
 
     def _admit(self, req: DecodeRequest) -> bool:
         """Reserve the stream's pages and send its PULL, or return False (no room)."""
@@ -239,8 +249,8 @@ class DecodeAdmission:
             return False  # draining: quarantined memory must come back first
         capacity = h.prompt_len + h.max_new_rows
         try:
-            fits = functools.partial(self._fits, h.prompt_len)
-            pages = self.members.reserve(capacity, h.prompt_len, fits)
+            fits = functools.partial(self._fits, h.prompt_len, h.max_new_rows)
+            pages = self.members.reserve(capacity, h.prompt_len, fits, h.max_new_rows)
         except ValueError as exc:  # sizes submit() did not catch: this request only
             req.sink.fail(StreamFailed(f"decode admission refused: {exc}"))
             return True
