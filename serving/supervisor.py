@@ -534,10 +534,17 @@ class Supervisor:
         if not health.engines:
             return  # the models are still loading: no engine has published yet
         before = {(e.model, e.model_instance): e for e in self.health.engines} if self.health else {}
+        silent = {(m, i): t for m, i, t in health.silent_stubs}
+        was_silent = {(m, i) for m, i, _ in self.health.silent_stubs} if self.health else set()
+        for (m, i), t in silent.items():
+            if (m, i) not in was_silent:
+                log(f"{m} {i}: stub silent for {t:.1f} s (its heartbeat stopped)")
         for e in health.engines:
             old = before.get((e.model, e.model_instance))
             if old is None and e.up:
                 log(f"{e.model} {e.model_instance}: engine up")
+            elif (old is None or old.up) and not e.up and (e.model, e.model_instance) in silent:
+                log(f"{e.model} {e.model_instance}: engine down (its stub is silent)")
             elif (old is None or old.up) and not e.up:
                 log(f"{e.model} {e.model_instance}: engine down (tandem_engine_up 0); its stub restarts it")
             elif old is not None and not old.up and e.up:
