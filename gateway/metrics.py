@@ -12,7 +12,7 @@ REQUESTS = "tandem_gateway_requests_total"
 FIRST_AUDIO = "tandem_gateway_first_audio_seconds"
 STREAMS = "tandem_gateway_streams"
 NAMES = (REQUESTS, FIRST_AUDIO, STREAMS)
-STATUSES = ("200", "400", "404", "499", "500", "503")
+STATUSES = ("200", "400", "404", "405", "409", "413", "499", "500", "503")
 
 _SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 
@@ -22,7 +22,7 @@ class GatewayMetrics:
         self.registry = CollectorRegistry()
         self.requests = Counter(
             REQUESTS.removesuffix("_total"),
-            "Speech requests by HTTP status (499: the caller hung up mid-stream)",
+            "Requests answered, by HTTP status (499: the caller hung up mid-stream)",
             ["status"],
             registry=self.registry,
         )
@@ -35,3 +35,7 @@ class GatewayMetrics:
             registry=self.registry,
         )
         self.streams = Gauge(STREAMS, "Speech responses streaming now", registry=self.registry)
+
+    def count(self, status: int) -> None:
+        """One request answered with `status` (a refusal, or a stream's end)."""
+        self.requests.labels(status=str(status)).inc()
