@@ -11,7 +11,11 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 REQUESTS = "tandem_gateway_requests_total"
 FIRST_AUDIO = "tandem_gateway_first_audio_seconds"
 STREAMS = "tandem_gateway_streams"
-NAMES = (REQUESTS, FIRST_AUDIO, STREAMS)
+CONNECTIONS = "tandem_gateway_connections"
+CUT = "tandem_gateway_connections_cut_total"
+NAMES = (REQUESTS, FIRST_AUDIO, STREAMS, CONNECTIONS, CUT)
+# Why the HTTP server refused or closed a connection (gateway/serve.py).
+CUT_REASONS = ("cap", "client_cap", "header_timeout", "body_timeout", "drain")
 STATUSES = ("200", "400", "404", "405", "409", "413", "499", "500", "503")
 
 _SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
@@ -35,6 +39,16 @@ class GatewayMetrics:
             registry=self.registry,
         )
         self.streams = Gauge(STREAMS, "Speech responses streaming now", registry=self.registry)
+        self.connections = Gauge(CONNECTIONS, "HTTP connections open (admitted)", registry=self.registry)
+        self.cut = Counter(
+            CUT.removesuffix("_total"),
+            "Connections the HTTP server refused (cap: over the connection cap, client_cap: over the"
+            " cap per client address) or closed (a read timeout; drain: a refused body still arriving)",
+            ["reason"],
+            registry=self.registry,
+        )
+        for reason in CUT_REASONS:
+            self.cut.labels(reason=reason)
 
     def count(self, status: int) -> None:
         """One request answered with `status` (a refusal, or a stream's end)."""
