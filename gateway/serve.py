@@ -20,8 +20,11 @@ backlog. What it lacks, `GuardedH11Protocol` (a subclass of uvicorn's `H11Protoc
 - **A drain bound**: a response sent before its request's body arrived (a 413, any refusal) leaves
   uvicorn discarding the rest of the body; after `drain_s` the connection is closed.
 
-The file-descriptor soft limit is raised to the hard limit at start and the cap clamped so that
-admitted and lingering connections stay `FD_RESERVE` below it (`effective`); it is logged once.
+The file-descriptor soft limit is raised to the hard limit at start and the cap (and the listen
+backlog, which is also how many sockets asyncio accepts before any is refused) clamped so that
+admitted, lingering and just-accepted connections stay `FD_RESERVE` below it (`effective`); the
+result is logged once. Before the clamp a client could run the process out of descriptors between
+accept and refusal.
 Each refusal and cut is counted (`tandem_gateway_connections_cut_total{reason}`) and logged
 through `gateway/logs.py`, which summarises repeats.
 """
@@ -60,6 +63,7 @@ class ServerLimits:
     max_header_bytes: int = 16 * 1024
     refused_linger_s: float = 1.0
     linger_cap: int = 256
+    backlog: int = 2048  # uvicorn's default listen backlog
 
 
 def raise_fd_limit() -> int:
@@ -72,13 +76,15 @@ def raise_fd_limit() -> int:
 
 
 def effective(limits: ServerLimits, fd_limit: int) -> ServerLimits:
-    """`limits` with the caps clamped to what `fd_limit` descriptors hold."""
-    room = max(8, fd_limit - FD_RESERVE)
-    linger = max(1, min(limits.linger_cap, room // 5))
-    cap = max(1, min(limits.max_connections, room - linger))
-    return replace(
-        limits, max_connections=cap, max_per_client=min(limits.max_per_client, cap), linger_cap=linger
-    )
+    """`limits` with the caps clamped to what `fd_limit` descriptors hold: admitted connections,
+    lingering refusals, and one accept batch (asyncio accepts up to `backlog` sockets per wake-up
+    before any of them is refused), `FD_RESERVE` left for the gateway's own files."""
+    room = max(16, fd_limit - FD_RESERVE)
+    backlog = max(4, min(limits.backlog, room // 4))
+    linger = max(1, min(limits.linger_cap, room // 8))
+    cap = max(1, min(limits.max_connections, room - backlog - linger))
+    per_client = min(limits.max_per_client, cap)
+    return replace(limits, max_connections=cap, max_per_client=per_client, linger_cap=linger, backlog=backlog)
 
 
 _CUT_LOG = {
@@ -295,6 +301,7 @@ def serve(
         http=protocol,
         log_config=None,  # gateway/logs.py configured the root logger
         timeout_keep_alive=lim.keep_alive_s,
+        backlog=lim.backlog,
         h11_max_incomplete_event_size=lim.max_header_bytes,
     )
     log.info(
