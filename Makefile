@@ -16,7 +16,7 @@ HTTP_ADDRESS ?= $(BIND_ADDRESS)
 METRICS_ADDRESS ?= $(BIND_ADDRESS)
 GATEWAY_PORT ?= 8080
 
-.PHONY: setup serve test lint typecheck unit integration cuda clean
+.PHONY: setup serve test lint typecheck unit process integration cuda clean
 
 setup: $(VENV)/.installed
 
@@ -47,8 +47,13 @@ lint: setup
 typecheck: setup
 	$(VENV)/bin/mypy backend transfer serving gateway cli bench
 
+# Tests by scope: unit (this process), process (tandem's own processes, no tritonserver), integration
+# (through the real tritonserver and the gateway). docs/architecture.md says what goes where.
 unit: setup
 	$(PY) -m pytest tests/unit -q
+
+process: setup
+	$(PY) -m pytest tests/process -q
 
 integration: setup
 	$(PY) -m pytest tests/integration -q

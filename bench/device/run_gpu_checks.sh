@@ -15,7 +15,7 @@ source "$(dirname "$0")/device_env.sh" "$carry" "$out" || exit 1
 nvidia-smi --query-gpu=index,name,memory.used,clocks.sm --format=csv > "$out/gpus.csv"
 rc=0
 if [[ ,$checks, == *,tests,* ]]; then
-  timeout 300 python3 -m pytest tests/unit -m gpu -q -p no:cacheprovider ${select:+-k "$select"} \
+  timeout 300 python3 -m pytest tests/unit tests/process -m gpu -q -p no:cacheprovider ${select:+-k "$select"} \
     > "$out/gpu-tests.log" 2>&1 || rc=$?
   tail -15 "$out/gpu-tests.log"
 fi

@@ -4,7 +4,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.integration.server import TritonProcess
+from tests.support.server import TritonProcess
 
 
 @pytest.fixture(scope="session")

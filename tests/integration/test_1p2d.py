@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from tandem.gateway.client import run_concurrent
-from tests.integration.helpers import metric_value, metrics_text, prompt, wait_metric
-from tests.integration.server import TritonProcess
+from tests.support.helpers import metric_value, metrics_text, prompt, wait_metric
+from tests.support.server import TritonProcess
 
 
 @pytest.fixture(scope="module")

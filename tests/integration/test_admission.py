@@ -22,8 +22,8 @@ from tandem.gateway.audio import AudioFormat, Framer, StreamFormat
 from tandem.gateway.client import TTSClient
 from tandem.gateway.errors import ClientCode, ClientError
 from tandem.gateway.stream import GatewayError, StreamRequest, new_stream_id, prompt_inputs
-from tests.integration.helpers import TINY_W, prompt, run, wait_metric
-from tests.integration.server import TritonProcess
+from tests.support.helpers import TINY_W, prompt, run, wait_metric
+from tests.support.server import TritonProcess
 
 OVERRIDES = {
     "decode": {

@@ -30,30 +30,36 @@ def test_bench_smoke_produces_consistent_figures(server, tmp_path):
                 assert math.isnan(r["rate_tok_s"]) or r["rate_tok_s"] > 0
                 # the waterfall's stages add up to the client's time to first audio
                 assert abs(sum(r["waterfall_ms"].values()) - r["ttfa_ms"]) < 1e-3
-            clean = lv["errors"] == 0 and lv["stalls"] == 0 and lv["streams_below_floor"] == 0
-            assert lv["passed"] == clean
             if model is result["models"]["tts"]:  # D's admission latency and device busy fraction
                 assert 0 < lv["d_admit_ms"]["p50"] <= lv["d_admit_ms"]["p99"]
                 assert lv["decode_device_busy"] is not None and 0 < lv["decode_device_busy"] <= 1.0
             else:
                 assert lv["d_admit_ms"] == {} and lv["decode_device_busy"] is None
-        passing = [lv["concurrency"] for lv in levels if lv["passed"]]
-        assert model["capacity"] == (max(passing) if passing else 0)
-        bounded = [lv["concurrency"] for lv in levels if lv["passed"] and lv["ttfa_ms"]["p95"] <= 1000.0]
-        assert model["capacity_start_bounded"] == (max(bounded) if bounded else 0) <= model["capacity"]
+        # whether a level passes here depends on the box's load; test_per_model_levels_ramp_and_a_floor_
+        # no_stream_keeps fixes the outcome in advance, test_capacity_with_a_start_bound the rule
+        assert model["capacity"] in (0, 1, 2) and model["capacity_start_bounded"] <= model["capacity"]
         for lv in levels:  # each client's first request, and TTFA over the rest (onto a running load)
             assert sum(r["first_of_client"] for r in lv["records"]) == lv["concurrency"]
             assert lv["ramp_s"] == 0.0 and lv["ttfa_ms_later"]["p50"] > 0
 
 
-def test_bench_per_model_levels_and_ramp(server, tmp_path):
-    """Per-model levels run only those levels; a ramp starts the clients spread out (figures the same)."""
+def test_bench_per_model_levels_ramp_and_a_floor_no_stream_keeps(server, tmp_path, capsys):
+    """Per-model levels run only those levels; a ramp starts the clients spread out. With a floor of
+    1e9 tok/s, which no stream reaches, every stream with a rate is below it, so no level passes and
+    the capacity is 0, whatever the load: the outcome is known before the run."""
     args = ["--url", server.url, "--metrics-url", server.metrics_url, "--smoke", "--out", str(tmp_path)]
-    args += ["--models", "tts_mono", "--ramp-s", "0.3"]
+    args += ["--models", "tts_mono", "--ramp-s", "0.3", "--floor", "1e9"]
     assert main(args) == 0
     result = json.loads((tmp_path / "bench.json").read_text())
-    assert set(result["models"]) == {"tts_mono"}
-    assert all(lv["ramp_s"] == 0.3 and lv["errors"] == 0 for lv in result["models"]["tts_mono"]["levels"])
+    assert set(result["models"]) == {"tts_mono"} and result["floor_tok_s"] == 1e9
+    model = result["models"]["tts_mono"]
+    for lv in model["levels"]:
+        assert lv["ramp_s"] == 0.3 and lv["errors"] == 0
+        rated = [r for r in lv["records"] if math.isfinite(r["rate_tok_s"])]
+        assert rated and all(r["below_floor"] for r in rated)
+        assert lv["streams_below_floor"] == len(rated) and lv["passed"] is False
+    assert model["capacity"] == 0 and model["capacity_start_bounded"] == 0
+    assert "tts_mono: capacity 0 streams" in capsys.readouterr().out
 
 
 def test_capacity_with_a_start_bound():

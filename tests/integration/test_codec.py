@@ -26,8 +26,8 @@ from tandem.backend.model.config import ModelConfig
 from tandem.backend.model.decoder import Decoder
 from tandem.cli import make_repository
 from tandem.gateway.client import TTSClient, run_concurrent
-from tests.fixtures.snac_dir import write_snac_dir
-from tests.integration.server import TritonProcess
+from tests.support.server import TritonProcess
+from tests.support.snac_dir import write_snac_dir
 
 ORPHEUS_V = 156940
 TOKENS = 50  # 7 whole frames and a partial one

@@ -13,7 +13,7 @@ import tritonclient.grpc as grpcclient
 
 from tandem.gateway.client import TTSClient, build_inputs, next_stream_id
 from tandem.gateway.errors import ClientCode, classify
-from tests.integration.helpers import TINY_V, TINY_W, prompt
+from tests.support.helpers import TINY_V, TINY_W, prompt
 
 
 def _raw_stream(url: str, model: str, inputs: list, **kw) -> list[tuple[object, object]]:

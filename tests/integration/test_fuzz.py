@@ -44,11 +44,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tandem.gateway.client import build_inputs, next_stream_id
-from tests.integration.fuzz_cases import EITHER, INVALID, SEQUENCE, VALID, Case, Contract, cases, known
-from tests.integration.helpers import prompt
-from tests.integration.server import TritonProcess
-from tests.integration.vitals import settle
-from tests.integration.wire import Connection, Outcome, WireTensor, request
+from tests.support.fuzz_cases import EITHER, INVALID, SEQUENCE, VALID, Case, Contract, cases, known
+from tests.support.helpers import prompt
+from tests.support.server import TritonProcess
+from tests.support.vitals import settle
+from tests.support.wire import Connection, Outcome, WireTensor, request
 
 EXAMPLES = int(os.environ.get("TANDEM_FUZZ_EXAMPLES", "500"))
 BUDGET_S = float(os.environ.get("TANDEM_FUZZ_BUDGET_S", "45"))

@@ -29,9 +29,9 @@ from tandem.gateway.audio import AudioFormat, Framer, StreamFormat, pcm16, wav_h
 from tandem.gateway.client import TTSClient
 from tandem.gateway.errors import ClientCode
 from tandem.gateway.stream import GatewayError, StreamRequest, new_stream_id, prompt_inputs
-from tests.integration.gateway_process import gateway_process, http_get, http_post
-from tests.integration.helpers import TINY_V, TINY_W, metric_value, metrics_text, prompt, wait_metric
-from tests.integration.server import TritonProcess, free_port
+from tests.support.gateway_process import gateway_process, http_get, http_post
+from tests.support.helpers import TINY_V, TINY_W, metric_value, metrics_text, prompt, wait_metric
+from tests.support.server import TritonProcess, free_port
 
 SAMPLE_RATE = 22050  # published by the checked-in repository
 HTTP_ROWS = Limits().default_new_rows  # an HTTP request's length (the tiny model never stops early)

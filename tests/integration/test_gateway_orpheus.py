@@ -5,7 +5,7 @@ model's refusals as OpenAI errors naming the field.
 
 The repository is what `tandem-repo --checkpoint --codec` renders (the family detected from the
 checkpoint) for:
-- an LM in Orpheus' real formats (`tests/fixtures/text_models.orpheus_checkpoint`: config.json with
+- an LM in Orpheus' real formats (`tests/support/text_models.orpheus_checkpoint`: config.json with
   Orpheus' voices, model.safetensors, a Llama-3-style tokenizer.json, generation_config.json), small
   and random, with two edits: generation_config.json's temperature 0 (greedy, so the gateway's audio
   can be compared with a direct request's) and the audio ids' embeddings (tied: the head too) scaled
@@ -37,9 +37,9 @@ from tandem.backend.generation.grammar import ORPHEUS_AUDIO_BASE, ORPHEUS_CODES,
 from tandem.cli import make_repository
 from tandem.gateway.audio import pcm16
 from tandem.gateway.client import StreamResult, TTSClient
-from tests.fixtures.text_models import ORPHEUS_VOICES, orpheus_checkpoint
-from tests.integration.gateway_process import gateway_process, http_get
-from tests.integration.server import TritonProcess
+from tests.support.gateway_process import gateway_process, http_get
+from tests.support.server import TritonProcess
+from tests.support.text_models import ORPHEUS_VOICES, orpheus_checkpoint
 
 MODELS = ("tts", "tts_mono")
 ROWS = 21  # 3 frames: the first response's 2 frames (1 sounds), then the rest

@@ -9,7 +9,8 @@ import pytest
 import tritonclient.grpc as grpcclient
 
 from tandem.gateway.client import TTSClient, build_inputs
-from tests.integration.helpers import (
+from tests.support.helpers import (
+    BAD_PROMPTS,
     SPR,
     TINY_V,
     TINY_W,
@@ -58,21 +59,7 @@ def test_greedy_and_seeded_are_deterministic(server):
     assert not np.array_equal(s1.rows, s3.rows)
 
 
-BAD = [
-    ("empty prompt", lambda: (np.zeros((0, TINY_W), np.int64), {}), "0 rows"),
-    ("id over vocab", lambda: (np.full((5, TINY_W), TINY_V, np.int64), {}), "outside the vocabulary"),
-    ("negative id", lambda: (np.full((5, TINY_W), -1, np.int64), {}), "outside the vocabulary"),
-    ("oversized prompt", lambda: (prompt(5000), {}), "limit"),
-    ("max tokens 0", lambda: (prompt(5), {"MAX_TOKENS": 0}), "MAX_TOKENS"),
-    ("max tokens huge", lambda: (prompt(5), {"MAX_TOKENS": 10**6}), "MAX_TOKENS"),
-    ("nan temperature", lambda: (prompt(5), {"TEMPERATURE": float("nan")}), "TEMPERATURE"),
-    ("negative temperature", lambda: (prompt(5), {"TEMPERATURE": -1.0}), "TEMPERATURE"),
-    ("top_p zero", lambda: (prompt(5), {"TOP_P": 0.0}), "TOP_P"),
-    ("top_k negative", lambda: (prompt(5), {"TOP_K": -3}), "TOP_K"),
-]
-
-
-@pytest.mark.parametrize("case", BAD, ids=[c[0] for c in BAD])
+@pytest.mark.parametrize("case", BAD_PROMPTS, ids=[c[0] for c in BAD_PROMPTS])
 def test_bad_input_gets_invalid_arg_and_server_stays_healthy(server, case):
     _, make, needle = case
     x, params = make()

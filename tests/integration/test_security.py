@@ -29,9 +29,8 @@ import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
 from tandem.serving.api_key import GRPC_HEADER, HEADER, resolve
-from tests.integration.helpers import prompt, run
-from tests.integration.server import REPO, TritonProcess, free_port
-from tests.integration.test_tts_faults import decode, handoff
+from tests.support.helpers import decode, handoff, prompt, run
+from tests.support.server import REPO, TritonProcess, free_port
 
 HTTP_REFUSED = f"This API is restricted, expecting header '{HEADER}'"
 GRPC_REFUSED = f"This protocol is restricted, expecting header '{GRPC_HEADER}'"

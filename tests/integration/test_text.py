@@ -22,9 +22,9 @@ from tandem.backend.settings import Limits
 from tandem.backend.text.frontend import Family, TextFrontend
 from tandem.backend.text.tokenizer import TextTokenizer
 from tandem.serving.repository import tensor_dims
-from tests.fixtures.text_models import CHECKED_IN_TOKENIZER, ORPHEUS_VOCAB, orpheus_checkpoint, orpheus_config
-from tests.integration.helpers import TINY_W, prompt, run
-from tests.integration.server import TritonProcess
+from tests.support.helpers import TINY_W, prompt, run
+from tests.support.server import TritonProcess
+from tests.support.text_models import CHECKED_IN_TOKENIZER, ORPHEUS_VOCAB, orpheus_checkpoint, orpheus_config
 
 MODELS = ("tts", "tts_mono")
 TEXT = "Hello, world: streaming speech from text."

@@ -9,9 +9,17 @@ import pytest
 from tandem.backend.metrics import Engine, zero_series
 from tandem.backend.timing import FIRST_AUDIO_STAGES, waterfall
 from tandem.gateway.client import TTSClient, run_concurrent
-from tests.integration.helpers import SPR, TINY_W, metric_value, metrics_text, prompt, run, wait_metric
-from tests.integration.server import TritonProcess
-from tests.integration.test_mono import BAD
+from tests.support.helpers import (
+    BAD_PROMPTS,
+    SPR,
+    TINY_W,
+    metric_value,
+    metrics_text,
+    prompt,
+    run,
+    wait_metric,
+)
+from tests.support.server import TritonProcess
 
 
 def _jobs(n: int, seed: int) -> list[tuple[np.ndarray, dict]]:
@@ -80,7 +88,7 @@ def test_waterfall_adds_up_to_client_time(server):
     assert sum(ms for _, ms in stages) == pytest.approx(r.ttfa_ms, abs=1e-3)
 
 
-@pytest.mark.parametrize("case", BAD, ids=[c[0] for c in BAD])
+@pytest.mark.parametrize("case", BAD_PROMPTS, ids=[c[0] for c in BAD_PROMPTS])
 def test_bad_input_rejected_like_mono(server, case):
     _, make, needle = case
     x, params = make()

@@ -7,53 +7,22 @@ test can hold a real HANDOFF, replay it, forge one, or let it expire.
 from __future__ import annotations
 
 import json
-import queue
 import time
 
-import numpy as np
 import pytest
-import tritonclient.grpc as grpcclient
 
-from tandem.gateway.client import build_inputs, next_stream_id, run_concurrent
-from tests.integration.helpers import TINY_W, metric_value, metrics_text, prompt, wait_metric
-from tests.integration.server import TritonProcess
+from tandem.gateway.client import run_concurrent
 from tests.support.fault_hooks import fault_parameters
-
-
-def call(url: str, model: str, inputs, sequence: bool, timeout_s: float = 30.0):
-    """All responses (as dicts of numpy outputs) of one request, or the error text."""
-    q: queue.Queue = queue.Queue()
-    client = grpcclient.InferenceServerClient(url)
-    client.start_stream(callback=lambda result=None, error=None: q.put((result, error)))
-    kw = {"sequence_id": next_stream_id(), "sequence_start": True, "sequence_end": True} if sequence else {}
-    client.async_stream_infer(model, inputs, enable_empty_final_response=True, **kw)
-    out, error = [], None
-    deadline = time.monotonic() + timeout_s
-    while True:
-        result, err = q.get(timeout=max(0.1, deadline - time.monotonic()))
-        if err is not None:
-            error = str(err)
-            break
-        resp = result.get_response()
-        if resp.outputs:
-            out.append({o.name: result.as_numpy(o.name) for o in resp.outputs})
-        if resp.parameters["triton_final_response"].bool_param:
-            break
-    client.stop_stream()
-    client.close()
-    return out, error
-
-
-def handoff(url: str, rows: int = 40, max_tokens: int = 8) -> str:
-    out, err = call(url, "prefill", build_inputs(prompt(rows), MAX_TOKENS=max_tokens, TEMPERATURE=0.0), True)
-    assert err is None, err
-    return out[0]["HANDOFF"][0].decode()
-
-
-def decode(url: str, text: str):
-    t = grpcclient.InferInput("HANDOFF", [1], "BYTES")
-    t.set_data_from_numpy(np.array([text.encode()], dtype=np.object_))
-    return call(url, "decode", [t], True)
+from tests.support.helpers import (
+    TINY_W,
+    decode,
+    handoff,
+    metric_value,
+    metrics_text,
+    prompt,
+    wait_metric,
+)
+from tests.support.server import TritonProcess
 
 
 def test_handoff_decodes_once_and_replay_is_refused(server):

@@ -24,10 +24,9 @@ from tritonclient.utils import InferenceServerException
 from tandem.gateway.client import TTSClient
 from tandem.serving.repository import get_parameter
 from tandem.serving.supervisor import http_base, option_values, with_explicit_control
-from tests.integration.faults import Background, children, find_stub, find_worker, process_state, stub_argv
-from tests.integration.helpers import TINY_W, metric_value, metrics_text, prompt, run
-from tests.integration.server import TritonProcess
-from tests.integration.test_tts_faults import decode, handoff
+from tests.support.faults import Background, children, find_stub, find_worker, process_state, stub_argv
+from tests.support.helpers import TINY_W, decode, handoff, metric_value, metrics_text, prompt, run
+from tests.support.server import TritonProcess
 
 GRACE_S = 2.0
 LONG_ROWS = 2000

@@ -21,11 +21,11 @@ from tandem.cli import make_repository
 from tandem.gateway.client import TTSClient
 from tandem.gateway.errors import ClientCode
 from tandem.gateway.voice_client import VoiceClient
-from tests.fixtures.snac_dir import write_snac_dir
-from tests.fixtures.text_models import ORPHEUS_VOICES, orpheus_checkpoint
-from tests.integration.gateway_process import gateway_process
-from tests.integration.helpers import metric_value, metrics_text
-from tests.integration.server import TritonProcess
+from tests.support.gateway_process import gateway_process
+from tests.support.helpers import metric_value, metrics_text
+from tests.support.server import TritonProcess
+from tests.support.snac_dir import write_snac_dir
+from tests.support.text_models import ORPHEUS_VOICES, orpheus_checkpoint
 from tests.support.voice_audio import encoded_bytes, http_call, register_http, speech_like, wav_bytes
 
 MODELS = ("tts", "tts_mono")
@@ -86,12 +86,14 @@ def test_register_from_16k_wav_over_http(gateway: str) -> None:
 
 def test_registration_does_not_hold_up_speech(orpheus: TritonProcess) -> None:
     done: dict[str, float] = {}
-    flac = encoded_bytes(speech_like(6.0, 24000, seed=2), 24000)
+    # 25 s of reference: SNAC's encode then takes several times as long as a short speech request, so
+    # the order below says whether registration ran off the engine's loop, on a fast box or a slow one.
+    flac = encoded_bytes(speech_like(25.0, 24000, seed=2), 24000)
 
     def register() -> None:
         with VoiceClient(orpheus.url) as vc:
             got = vc.register("bo", "Another voice reads this one.", flac)
-            assert got["frames"] == 71  # 6 s = 144,000 samples, padded to 71 frames
+            assert got["frames"] == 293  # 25 s = 600,000 samples, padded to 293 frames of 2,048
         done["register"] = time.monotonic()
 
     t = threading.Thread(target=register)

@@ -11,18 +11,11 @@ import numpy as np
 import pytest
 import torch
 
-from tandem.backend.engines.batch import DecodeBatch
-from tandem.backend.engines.parts import make_batch, make_pool
-from tandem.backend.engines.stream import Stream
 from tandem.backend.errors import Cancelled, StreamFailed
-from tandem.backend.generation.sampling import SamplingParams, sample
 from tandem.backend.kv.pool import KVPool
-from tandem.backend.metrics import RecordingMetrics
 from tandem.backend.model.config import preset
 from tandem.backend.model.decoder import Decoder
-from tandem.backend.settings import BatchSettings, EngineSettings, PoolSettings
-from tandem.backend.timing import Timings
-from tests.unit.test_engines import ListSink
+from tests.support.engines import Job, decode_batch
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
@@ -33,42 +26,11 @@ def _decoder(device: str) -> Decoder:
     return Decoder.random(preset("tiny"), device, seed=0)
 
 
-def _batch(dec: Decoder, **batch: object) -> tuple[DecodeBatch, KVPool]:
-    s = EngineSettings(pool=PoolSettings(num_pages=256, page_size=16), batch=BatchSettings(**batch))  # type: ignore[arg-type]
-    pool = make_pool(dec, s)
-    return make_batch(dec, pool, s, RecordingMetrics()), pool
-
-
-class Job:
-    """One stream to run: its prompt is prefilled into the pool when it is made."""
-
-    def __init__(self, dec: Decoder, pool: KVPool, i: int, n: int, eos: int | None = None) -> None:
-        x = np.random.default_rng(i).integers(0, dec.cfg.vocab_size, size=(7 + 5 * i, dec.cfg.row_width))
-        self.pages = pool.allocate(pool.pages_for(len(x) + n))
-        slots = pool.slots(self.pages, len(x) + n)
-        logits = dec.prefill(torch.from_numpy(x).to(pool.device), pool, slots[: len(x)], 0)
-        sp = SamplingParams(temperature=0.9 * (i % 2), seed=i)
-        self.sink = ListSink()
-        self.stream = Stream(
-            i, len(x), sp, n, self.sink, Timings(), eos_token_id=eos, pages=self.pages, slots=slots
-        )
-        self.first = sample(logits[None], [sp], [len(x)])[0].numpy()
-        self.released = 0
-        self.pool = pool
-
-    def release(self) -> None:
-        self.released += 1
-        self.pool.free(self.pages)
-
-    def add_to(self, batch: DecodeBatch) -> None:
-        batch.add(self.stream, self.first, self.release)
-
-
 def _run(
     dec: Decoder, make: Callable[[KVPool], list[Job]], pipelined: bool, join_after: int = 2
 ) -> list[Job]:
     """Runs jobs[0..1] from the start and the rest after `join_after` loop turns, to the end."""
-    batch, pool = _batch(dec)
+    batch, pool = decode_batch(dec)
     free = pool.num_free_pages
     jobs = make(pool)
     for j in jobs[:2]:
@@ -112,7 +74,7 @@ def test_a_stream_that_ends_gets_its_pages_back_after_the_step_still_writing_the
     """The step queued behind the one that produced a stream's EOS writes that row's KV into the
     stream's pages: the KV there really changes, and the release waits until that step finished."""
     dec = _decoder("cpu")
-    batch, pool = _batch(dec)
+    batch, pool = decode_batch(dec)
     probe = Job(dec, pool, 0, 12)
     probe.add_to(batch)
     while len(batch):
@@ -144,7 +106,7 @@ def test_a_stream_at_max_rows_is_never_queued_past_them():
     """max_new_rows is known in advance: no step is queued for a row the stream will not take, so its
     pages come back with its final chunk, and a first row that is the last frees them at once."""
     dec = _decoder("cpu")
-    batch, pool = _batch(dec)
+    batch, pool = decode_batch(dec)
     job = Job(dec, pool, 2, 3)
     job.add_to(batch)
     while not job.sink.done.is_set():
@@ -159,7 +121,7 @@ def test_streams_joining_between_advances_miss_the_queued_step_only():
     """A stream added while a step is queued joins the next one; until then its position stays at
     its prompt, and it gets exactly the rows a serial loop gives it."""
     dec = _decoder("cpu")
-    batch, pool = _batch(dec)
+    batch, pool = decode_batch(dec)
     a, b = Job(dec, pool, 0, 8), Job(dec, pool, 1, 8)
     a.add_to(batch)
     assert batch.advance() is None and batch.in_flight  # queued, nothing finished yet
@@ -177,7 +139,7 @@ def test_streams_joining_between_advances_miss_the_queued_step_only():
 
 def test_cancel_and_fail_all_with_a_step_queued_release_each_stream_once():
     dec = _decoder("cpu")
-    batch, pool = _batch(dec)
+    batch, pool = decode_batch(dec)
     free = pool.num_free_pages
     jobs = [Job(dec, pool, i, 40) for i in range(3)]
     for j in jobs:

@@ -13,31 +13,31 @@ from tandem.backend.engines.prefill import PrefillEngine
 from tandem.backend.errors import Cancelled, InvalidInput, Overloaded
 from tandem.backend.metrics import RecordingMetrics
 from tandem.backend.timing import Timings
-from tests.unit.test_engines import ListSink, _handoff, _settings, _wait_until, decoder, started_pd  # noqa: F401
+from tests.support.engines import ListSink, engine_settings, prefill_handoff, started_pd, wait_until
 
 DROP_BOUND_S = 2.0  # shed -> P's pages free, through P's engine loop; the offers' TTL here is 30 s
 
 
 @pytest.fixture
-def pd_one(decoder, tmp_path, monkeypatch):  # noqa: F811
+def pd_one(decoder, tmp_path, monkeypatch):
     """P and D where D decodes one stream at a time and queues one more (rate floor off)."""
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
-    s = _settings(tmp_path, max_batch=1, max_queue=1, admission_timeout_s=20.0, rate_admission=False)
+    s = engine_settings(tmp_path, max_batch=1, max_queue=1, admission_timeout_s=20.0, rate_admission=False)
     assert s.transfer.ticket_ttl_s >= 30.0
     with started_pd(decoder, s) as pair:
         yield pair
 
 
 def _running(d: DecodeEngine, p: PrefillEngine, rows: int) -> ListSink:
-    h, sink = _handoff(p, 1, rows), ListSink()
+    h, sink = prefill_handoff(p, 1, rows), ListSink()
     d.submit(DecodeRequest(1, h, sink, Timings(h.timings)))
-    assert _wait_until(lambda: bool(sink.chunks), 20.0), "the running stream never started"
+    assert wait_until(lambda: bool(sink.chunks), 20.0), "the running stream never started"
     return sink
 
 
 def _released_within(p: PrefillEngine, tid: str, bound_s: float) -> float:
     t0 = time.monotonic()
-    assert _wait_until(lambda: tid not in p._open, bound_s), f"P still holds {tid}'s pages"
+    assert wait_until(lambda: tid not in p._open, bound_s), f"P still holds {tid}'s pages"
     return time.monotonic() - t0
 
 
@@ -45,7 +45,7 @@ def test_a_full_queue_and_an_expired_wait_give_p_its_pages_back_at_once(pd_one, 
     p, d = pd_one
     running = _running(d, p, 3000)
     monkeypatch.setattr(d.intake, "admission_timeout_s", 0.5)
-    queued, full = _handoff(p, 2, 10), _handoff(p, 3, 10)
+    queued, full = prefill_handoff(p, 2, 10), prefill_handoff(p, 3, 10)
     qs, fs = ListSink(), ListSink()
     d.submit(DecodeRequest(2, queued, qs, Timings(queued.timings)))
     with pytest.raises(Overloaded, match="queue is full"):
@@ -63,12 +63,12 @@ def test_a_full_queue_and_an_expired_wait_give_p_its_pages_back_at_once(pd_one, 
 def test_a_handoff_cancelled_or_refused_before_its_pull_is_dropped(pd_one):
     p, d = pd_one
     _running(d, p, 3000)
-    h, sink = _handoff(p, 2, 10), ListSink()
+    h, sink = prefill_handoff(p, 2, 10), ListSink()
     d.submit(DecodeRequest(2, h, sink, Timings(h.timings)))
     sink.cancel = True  # the client went away while the request waited for admission
     assert sink.done.wait(5) and isinstance(sink.error, Cancelled)
     _released_within(p, h.ticket.transfer_id, DROP_BOUND_S)
-    bad = _handoff(p, 3, 10)
+    bad = prefill_handoff(p, 3, 10)
     bad = replace(bad, first_row=(-1,) * len(bad.first_row))  # a tampered handoff with a live ticket
     with pytest.raises(InvalidInput, match="malformed handoff"):
         d.submit(DecodeRequest(3, bad, ListSink(), Timings()))
@@ -81,7 +81,7 @@ def test_shedding_a_replayed_handoff_leaves_the_original_its_offer(pd_one):
     original is about to pull; the original then decodes in full."""
     p, d = pd_one
     running = _running(d, p, 60)
-    h = _handoff(p, 2, 6)
+    h = prefill_handoff(p, 2, 6)
     original, replay = ListSink(), ListSink()
     d.submit(DecodeRequest(2, h, original, Timings(h.timings)))  # queued behind the running stream
     with pytest.raises(Overloaded):  # the queue holds one: the replay is shed at once
@@ -91,20 +91,20 @@ def test_shedding_a_replayed_handoff_leaves_the_original_its_offer(pd_one):
     assert running.done.wait(60) and running.error is None
     assert original.done.wait(30) and original.error is None and original.rows().shape[0] == 6
     assert p.sender.stats().offers_dropped == 0 and d.tickets.dropped == 0
-    assert _wait_until(lambda: not p._open and len(d.tickets) == 0)
+    assert wait_until(lambda: not p._open and len(d.tickets) == 0)
 
 
-def test_closing_d_drops_the_tickets_still_queued(decoder, tmp_path, monkeypatch):  # noqa: F811
+def test_closing_d_drops_the_tickets_still_queued(decoder, tmp_path, monkeypatch):
     """A D that shuts down with handoffs queued tells their P before it closes its receiver."""
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
-    s = _settings(tmp_path, max_batch=1, max_queue=4, admission_timeout_s=20.0, rate_admission=False)
+    s = engine_settings(tmp_path, max_batch=1, max_queue=4, admission_timeout_s=20.0, rate_admission=False)
     p = PrefillEngine(decoder, s, RecordingMetrics(), "p0", on_fatal=lambda r: pytest.fail(r))
     d = DecodeEngine(decoder, s, RecordingMetrics())
     p.start()
     d.start()
     try:
         _running(d, p, 3000)
-        handoffs = [_handoff(p, 2 + i, 10) for i in range(2)]
+        handoffs = [prefill_handoff(p, 2 + i, 10) for i in range(2)]
         for i, h in enumerate(handoffs):
             d.submit(DecodeRequest(2 + i, h, ListSink(), Timings(h.timings)))
         d.close()

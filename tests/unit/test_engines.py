@@ -7,8 +7,6 @@ import itertools
 import json
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import replace
 
 import numpy as np
@@ -16,112 +14,37 @@ import pytest
 import torch
 
 from tandem.backend.engines.decode.engine import DecodeEngine, DecodeRequest
-from tandem.backend.engines.handoff import Handoff
 from tandem.backend.engines.mono import MonoEngine
 from tandem.backend.engines.prefill import PrefillEngine, PrefillRequest
 from tandem.backend.engines.stream import Chunk, EngineRequest
-from tandem.backend.errors import Cancelled, Overloaded, TandemError
+from tandem.backend.errors import Cancelled, Overloaded
 from tandem.backend.generation.sampling import SamplingParams, sample
 from tandem.backend.kv.pool import KVPool
 from tandem.backend.metrics import RecordingMetrics
-from tandem.backend.model.config import preset
-from tandem.backend.model.decoder import Decoder
-from tandem.backend.settings import BatchSettings, EngineSettings, PoolSettings, TransferSettings
+from tandem.backend.settings import PoolSettings
 from tandem.backend.timing import Timings, waterfall
-
-
-class ListSink:
-    def __init__(self) -> None:
-        self.chunks: list[Chunk] = []
-        self.error: TandemError | None = None
-        self.done = threading.Event()
-        self.cancel = False
-
-    def emit(self, chunk: Chunk) -> None:
-        self.chunks.append(chunk)
-        if chunk.final:
-            self.done.set()
-
-    def fail(self, error: TandemError) -> None:
-        self.error = error
-        self.done.set()
-
-    def cancelled(self) -> bool:
-        return self.cancel
-
-    def rows(self) -> np.ndarray:
-        return np.concatenate([c.rows for c in self.chunks])
-
-
-class HandoffBox:
-    def __init__(self) -> None:
-        self.handoff: Handoff | None = None
-        self.error: TandemError | None = None
-        self.done = threading.Event()
-
-    def send(self, handoff: Handoff) -> None:
-        self.handoff = handoff
-        self.done.set()
-
-    def fail(self, error: TandemError) -> None:
-        self.error = error
-        self.done.set()
-
-    def cancelled(self) -> bool:
-        return False
-
-
-@pytest.fixture(scope="module")
-def decoder() -> Decoder:
-    return Decoder.random(preset("tiny"), "cpu", seed=0)
-
-
-def _settings(tmp_path, **batch) -> EngineSettings:
-    return EngineSettings(
-        pool=PoolSettings(num_pages=512, page_size=16),
-        batch=replace(BatchSettings(admission_timeout_s=1.0), **batch),
-        transfer=TransferSettings(unit="t" + str(abs(hash(str(tmp_path))) % 10**8), arena_mb=16),
-    )
-
-
-def _prompt(n: int, seed: int) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, 1024, size=(n, 4), dtype=np.int64)
-
-
-@contextmanager
-def started_pd(decoder: Decoder, s: EngineSettings) -> Iterator[tuple[PrefillEngine, DecodeEngine]]:
-    """A started P and D in this process with settings `s`, closed (D first) when the block ends."""
-    p = PrefillEngine(decoder, s, RecordingMetrics(), "p0", on_fatal=lambda r: pytest.fail(r))
-    d = DecodeEngine(decoder, s, RecordingMetrics())
-    p.start()
-    d.start()
-    try:
-        yield p, d
-    finally:
-        d.close()
-        p.close()
+from tests.support.engines import (
+    HandoffBox,
+    ListSink,
+    engine_settings,
+    prefill_handoff,
+    prompt_rows,
+    started_pd,
+    wait_until,
+)
 
 
 @pytest.fixture
 def pd(decoder, tmp_path, monkeypatch):
     """A started P and D in this process (one unit, the default test settings), closed afterwards."""
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
-    with started_pd(decoder, _settings(tmp_path)) as pair:
+    with started_pd(decoder, engine_settings(tmp_path)) as pair:
         yield pair
-
-
-def _handoff(p: PrefillEngine, stream_id: int, max_new_rows: int) -> Handoff:
-    """Prefill a 30-row prompt on `p` and return its handoff (what the ensemble would pass to D)."""
-    box = HandoffBox()
-    prompt = _prompt(30, stream_id)
-    p.submit(PrefillRequest(stream_id, prompt, SamplingParams(), max_new_rows, box, Timings()))
-    assert box.done.wait(10) and box.error is None and box.handoff is not None
-    return box.handoff
 
 
 def test_pd_in_process_matches_mono_and_returns_every_page(decoder, tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
-    s = _settings(tmp_path)
+    s = engine_settings(tmp_path)
     mono = MonoEngine(decoder, s, RecordingMetrics())
     p = PrefillEngine(decoder, s, RecordingMetrics(), "p0", on_fatal=lambda r: pytest.fail(r))
     d = DecodeEngine(decoder, s, RecordingMetrics())
@@ -130,7 +53,7 @@ def test_pd_in_process_matches_mono_and_returns_every_page(decoder, tmp_path, mo
     try:
         free_mono, free_d = mono.cache.available_pages, d.pool.num_free_pages
         jobs = [
-            (_prompt(10 + 13 * i, i), SamplingParams(temperature=0.7 * (i % 2), seed=i), 5 + i)
+            (prompt_rows(10 + 13 * i, i), SamplingParams(temperature=0.7 * (i % 2), seed=i), 5 + i)
             for i in range(8)
         ]
         mono_sinks, pd_sinks, pd_timings = [], [], []
@@ -175,19 +98,21 @@ def test_pd_in_process_matches_mono_and_returns_every_page(decoder, tmp_path, mo
 
 
 def test_full_queue_is_unavailable_at_once(decoder, tmp_path):
-    mono = MonoEngine(decoder, _settings(tmp_path, max_queue=1), RecordingMetrics())  # not started
-    mono.submit(EngineRequest(1, _prompt(5, 0), SamplingParams(), 3, ListSink(), Timings()))
+    mono = MonoEngine(decoder, engine_settings(tmp_path, max_queue=1), RecordingMetrics())  # not started
+    mono.submit(EngineRequest(1, prompt_rows(5, 0), SamplingParams(), 3, ListSink(), Timings()))
     with pytest.raises(Overloaded, match="queue is full"):
-        mono.submit(EngineRequest(2, _prompt(5, 0), SamplingParams(), 3, ListSink(), Timings()))
+        mono.submit(EngineRequest(2, prompt_rows(5, 0), SamplingParams(), 3, ListSink(), Timings()))
 
 
 def test_admission_wait_is_bounded(decoder, tmp_path):
-    s = replace(_settings(tmp_path, admission_timeout_s=0.3), pool=PoolSettings(num_pages=4, page_size=16))
+    s = replace(
+        engine_settings(tmp_path, admission_timeout_s=0.3), pool=PoolSettings(num_pages=4, page_size=16)
+    )
     mono = MonoEngine(decoder, s, RecordingMetrics())
     mono.start()
     try:
         sink = ListSink()  # needs 200 + 100 tokens = 19 pages; the pool has 4
-        mono.submit(EngineRequest(1, _prompt(200, 0), SamplingParams(), 100, sink, Timings()))
+        mono.submit(EngineRequest(1, prompt_rows(200, 0), SamplingParams(), 100, sink, Timings()))
         assert sink.done.wait(5)
         assert isinstance(sink.error, Overloaded) and "admission wait" in str(sink.error)
     finally:
@@ -195,12 +120,12 @@ def test_admission_wait_is_bounded(decoder, tmp_path):
 
 
 def test_cancelled_stream_returns_its_pages(decoder, tmp_path):
-    mono = MonoEngine(decoder, _settings(tmp_path), RecordingMetrics())
+    mono = MonoEngine(decoder, engine_settings(tmp_path), RecordingMetrics())
     mono.start()
     try:
         free = mono.cache.available_pages
         sink = ListSink()
-        mono.submit(EngineRequest(1, _prompt(50, 1), SamplingParams(), 2000, sink, Timings()))
+        mono.submit(EngineRequest(1, prompt_rows(50, 1), SamplingParams(), 2000, sink, Timings()))
         deadline = time.monotonic() + 5
         while not sink.chunks and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -234,14 +159,14 @@ def test_a_failed_calibration_leaves_d_serving_on_live_steps(decoder, tmp_path, 
 
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
     monkeypatch.setattr(calibration, "time_steps", broken)
-    s = _settings(tmp_path)
+    s = engine_settings(tmp_path)
     p = PrefillEngine(decoder, s, RecordingMetrics(), "p0", on_fatal=lambda r: pytest.fail(r))
     d = DecodeEngine(decoder, s, RecordingMetrics())
     p.start()
     d.start()
     try:
         assert not d.step_model.ready
-        handoff, sink = _handoff(p, 1, 5), ListSink()
+        handoff, sink = prefill_handoff(p, 1, 5), ListSink()
         d.submit(DecodeRequest(1, handoff, sink, Timings(handoff.timings)))
         assert sink.done.wait(10) and sink.error is None and len(sink.rows()) == 5
     finally:
@@ -260,7 +185,7 @@ def test_a_calibration_that_leaves_the_pool_changed_stops_d_from_starting(decode
 
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
     monkeypatch.setattr(calibration, "time_steps", leaky)
-    d = DecodeEngine(decoder, _settings(tmp_path), RecordingMetrics())
+    d = DecodeEngine(decoder, engine_settings(tmp_path), RecordingMetrics())
     with pytest.raises(RuntimeError, match="calibration bug"):
         d.start()
     d.close()
@@ -273,12 +198,12 @@ def test_d_admits_and_pulls_while_its_engine_is_inside_a_step(decoder, tmp_path,
     is off (on a loaded 2-core box the calibrated step model rightly held the second stream until
     the slow step ended, which is the rate floor's policy, not what this checks)."""
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
-    with started_pd(decoder, _settings(tmp_path, rate_admission=False)) as (p, d):
+    with started_pd(decoder, engine_settings(tmp_path, rate_admission=False)) as (p, d):
         _admits_inside_a_step(p, d, monkeypatch)
 
 
 def _admits_inside_a_step(p: PrefillEngine, d: DecodeEngine, monkeypatch) -> None:
-    first, second = _handoff(p, 1, 40), _handoff(p, 2, 5)
+    first, second = prefill_handoff(p, 1, 40), prefill_handoff(p, 2, 5)
     sink_a, sink_b = ListSink(), ListSink()
     d.submit(DecodeRequest(1, first, sink_a, Timings(first.timings)))
     deadline = time.monotonic() + 10
@@ -316,7 +241,7 @@ def test_d_fault_while_polling_transfers_fails_both_and_leaks_nothing(pd, monkey
     p, d = pd
     free = d.pool.num_free_pages
 
-    ha, hb = _handoff(p, 1, 200), _handoff(p, 2, 200)
+    ha, hb = prefill_handoff(p, 1, 200), prefill_handoff(p, 2, 200)
     real_poll, states, fault = d.receiver.poll, {}, []
 
     def poll(h):
@@ -351,7 +276,7 @@ def test_d_fault_while_polling_transfers_fails_both_and_leaks_nothing(pd, monkey
         time.sleep(0.01)
     assert d.pool.num_free_pages == free and d.members.members == 0 and d.members.admitted_ctx == 0
     sc = ListSink()
-    hc = _handoff(p, 3, 5)
+    hc = prefill_handoff(p, 3, 5)
     d.submit(DecodeRequest(3, hc, sc, Timings(hc.timings)))
     assert sc.done.wait(10) and sc.error is None and sc.rows().shape[0] == 5
 
@@ -363,7 +288,7 @@ def test_closing_d_tells_waiting_and_running_clients(decoder, tmp_path, monkeypa
     from tests.support.fault_hooks import HOOK_FILE
 
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
-    s = _settings(tmp_path)
+    s = engine_settings(tmp_path)
     delay = json.dumps({"delay_every": 2, "delay_s": 5.0})  # the 2nd copy waits 5 s
     slow_p = replace(s, faults=FaultSettings(hook=HOOK_FILE, options=delay))
     p = PrefillEngine(decoder, slow_p, RecordingMetrics(), "p0", on_fatal=lambda r: None)
@@ -373,7 +298,7 @@ def test_closing_d_tells_waiting_and_running_clients(decoder, tmp_path, monkeypa
     try:
         sinks = []
         for i in (1, 2):
-            h = _handoff(p, i, 2000)
+            h = prefill_handoff(p, i, 2000)
             sinks.append(ListSink())
             d.submit(DecodeRequest(i, h, sinks[-1], Timings(h.timings)))
         deadline = time.monotonic() + 10
@@ -400,7 +325,7 @@ def test_failed_transfer_returns_pages_only_with_proof(decoder, tmp_path, monkey
     from tests.support.fault_hooks import HOOK_FILE
 
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
-    s = _settings(tmp_path)
+    s = engine_settings(tmp_path)
     s = replace(s, transfer=replace(s.transfer, deadline_s=0.4, abort_retry_s=0.05, direct_write=direct))
     delay = json.dumps({"delay_every": 1, "delay_s": 1.5})  # every copy waits 1.5 s
     slow_p = replace(s, faults=FaultSettings(hook=HOOK_FILE, options=delay))
@@ -411,18 +336,18 @@ def test_failed_transfer_returns_pages_only_with_proof(decoder, tmp_path, monkey
     d.start()
     try:
         free = d.pool.num_free_pages
-        h = _handoff(p, 1, 100)  # 30 prompt rows (2 pages) + 100 new rows: 9 pages in all
+        h = prefill_handoff(p, 1, 100)  # 30 prompt rows (2 pages) + 100 new rows: 9 pages in all
         sink = ListSink()
         d.submit(DecodeRequest(1, h, sink, Timings(h.timings)))
         assert sink.done.wait(5) and sink.error is not None and "deadline" in str(sink.error), sink.error
-        assert _wait_until(lambda: not d.transfers.waiting)  # the engine completed the failed handle
+        assert wait_until(lambda: not d.transfers.waiting)  # the engine completed the failed handle
         held = d.pool.pages_for(30) if direct else 0
         assert d.pool.num_free_pages == free - held  # time alone frees nothing P may still write
         stats = d.receiver.stats()
         assert stats.quarantined_count == 1 and stats.released_by_ack == 0
         # P's ACK, once its copy returned, frees what it may have written (pages, or the region)
-        assert _wait_until(lambda: d.receiver.stats().quarantined_count == 0, 5.0)
-        assert _wait_until(lambda: d.pool.num_free_pages == free)
+        assert wait_until(lambda: d.receiver.stats().quarantined_count == 0, 5.0)
+        assert wait_until(lambda: d.pool.num_free_pages == free)
         assert d.receiver.stats().released_by_ack == 1
     finally:
         d.close()
@@ -433,17 +358,17 @@ def test_rate_floor_hold_is_logged_once_with_the_models_numbers(decoder, tmp_pat
     """An unreachable floor: the first stream is admitted (an idle D always admits), the second waits
     and then gets UNAVAILABLE; the server log says once why (prediction vs budget), not per retry."""
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
-    s = _settings(tmp_path, rate_floor_tok_s=1e6, admission_timeout_s=0.6)
+    s = engine_settings(tmp_path, rate_floor_tok_s=1e6, admission_timeout_s=0.6)
     p = PrefillEngine(decoder, s, RecordingMetrics(), "p0", on_fatal=lambda r: None)
     d = DecodeEngine(decoder, s, RecordingMetrics())
     p.start()
     d.start()
     try:
         first, second = ListSink(), ListSink()
-        h1 = _handoff(p, 1, 3000)  # still decoding while the second waits
+        h1 = prefill_handoff(p, 1, 3000)  # still decoding while the second waits
         d.submit(DecodeRequest(1, h1, first, Timings(h1.timings)))
-        assert _wait_until(lambda: d.step_model.ready, 10.0)  # it has seen enough steps to refit
-        h2 = _handoff(p, 2, 10)
+        assert wait_until(lambda: d.step_model.ready, 10.0)  # it has seen enough steps to refit
+        h2 = prefill_handoff(p, 2, 10)
         with caplog.at_level("INFO", logger="tandem"):
             d.submit(DecodeRequest(2, h2, second, Timings(h2.timings)))
             assert second.done.wait(5)
@@ -461,7 +386,9 @@ def _queued_prefills(p: PrefillEngine, n: int) -> list[HandoffBox]:
     boxes = []
     for i in range(n):
         box = HandoffBox()
-        p.submit(PrefillRequest(100 + i, _prompt(12 + 9 * i, 100 + i), SamplingParams(), 5, box, Timings()))
+        p.submit(
+            PrefillRequest(100 + i, prompt_rows(12 + 9 * i, 100 + i), SamplingParams(), 5, box, Timings())
+        )
         boxes.append(box)
     return boxes
 
@@ -471,7 +398,9 @@ def test_p_prefills_queued_prompts_in_one_forward_up_to_its_limits(decoder, tmp_
     4: so 6 prompts take two), and each gets the first row a lone prefill gives it."""
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
     metrics = RecordingMetrics()
-    p = PrefillEngine(decoder, _settings(tmp_path, prefill_batch_max=4), metrics, "p0", on_fatal=pytest.fail)
+    p = PrefillEngine(
+        decoder, engine_settings(tmp_path, prefill_batch_max=4), metrics, "p0", on_fatal=pytest.fail
+    )
     boxes = _queued_prefills(p, 6)
     p.start()
     try:
@@ -480,20 +409,13 @@ def test_p_prefills_queued_prompts_in_one_forward_up_to_its_limits(decoder, tmp_
         assert metrics.samples[("tandem_prefill_batch", ())] == [4, 2]
         pool = KVPool(decoder.kv_layout(), 64, 16, "cpu")
         for i, box in enumerate(boxes):
-            prompt = torch.from_numpy(_prompt(12 + 9 * i, 100 + i))
+            prompt = torch.from_numpy(prompt_rows(12 + 9 * i, 100 + i))
             slots = pool.slots(pool.allocate(pool.pages_for(len(prompt))), len(prompt))
             logits = decoder.prefill(prompt, pool, slots, 0)
             first = sample(logits[None], [SamplingParams()], [len(prompt)])[0]
             assert box.handoff is not None and box.handoff.first_row == tuple(int(x) for x in first)
     finally:
         p.close()
-
-
-def _wait_until(cond, timeout_s: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and not cond():
-        time.sleep(0.02)
-    return cond()
 
 
 @pytest.mark.parametrize(
@@ -507,7 +429,7 @@ def test_p_failure_answers_and_frees_the_whole_batch(decoder, tmp_path, monkeypa
     """Every prompt of a failed batch is answered with an error and every page comes back, whether the
     forward failed or the hand-off after it (a review found the latter orphaned)."""
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
-    p = PrefillEngine(decoder, _settings(tmp_path), RecordingMetrics(), "p0", on_fatal=pytest.fail)
+    p = PrefillEngine(decoder, engine_settings(tmp_path), RecordingMetrics(), "p0", on_fatal=pytest.fail)
     free = p.cache.available_pages
 
     def broken(*args, **kwargs):
@@ -522,7 +444,7 @@ def test_p_failure_answers_and_frees_the_whole_batch(decoder, tmp_path, monkeypa
             assert box.done.wait(5) and box.handoff is None
             assert expected in str(box.error) or "prefill failed" in str(box.error), box.error
         assert expected in str(boxes[0].error)
-        assert _wait_until(lambda: p.cache.available_pages == free)
+        assert wait_until(lambda: p.cache.available_pages == free)
     finally:
         p.close()
 
@@ -533,16 +455,16 @@ class _RaisingSink(ListSink):
 
 
 def test_mono_join_failure_answers_and_frees_the_rest_of_the_batch(decoder, tmp_path):
-    mono = MonoEngine(decoder, _settings(tmp_path), RecordingMetrics())
+    mono = MonoEngine(decoder, engine_settings(tmp_path), RecordingMetrics())
     free = mono.cache.available_pages
     sinks = [_RaisingSink(), ListSink(), ListSink()]
     for i, sink in enumerate(sinks):  # queued before the loop starts: one forward takes all three
-        mono.submit(EngineRequest(i + 1, _prompt(12 + 9 * i, i), SamplingParams(), 1, sink, Timings()))
+        mono.submit(EngineRequest(i + 1, prompt_rows(12 + 9 * i, i), SamplingParams(), 1, sink, Timings()))
     mono.start()
     try:
         for sink in sinks[1:]:
             assert sink.done.wait(5) and sink.error is not None
-        assert _wait_until(lambda: mono.cache.available_pages == free)
+        assert wait_until(lambda: mono.cache.available_pages == free)
     finally:
         mono.close()
 
@@ -561,13 +483,13 @@ def test_d_slot_table_copy_failure_fails_only_that_stream(pd, monkeypatch):
     monkeypatch.setattr(d.pool, "slots_to_device", once)
     sinks = []
     for i in (1, 2):
-        h = _handoff(p, i, 6)
+        h = prefill_handoff(p, i, 6)
         sinks.append(ListSink())
         d.submit(DecodeRequest(i, h, sinks[-1], Timings(h.timings)))
     assert sinks[0].done.wait(5) and "out of memory" in str(sinks[0].error)
     assert sinks[1].done.wait(5) and sinks[1].error is None and sinks[1].rows().shape == (6, 4)
-    assert _wait_until(lambda: d.pool.num_free_pages == free and d.members.members == 0)
-    assert _wait_until(lambda: d.receiver.stats().quarantined_bytes == 0)
+    assert wait_until(lambda: d.pool.num_free_pages == free and d.members.members == 0)
+    assert wait_until(lambda: d.receiver.stats().quarantined_bytes == 0)
 
 
 def test_p_defers_a_prompt_whose_voice_another_batch_member_computes(decoder, tmp_path, monkeypatch):
@@ -575,12 +497,12 @@ def test_p_defers_a_prompt_whose_voice_another_batch_member_computes(decoder, tm
     hits the prefix cache, instead of computing the same prefix again beside the first."""
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
     metrics = RecordingMetrics()
-    p = PrefillEngine(decoder, _settings(tmp_path), metrics, "p0", on_fatal=pytest.fail)
-    voice = _prompt(32, 7)  # two full pages of 16
+    p = PrefillEngine(decoder, engine_settings(tmp_path), metrics, "p0", on_fatal=pytest.fail)
+    voice = prompt_rows(32, 7)  # two full pages of 16
     boxes = []
     for i in range(2):
         box = HandoffBox()
-        prompt = np.concatenate([voice, _prompt(5 + i, 50 + i)])
+        prompt = np.concatenate([voice, prompt_rows(5 + i, 50 + i)])
         p.submit(PrefillRequest(200 + i, prompt, SamplingParams(), 5, box, Timings()))
         boxes.append(box)
     p.start()

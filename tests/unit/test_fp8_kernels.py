@@ -84,7 +84,9 @@ def test_rope_kv_write_stores_e4m3_k_and_v_at_the_head_scales(qk_norm: bool, row
     k, kr = (t[0, slots].float() * scales[0][None, :, None] for t in (got_kv, want_kv))
     step = torch.maximum(kr.abs() / 8, scales[0][None, :, None] * 2.0**-9)
     assert ((k - kr).abs() <= 2e-2 + 2e-2 * kr.abs() + step).all()
-    assert (got_kv[0, slots].view(torch.uint8) == want_kv[0, slots].view(torch.uint8)).float().mean() > 0.98
+    # Most bytes equal torch's: on an H200 (8ef95f8) 0.978-0.980 of them, the rest one E4M3 step off
+    # (bounded above); a wrong scale or a misplaced head would flip nearly all of them.
+    assert (got_kv[0, slots].view(torch.uint8) == want_kv[0, slots].view(torch.uint8)).float().mean() > 0.95
 
 
 def _fp8_case(batch: int, kvh: int, group: int, hd: int, s: int, dtype: torch.dtype, page: int, seed: int):

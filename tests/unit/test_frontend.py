@@ -16,7 +16,7 @@ from tandem.backend.prompt import TextRequest, check_text_request
 from tandem.backend.settings import Limits, parse_settings
 from tandem.backend.text.frontend import Family, TextFrontend, build_frontend, detect_family, parse_family
 from tandem.backend.text.tokenizer import TextTokenizer, TokenizerError
-from tests.fixtures.text_models import (
+from tests.support.text_models import (
     CHECKED_IN_TOKENIZER,
     ORPHEUS_VOICES,
     checked_in_tokenizer_text,

@@ -30,8 +30,8 @@ from tandem.backend.settings import parse_settings
 from tandem.backend.text.defaults import load_generation_defaults, resolve_grammar
 from tandem.backend.text.frontend import Family, TextFrontend
 from tandem.backend.text.tokenizer import TextTokenizer
-from tests.fixtures.text_models import llama3_tokenizer, orpheus_checkpoint, orpheus_config
-from tests.unit.test_batch import Job, _batch
+from tests.support.engines import Job, decode_batch
+from tests.support.text_models import llama3_tokenizer, orpheus_checkpoint, orpheus_config
 
 V = 156940
 ORPHEUS = orpheus_config()
@@ -142,7 +142,7 @@ class PenaltyJob(Job):
 @pytest.mark.parametrize("pipelined", [False, True])
 def test_penalty_through_the_batch_equals_a_pure_reference(pipelined: bool) -> None:
     dec = Decoder.random(preset("tiny"), "cpu", seed=0)
-    batch, pool = _batch(dec)
+    batch, pool = decode_batch(dec)
     jobs = [PenaltyJob(dec, pool, i, 10) for i in range(4)]
     for j in jobs[:2]:
         j.add_to(batch)
@@ -173,7 +173,7 @@ def _reference_without_penalty(dec: Decoder, job: Job) -> np.ndarray:
 
 def test_orpheus_stream_through_the_batch_obeys_the_grammar() -> None:
     dec = Decoder.random(ORPHEUS, "cpu", seed=4)
-    batch, pool = _batch(dec)
+    batch, pool = decode_batch(dec)
     job = Job(dec, pool, 0, 30)
     job.stream.sampling = SamplingParams(
         temperature=1.0, seed=3, grammar=Grammar.ORPHEUS, grammar_start=job.stream.prompt_len,

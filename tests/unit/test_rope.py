@@ -19,7 +19,7 @@ from tandem.backend.model.checkpoint import config_from_hf, load_checkpoint, sav
 from tandem.backend.model.config import ModelConfig
 from tandem.backend.model.decoder import Decoder
 from tandem.backend.model.rope import RopeScaling, inv_freq, parse_rope
-from tests.unit.test_checkpoint import COMMON, check_prefill_and_decode, hf_reference, scramble
+from tests.support.checkpoints import COMMON, check_prefill_and_decode, hf_reference, scramble
 
 transformers = pytest.importorskip("transformers")
 rope_utils = pytest.importorskip("transformers.modeling_rope_utils")

@@ -18,7 +18,7 @@ from tandem.backend.codec.builder import build_codec, codec_spec
 from tandem.backend.codec.orpheus import OrpheusLayout
 from tandem.backend.codec.snac import SnacCodec, snac_spec
 from tandem.backend.settings import parse_settings
-from tests.fixtures.snac_dir import write_snac_dir
+from tests.support.snac_dir import write_snac_dir
 
 FRAMES = 12
 

@@ -109,7 +109,7 @@ def test_calibration_needs_an_empty_batch():
     s = EngineSettings(pool=PoolSettings(num_pages=64, page_size=16))
     pool = make_pool(dec, s)
     batch = make_batch(dec, pool, s, RecordingMetrics())
-    from tests.unit.test_batch import Job
+    from tests.support.engines import Job
 
     Job(dec, pool, 0, 5).add_to(batch)
     with pytest.raises(RuntimeError, match="empty batch"):

@@ -20,7 +20,7 @@ from tandem.backend.text.frontend import Family, TextFrontend
 from tandem.backend.text.tokenizer import TextTokenizer
 from tandem.backend.voices.request import Action, parse_voice_request
 from tandem.backend.voices.store import VoiceRecord, VoiceStore
-from tests.fixtures.text_models import CHECKED_IN_TOKENIZER, ORPHEUS_VOICES, llama3_tokenizer, orpheus_config
+from tests.support.text_models import CHECKED_IN_TOKENIZER, ORPHEUS_VOICES, llama3_tokenizer, orpheus_config
 
 ORPHEUS = orpheus_config()
 TINY = preset("tiny")

@@ -10,21 +10,8 @@ from pathlib import Path
 import pytest
 
 from tandem.backend.errors import AlreadyExists, InvalidInput, NotFound
-from tandem.backend.voices.store import VoiceRecord, VoiceStore, check_name, default_dir, resolve_dir
-
-
-def record(name: str, transcript: str = "hello there", frames: int = 3, code: int = 1) -> VoiceRecord:
-    return VoiceRecord(
-        name=name,
-        transcript=transcript,
-        frames=[[code] * 7 for _ in range(frames)],
-        codec="snac",
-        sample_rate=24000,
-        samples_per_frame=2048,
-        duration_s=1.5,
-        source_rate=16000,
-        created=1.0,
-    )
+from tandem.backend.voices.store import VoiceStore, check_name, default_dir, resolve_dir
+from tests.support.voice_records import record
 
 
 def test_add_get_list_remove(tmp_path: Path) -> None:

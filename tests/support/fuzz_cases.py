@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 from hypothesis import strategies as st
 
-from tests.integration.wire import NUMPY, WireTensor
+from tests.support.wire import NUMPY, WireTensor
 
 VALID, INVALID, EITHER = "valid", "invalid", "either"
 SEQUENCE = "<sequence>"  # pseudo input name: the error is about the stream id or its flags

@@ -3,7 +3,7 @@
 `vanish()` starts a separate process that opens streams, waits until each has its first response,
 prints READY and is then killed with SIGKILL by the caller: its TCP connections die with it, no
 cancel is ever sent (what a crashed or unplugged listener does). `python -m
-tests.integration.abusers URL MAX_TOKENS MODEL...` is that process.
+tests.support.abusers URL MAX_TOKENS MODEL...` is that process.
 
 `flood()` sends many streams at once, one connection each, and returns their first answers;
 `read_stream()` is a well-behaved client beside the abuse. `one_shot()` is a well-formed request as
@@ -28,9 +28,9 @@ from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2, service_pb2
 
 from tandem.gateway.client import StreamResult, TTSClient, next_stream_id
-from tests.integration.helpers import prompt
-from tests.integration.server import REPO
-from tests.integration.wire import Connection, Response, WireTensor, request
+from tests.support.helpers import prompt
+from tests.support.server import REPO
+from tests.support.wire import Connection, Response, WireTensor, request
 
 
 def one_shot(
@@ -107,7 +107,7 @@ class Vanishing:
 
     def __init__(self, url: str, models: Sequence[str], max_tokens: int, timeout_s: float = 60.0) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.integration.abusers", url, str(max_tokens), *models],
+            [sys.executable, "-m", "tests.support.abusers", url, str(max_tokens), *models],
             cwd=REPO,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,

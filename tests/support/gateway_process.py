@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tests.integration.server import TritonProcess, free_port
+from tests.support.server import TritonProcess, free_port
 
 
 @contextlib.contextmanager

@@ -12,14 +12,14 @@ import textwrap
 from pathlib import Path
 
 from tandem.backend.voices.store import VoiceStore
-from tests.unit.test_voice_store import record
+from tests.support.voice_records import record
 
 WRITER = textwrap.dedent(
     """
     import sys, time
     from pathlib import Path
     from tandem.backend.voices.store import VoiceStore
-    from tests.unit.test_voice_store import record
+    from tests.support.voice_records import record
 
     class Slow(VoiceStore):
         def _publish(self, tmp, final):

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 import psutil
 import tritonclient.grpc as grpcclient
 
-from tests.integration.faults import find_stub
-from tests.integration.helpers import metric_value, metrics_text
+from tests.support.faults import find_stub
+from tests.support.helpers import metric_value, metrics_text
 
 ENGINES = ("prefill", "decode", "tts_mono")
 MODELS = ("tts", "tts_mono", "prefill", "decode", "vocoder")

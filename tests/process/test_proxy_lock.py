@@ -3,7 +3,7 @@
 A proxy copy requested by P finishes even if P dies mid-copy, so P's death alone must not look like
 proof to D. P hands its lock fd to the proxy on every request connection; the proxy closes it only
 after that connection's thread is done. These tests drive a real `ProxyServer` and real processes;
-the copy itself needs CUDA and is covered by tests/unit/test_gpu_paths.py on the device.
+the copy itself needs CUDA and is covered by tests/process/test_gpu_paths.py on the device.
 """
 
 from __future__ import annotations

@@ -31,9 +31,9 @@ from tandem.backend.settings import TransferSettings
 from tandem.gateway.client import StreamResult, TTSClient
 from tandem.serving.health import parse_health
 from tandem.serving.repository import model_parameter
-from tests.integration.helpers import metric_value, metrics_text
-from tests.integration.server import TritonProcess
 from tests.support.fault_hooks import fault_parameters
+from tests.support.helpers import metric_value, metrics_text
+from tests.support.server import TritonProcess
 
 
 def children(ppid: int) -> list[int]:
