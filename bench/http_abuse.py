@@ -1,5 +1,5 @@
 """Hostile HTTP clients on raw sockets, and what they measure (`bench/gateway_abuse.py`, and
-`tests/integration/test_gateway_abuse.py` at a CI scale).
+`tests/process/test_gateway_abuse.py` at a CI scale).
 
 - `first_byte`: a bystander's request, connect to the response's first byte.
 - `IdleHolder`: one client (one source address, a subprocess of its own) that opens N connections,

@@ -92,6 +92,7 @@ def gateway_alone(
         f"--port={port}",
         *args,
     ]
+
     def limit() -> None:
         if nofile is not None:
             resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))

@@ -1,6 +1,6 @@
 """The gateway's pure pieces of its HTTP bounds: the log's repeat summary, the body limit each
 route gets, the caps a small open-files limit leaves (the behaviour through the real process:
-tests/integration/test_gateway_abuse.py)."""
+tests/process/test_gateway_abuse.py)."""
 
 from __future__ import annotations
 

@@ -21,7 +21,7 @@ from tandem.bench.http_abuse import IdleHolder, RssSampler, big_bodies, first_by
 from tandem.gateway.limits import SPEECH_BODY_BYTES
 from tandem.gateway.serve import FD_RESERVE, ServerLimits, effective
 from tandem.gateway.voices import UPLOAD_CEILING
-from tests.integration.gateway_process import GatewayProc, gateway_alone
+from tests.support.gateway_process import GatewayProc, gateway_alone
 
 CAP, PER_CLIENT, HEAD_S, BODY_S = 48, 16, 2.0, 2.0
 FLAGS = [
