@@ -20,6 +20,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from tandem.gateway.errors import HTTP_STATUS
 
@@ -73,7 +74,8 @@ def install(app: FastAPI, count: Callable[[int], None]) -> None:
 
     @app.exception_handler(HTTPException)
     async def _http(request: Request, exc: HTTPException) -> JSONResponse:
-        count(exc.status_code)
+        if not isinstance(exc.__cause__, ClientDisconnect):  # gone mid-body: the server counted its cut
+            count(exc.status_code)
         headers = {k: v for k, v in (exc.headers or {}).items() if k.lower() == "allow"}
         return JSONResponse(error_body(exc.status_code, _message(request, exc)), exc.status_code, headers)
 

@@ -167,16 +167,18 @@ class GuardedH11Protocol(H11Protocol):
         self._refused = True
         self.transport = transport
         self.guard.cut(reason, self._host, why)
-        transport.write(
-            raw_response(503, f"the gateway is at its connection cap: {why}", (("retry-after", "1"),))
-        )
-        if self.guard.lingering < self.guard.limits.linger_cap and transport.can_write_eof():
-            self.guard.lingering += 1
-            self._lingering = True
-            transport.write_eof()
-            self._timer = self.loop.call_later(self.guard.limits.refused_linger_s, transport.close)
-        else:
-            transport.close()
+        answer = raw_response(503, f"the gateway is at its connection cap: {why}", (("retry-after", "1"),))
+        try:
+            transport.write(answer)
+            if self.guard.lingering < self.guard.limits.linger_cap and transport.can_write_eof():
+                transport.write_eof()
+                self.guard.lingering += 1
+                self._lingering = True
+                self._timer = self.loop.call_later(self.guard.limits.refused_linger_s, transport.close)
+                return
+        except OSError:  # the client is gone already (reset)
+            pass
+        transport.close()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel()

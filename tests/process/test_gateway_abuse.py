@@ -220,10 +220,14 @@ def test_a_silent_connection_is_closed_at_the_header_timeout(gw: GatewayProc) ->
 def test_a_body_shorter_than_its_content_length_gets_408_at_the_body_timeout(gw: GatewayProc) -> None:
     head = b"POST /v1/audio/speech HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\n"
     head += b"Content-Length: 1000\r\n\r\n"
+    counted = gw.metric("tandem_gateway_requests_total", status="400")
+    cut = gw.metric("tandem_gateway_connections_cut_total", reason="body_timeout")
     status, body, elapsed = _raw(gw.port, head + b'{"model": ')
     print(f"\nshort body: {status} after {elapsed:.2f} s")
     assert status == 408 and "body" in body["error"]["message"]
     assert BODY_S - 0.3 <= elapsed <= BODY_S + 5
+    assert gw.metric("tandem_gateway_connections_cut_total", reason="body_timeout") == cut + 1
+    assert gw.metric("tandem_gateway_requests_total", status="400") == counted  # not also a 400
 
 
 # ---- huge bodies --------------------------------------------------------------------------------
@@ -255,6 +259,12 @@ def test_eight_huge_bodies_are_refused_before_they_are_read(gw: GatewayProc, cas
     assert _raw(gw.port, _request("GET", "/v1/models"))[0] == 200
 
 
+def test_nothing_above_went_wrong_inside_the_gateway(gw: GatewayProc) -> None:
+    log = gw.log.read_text()
+    assert "Traceback" not in log and "Exception in" not in log, log[-4000:]
+    assert gw.proc.poll() is None
+
+
 # ---- the open-files limit -----------------------------------------------------------------------
 
 
@@ -283,4 +293,5 @@ def test_a_low_open_files_limit_clamps_the_cap_and_nothing_floods_the_log(tmp_pa
     assert set(report.answered) == {"503", "408"} and report.answered["408"] >= cap, report
     assert status_after == 200
     assert "Too many open files" not in log and "out of system resource" not in log
+    assert "Traceback" not in log, log[-4000:]
     assert log.count("refused a connection") <= 2
