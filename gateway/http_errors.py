@@ -2,7 +2,8 @@
 
 `code` is the tandem code (`gateway/errors.py`) where one applies, else the one its HTTP status has
 (`CODE_BY_STATUS`); `type` is `invalid_request_error` below 500, `server_error` from 500. Besides the
-gateway's own refusals (`app.error_response`), `install` answers this way for what FastAPI and
+gateway's own refusals (`app.error_response`; FastAPI's 422, a body that fails validation, is
+400 there), `install` answers this way for what FastAPI and
 Starlette would answer themselves (404 no such route, 405, 400 a body that does not parse (also
 JSON nested past Python's recursion limit), 413 a body over its route's limit, 500 an exception
 nobody caught), and `raw_response` gives the bytes the HTTP server writes itself, outside the app
