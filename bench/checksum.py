@@ -4,7 +4,7 @@
     tandem-bench-checksum --device cuda:0 --paths torch,kernel,rows  # the fused kernel against torch
     tandem-bench-checksum --device cuda:0 --paths rows,write         # P's hash before / inside its write
 
-D verifies every DONE on the control connection's reader thread (`transfer/receiver.py: _verify`),
+D verifies every DONE on the control connection's reader thread (`transfer/verifier.py`),
 while the engine thread runs decode steps in the same process. Both hold the GIL between torch calls,
 and every torch call releases and re-takes it, so a hash issued as many small calls waits for the
 engine at every call. This bench measures the checksum of `--mib` MiB on `--device`:

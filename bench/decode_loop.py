@@ -243,13 +243,12 @@ def plot(result: dict[str, Any], path: Path) -> None:
         ax.set_xlabel("decode batch (streams)")
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=7)
-    fig.suptitle(
+    benchutil.save_figure(
+        plt,
+        fig,
+        path,
         f"decode loop, {meta['preset']} {meta['dtype']} on {meta['device']} (commit {meta['commit'][:10]})",
-        fontsize=10,
     )
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def print_tables(result: dict[str, Any]) -> None:

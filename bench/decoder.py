@@ -275,14 +275,13 @@ def plot(result: dict[str, Any], path: Path) -> None:
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
     ax1.set_ylim(bottom=0)
-    fig.suptitle(
+    benchutil.save_figure(
+        plt,
+        fig,
+        path,
         f"decoder {meta['preset']} {meta['dtype']} on {meta['device']} "
         f"(commit {meta['commit'][:10]}, torch {meta['torch']})",
-        fontsize=10,
     )
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def print_tables(result: dict[str, Any]) -> None:

@@ -156,14 +156,13 @@ def plot(result: dict[str, Any], path: Path) -> None:
     ax.set_ylabel("logits cosine against bf16")
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
-    fig.suptitle(
+    benchutil.save_figure(
+        plt,
+        fig,
+        path,
         f"FP8 quality, {meta['preset']} (random weights, seed {meta['seed']}) on {meta['device']}, "
         f"commit {meta['commit'][:10]}",
-        fontsize=10,
     )
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def print_tables(result: dict[str, Any]) -> None:

@@ -341,13 +341,12 @@ def plot(result: dict[str, Any], path: Path) -> None:
         ax.set_title(_label(r).replace("\n", ", "), fontsize=9)
         ax.grid(True, axis="y", alpha=0.3)
     axes[0][-1].legend(fontsize=7, loc="upper right")
-    fig.suptitle(
+    benchutil.save_figure(
+        plt,
+        fig,
+        path,
         f"host_shm KV hand-off, P process -> D process, on {meta['device']} (commit {meta['commit'][:10]})",
-        fontsize=10,
     )
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def print_table(result: dict[str, Any]) -> None:

@@ -279,14 +279,14 @@ def plot(result: dict[str, Any], path: Any) -> None:
         "ms per step",
         "fraction of roofline",
     )
-    fig.suptitle(
+    benchutil.save_figure(
+        plt,
+        fig,
+        path,
         f"decode forward {meta['preset']} {meta['dtype']} on {meta['device']} ({meta.get('kernels', '')}, "
         f"commit {meta['commit'][:10]})",
         fontsize=9,
     )
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def plot_prefill(results: list[tuple[str, dict[str, Any]]], path: Any) -> None:
@@ -312,7 +312,4 @@ def plot_prefill(results: list[tuple[str, dict[str, Any]]], path: Any) -> None:
         "ms per prefill (dashed: FLOPs at the peak)",
         f"fraction of {peak:.0f} TFLOP/s",
     )
-    fig.suptitle(f"prefill on {results[0][1]['meta']['device']}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    benchutil.save_figure(plt, fig, path, f"prefill on {results[0][1]['meta']['device']}", fontsize=9)

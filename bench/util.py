@@ -164,6 +164,14 @@ def pyplot() -> Any:
     return plt
 
 
+def save_figure(plt: Any, fig: Any, path: Path, title: str, fontsize: int = 10, dpi: int = 110) -> None:
+    """Title `fig`, lay it out, write it to `path` and close it (every bench's plot ends so)."""
+    fig.suptitle(title, fontsize=fontsize)
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+
+
 DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32"}
 
 

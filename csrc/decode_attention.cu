@@ -45,15 +45,7 @@ __global__ void __launch_bounds__(kWarps * 32)
                    float* __restrict__ part_ml) {
   constexpr int HD = 32 * EPL;
   using P = Pack<T, EPL>;
-  const int b = blockIdx.x / kv_heads;
-  const int h = blockIdx.x - b * kv_heads;
-  const int split = blockIdx.y;
-  const int warp = threadIdx.x >> 5;
-  const int lane = threadIdx.x & 31;
-  const int nh = kv_heads * G;
-  const int64_t len = lengths[b];
-  const int64_t t0 = static_cast<int64_t>(split) * chunk;
-  const int64_t t1 = t0 + chunk < len ? t0 + chunk : len;
+  const auto [b, h, split, warp, lane, nh, len, t0, t1] = attn::split_block<G>(kv_heads, lengths, chunk);
 
   float qr[G][EPL];
 #pragma unroll
@@ -63,13 +55,7 @@ __global__ void __launch_bounds__(kWarps * 32)
     for (int e = 0; e < EPL; ++e) qr[g][e] = to_float(p.v[e]) * scale_log2;
   }
   float m[G], l[G], acc[G][EPL];
-#pragma unroll
-  for (int g = 0; g < G; ++g) {
-    m[g] = -INFINITY;
-    l[g] = 0.f;
-#pragma unroll
-    for (int e = 0; e < EPL; ++e) acc[g][e] = 0.f;
-  }
+  attn::init_state(m, l, acc);
 
   const int64_t row = static_cast<int64_t>(kv_heads) * HD;  // elements per slot of one of K / V
   const T* kbase = kv + static_cast<int64_t>(h) * HD + lane * EPL;
@@ -115,38 +101,9 @@ __global__ void __launch_bounds__(kWarps * 32)
   __shared__ float s_m[kWarps][G];
   __shared__ float s_l[kWarps][G];
   __shared__ float s_acc[kWarps][G][HD];
-#pragma unroll
-  for (int g = 0; g < G; ++g) {
-    if (lane == 0) {
-      s_m[warp][g] = m[g];
-      s_l[warp][g] = l[g];
-    }
-#pragma unroll
-    for (int e = 0; e < EPL; ++e) s_acc[warp][g][lane * EPL + e] = acc[g][e];
-  }
+  attn::stash_warp_state<EPL, G, HD>(s_m, s_l, s_acc, warp, lane, m, l, acc);
   __syncthreads();
-  for (int i = threadIdx.x; i < G * HD; i += kWarps * 32) {
-    const int g = i / HD;
-    const int d = i - g * HD;
-    float mx = -INFINITY;
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) mx = fmaxf(mx, s_m[w][g]);
-    float sum = 0.f, a = 0.f;
-    if (mx != -INFINITY) {
-#pragma unroll
-      for (int w = 0; w < kWarps; ++w) {
-        const float f = s_m[w][g] == -INFINITY ? 0.f : exp2f(s_m[w][g] - mx);
-        sum += s_l[w][g] * f;
-        a += s_acc[w][g][d] * f;
-      }
-    }
-    const int64_t at = (static_cast<int64_t>(b) * nh + h * G + g) * splits + split;
-    part_acc[at * HD + d] = a;
-    if (d == 0) {
-      part_ml[at * 2] = mx;
-      part_ml[at * 2 + 1] = sum;
-    }
-  }
+  attn::store_split_partial<kWarps, G, HD>(s_m, s_l, s_acc, b, nh, h, splits, split, part_acc, part_ml);
 }
 
 // Variant 2 (the default): the same work, mapped for fewer shuffles and no redundant exponentials.
@@ -166,15 +123,7 @@ __global__ void __launch_bounds__(kWarps * 32)
   constexpr int NV = HD / VEC;
   constexpr int kBatch = 8;  // V rows in flight per lane in P.V
   using P = Pack<T, EPL>;
-  const int b = blockIdx.x / kv_heads;
-  const int h = blockIdx.x - b * kv_heads;
-  const int split = blockIdx.y;
-  const int warp = threadIdx.x >> 5;
-  const int lane = threadIdx.x & 31;
-  const int nh = kv_heads * G;
-  const int64_t len = lengths[b];
-  const int64_t t0 = static_cast<int64_t>(split) * chunk;
-  const int64_t t1 = t0 + chunk < len ? t0 + chunk : len;
+  const auto [b, h, split, warp, lane, nh, len, t0, t1] = attn::split_block<G>(kv_heads, lengths, chunk);
 
   __shared__ __align__(16) float s_q[G][HD];
   for (int i = threadIdx.x; i < G * HD; i += kWarps * 32) {
@@ -184,13 +133,7 @@ __global__ void __launch_bounds__(kWarps * 32)
   __syncthreads();
 
   float m[G], l[G], acc[G][EPL];
-#pragma unroll
-  for (int g = 0; g < G; ++g) {
-    m[g] = -INFINITY;
-    l[g] = 0.f;
-#pragma unroll
-    for (int e = 0; e < EPL; ++e) acc[g][e] = 0.f;
-  }
+  attn::init_state(m, l, acc);
   const int64_t row = static_cast<int64_t>(kv_heads) * HD;
   const T* kbase = kv + static_cast<int64_t>(h) * HD;
   const T* vbase = kbase + pool_rows * row + lane * EPL;
@@ -260,38 +203,9 @@ __global__ void __launch_bounds__(kWarps * 32)
   __shared__ float s_m[kWarps][G];
   __shared__ float s_l[kWarps][G];
   __shared__ float s_acc[kWarps][G][HD];
-#pragma unroll
-  for (int g = 0; g < G; ++g) {
-    if (lane == 0) {
-      s_m[warp][g] = m[g];
-      s_l[warp][g] = l[g];
-    }
-#pragma unroll
-    for (int e = 0; e < EPL; ++e) s_acc[warp][g][lane * EPL + e] = acc[g][e];
-  }
+  attn::stash_warp_state<EPL, G, HD>(s_m, s_l, s_acc, warp, lane, m, l, acc);
   __syncthreads();
-  for (int i = threadIdx.x; i < G * HD; i += kWarps * 32) {
-    const int g = i / HD;
-    const int d = i - g * HD;
-    float mx = -INFINITY;
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) mx = fmaxf(mx, s_m[w][g]);
-    float sum = 0.f, a = 0.f;
-    if (mx != -INFINITY) {
-#pragma unroll
-      for (int w = 0; w < kWarps; ++w) {
-        const float f = s_m[w][g] == -INFINITY ? 0.f : exp2f(s_m[w][g] - mx);
-        sum += s_l[w][g] * f;
-        a += s_acc[w][g][d] * f;
-      }
-    }
-    const int64_t at = (static_cast<int64_t>(b) * nh + h * G + g) * splits + split;
-    part_acc[at * HD + d] = a;
-    if (d == 0) {
-      part_ml[at * 2] = mx;
-      part_ml[at * 2 + 1] = sum;
-    }
-  }
+  attn::store_split_partial<kWarps, G, HD>(s_m, s_l, s_acc, b, nh, h, splits, split, part_acc, part_ml);
 }
 
 

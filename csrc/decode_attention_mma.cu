@@ -42,6 +42,7 @@ namespace {
 using attn::cp_async16;
 using attn::cp_async_commit;
 using attn::cp_async_wait;
+using attn::load_tile;
 
 constexpr int kTile = 32;
 constexpr int kWarps = 4;
@@ -106,24 +107,6 @@ __device__ __forceinline__ void convert_tile(unsigned char* dst, int stride, con
     *reinterpret_cast<uint4*>(dst + r * stride + c * 32) = lo;
     *reinterpret_cast<uint4*>(dst + r * stride + c * 32 + 16) = hi;
   }
-}
-
-template <int CH>
-__device__ __forceinline__ void load_tile(unsigned char* dst, int stride, const unsigned char* src, int64_t pool_row,
-                                          int64_t slot, int n, int lane, bool zero_rest) {
-#pragma unroll
-  for (int k = 0; k < CH; ++k) {
-    const int i = lane + 32 * k;
-    const int r = i / CH;
-    const int c = i - r * CH;
-    const int64_t s = __shfl_sync(0xffffffffu, slot, r);
-    if (r < n) {
-      cp_async16(dst + r * stride + c * 16, src + s * pool_row + c * 16);
-    } else if (zero_rest) {
-      *reinterpret_cast<uint4*>(dst + r * stride + c * 16) = make_uint4(0, 0, 0, 0);
-    }
-  }
-  cp_async_commit();
 }
 
 __device__ __forceinline__ unsigned smem_u32(const void* p) {
@@ -390,28 +373,7 @@ __global__ void __launch_bounds__(kWarps * 32, F8 ? 2 : 3)
     }
   }
   __syncthreads();
-  for (int i = threadIdx.x; i < G * HD; i += kWarps * 32) {
-    const int g = i / HD;
-    const int d = i - g * HD;
-    float mx = -INFINITY;
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) mx = fmaxf(mx, s_m[w][g]);
-    float sum = 0.f, a = 0.f;
-    if (mx != -INFINITY) {
-#pragma unroll
-      for (int w = 0; w < kWarps; ++w) {
-        const float f = s_m[w][g] == -INFINITY ? 0.f : exp2f(s_m[w][g] - mx);
-        sum += s_l[w][g] * f;
-        a += s_acc[w][g][d] * f;
-      }
-    }
-    const int64_t at = (static_cast<int64_t>(b) * nh + h * G + g) * splits + split;
-    part_acc[at * HD + d] = a;
-    if (d == 0) {
-      part_ml[at * 2] = mx;
-      part_ml[at * 2 + 1] = sum;
-    }
-  }
+  attn::store_split_partial<kWarps, G, HD>(s_m, s_l, s_acc, b, nh, h, splits, split, part_acc, part_ml);
 }
 
 // Variant 5: one block per (sequence, split, group of NW KV heads); warp w takes KV head w of the

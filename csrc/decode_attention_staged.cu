@@ -29,6 +29,7 @@ namespace {
 using attn::cp_async16;
 using attn::cp_async_commit;
 using attn::cp_async_wait;
+using attn::load_tile;
 using attn::from_float;
 using attn::Pack;
 using attn::to_float;
@@ -46,22 +47,6 @@ struct Geo {
   static constexpr int kSmem = kQBytes + kWarps * kWarpBytes;
 };
 
-// Copy rows of n (<= 32) tokens, lane t holding token t's slot, into shared rows of `stride` bytes;
-// lane i copies pieces i, i + 32, ... so each warp copy is whole consecutive rows. One group committed.
-template <int CH>
-__device__ __forceinline__ void load_tile(unsigned char* dst, int stride, const unsigned char* src, int64_t pool_row,
-                                          int64_t slot, int n, int lane) {
-#pragma unroll
-  for (int k = 0; k < CH; ++k) {
-    const int i = lane + 32 * k;
-    const int r = i / CH;
-    const int c = i - r * CH;
-    const int64_t s = __shfl_sync(0xffffffffu, slot, r);
-    if (r < n) cp_async16(dst + r * stride + c * 16, src + s * pool_row + c * 16);
-  }
-  cp_async_commit();
-}
-
 template <typename T, int EPL, int G>
 __global__ void __launch_bounds__(Geo<T, 32 * EPL>::kWarps * 32)
     decode_partial_staged(const T* __restrict__ q, const T* __restrict__ kv, int64_t pool_rows,
@@ -78,15 +63,7 @@ __global__ void __launch_bounds__(Geo<T, 32 * EPL>::kWarps * 32)
   float(*s_q)[HD] = reinterpret_cast<float(*)[HD]>(smem);
   unsigned char* tiles = smem + GT::kQBytes;
 
-  const int b = blockIdx.x / kv_heads;
-  const int h = blockIdx.x - b * kv_heads;
-  const int split = blockIdx.y;
-  const int warp = threadIdx.x >> 5;
-  const int lane = threadIdx.x & 31;
-  const int nh = kv_heads * G;
-  const int64_t len = lengths[b];
-  const int64_t t0 = static_cast<int64_t>(split) * chunk;
-  const int64_t t1 = t0 + chunk < len ? t0 + chunk : len;
+  const auto [b, h, split, warp, lane, nh, len, t0, t1] = attn::split_block<G>(kv_heads, lengths, chunk);
   unsigned char* s_k = tiles + warp * GT::kWarpBytes;
   unsigned char* s_v = s_k + kTile * GT::kKStride;
 
@@ -99,8 +76,8 @@ __global__ void __launch_bounds__(Geo<T, 32 * EPL>::kWarps * 32)
   int64_t base = t0 + warp * kTile;
   int n = t1 - base >= kTile ? kTile : (t1 > base ? static_cast<int>(t1 - base) : 0);
   int64_t slot = lane < n ? srow[base + lane] : 0;
-  load_tile<GT::kChunks>(s_k, GT::kKStride, kbase, pool_row, slot, n, lane);
-  load_tile<GT::kChunks>(s_v, GT::kRowBytes, vbase, pool_row, slot, n, lane);
+  load_tile<GT::kChunks>(s_k, GT::kKStride, kbase, pool_row, slot, n, lane, false);
+  load_tile<GT::kChunks>(s_v, GT::kRowBytes, vbase, pool_row, slot, n, lane, false);
 
   for (int i = threadIdx.x; i < G * HD; i += NW * 32) {
     const int g = i / HD;
@@ -109,13 +86,7 @@ __global__ void __launch_bounds__(Geo<T, 32 * EPL>::kWarps * 32)
   __syncthreads();
 
   float m[G], l[G], acc[G][EPL];
-#pragma unroll
-  for (int g = 0; g < G; ++g) {
-    m[g] = -INFINITY;
-    l[g] = 0.f;
-#pragma unroll
-    for (int e = 0; e < EPL; ++e) acc[g][e] = 0.f;
-  }
+  attn::init_state(m, l, acc);
 
   for (; base < t1; base += NW * kTile) {
     const int64_t next = base + NW * kTile;
@@ -142,7 +113,7 @@ __global__ void __launch_bounds__(Geo<T, 32 * EPL>::kWarps * 32)
       }
     }
     __syncwarp();  // every lane has read its K row: the buffer takes the next tile
-    load_tile<GT::kChunks>(s_k, GT::kKStride, kbase, pool_row, nslot, nn, lane);
+    load_tile<GT::kChunks>(s_k, GT::kKStride, kbase, pool_row, nslot, nn, lane, false);
 
     float p[G];
 #pragma unroll
@@ -176,7 +147,7 @@ __global__ void __launch_bounds__(Geo<T, 32 * EPL>::kWarps * 32)
       }
     }
     __syncwarp();  // every lane has read the V tile
-    load_tile<GT::kChunks>(s_v, GT::kRowBytes, vbase, pool_row, nslot, nn, lane);
+    load_tile<GT::kChunks>(s_v, GT::kRowBytes, vbase, pool_row, nslot, nn, lane, false);
     n = nn;
     slot = nslot;
   }
@@ -186,38 +157,9 @@ __global__ void __launch_bounds__(Geo<T, 32 * EPL>::kWarps * 32)
   __shared__ float s_m[NW][G];
   __shared__ float s_l[NW][G];
   float(*s_acc)[G][HD] = reinterpret_cast<float(*)[G][HD]>(tiles);
-#pragma unroll
-  for (int g = 0; g < G; ++g) {
-    if (lane == 0) {
-      s_m[warp][g] = m[g];
-      s_l[warp][g] = l[g];
-    }
-#pragma unroll
-    for (int e = 0; e < EPL; ++e) s_acc[warp][g][lane * EPL + e] = acc[g][e];
-  }
+  attn::stash_warp_state<EPL, G, HD>(s_m, s_l, s_acc, warp, lane, m, l, acc);
   __syncthreads();
-  for (int i = threadIdx.x; i < G * HD; i += NW * 32) {
-    const int g = i / HD;
-    const int d = i - g * HD;
-    float mx = -INFINITY;
-#pragma unroll
-    for (int w = 0; w < NW; ++w) mx = fmaxf(mx, s_m[w][g]);
-    float sum = 0.f, a = 0.f;
-    if (mx != -INFINITY) {
-#pragma unroll
-      for (int w = 0; w < NW; ++w) {
-        const float f = s_m[w][g] == -INFINITY ? 0.f : exp2f(s_m[w][g] - mx);
-        sum += s_l[w][g] * f;
-        a += s_acc[w][g][d] * f;
-      }
-    }
-    const int64_t at = (static_cast<int64_t>(b) * nh + h * G + g) * splits + split;
-    part_acc[at * HD + d] = a;
-    if (d == 0) {
-      part_ml[at * 2] = mx;
-      part_ml[at * 2 + 1] = sum;
-    }
-  }
+  attn::store_split_partial<NW, G, HD>(s_m, s_l, s_acc, b, nh, h, splits, split, part_acc, part_ml);
 }
 
 template <typename T, int EPL, int G>

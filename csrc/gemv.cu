@@ -54,22 +54,24 @@ __device__ __forceinline__ float dot8(const uint4& a, const uint4& b, float acc)
   return acc;
 }
 
-template <typename T, int M, int R>
-__global__ void __launch_bounds__(kWarps * 32)
-    gemv_kernel(const T* __restrict__ x, const T* __restrict__ w, const T* __restrict__ bias, T* __restrict__ y,
-                int n, int k) {
+// The mapping both kernels share: warp (blockIdx.x, warp) takes R weight rows from row0 (rows past n
+// repeat row n - 1; their sums are not stored), each lane streams its 16-byte vectors of them (`kv` a
+// row, U = 8 / R in flight, L1::no_allocate), and `dot(wv, m, c, kv, acc)` adds weight vector c of a
+// row times row m of x to acc. On return every lane holds every (m, r) sum (shuffle reduction); lane
+// m * R + r then stores output (m, row0 + r) through `store(m, row, sum)`.
+template <int M, int R, typename W, typename Dot, typename Store>
+__device__ __forceinline__ void stream_rows(const W* __restrict__ w, int n, int k, Dot dot, Store store) {
   constexpr int U = 8 / R;  // 16-byte steps a lane loads per row before it multiplies
   const int lane = threadIdx.x & 31;
   const int row0 = (blockIdx.x * kWarps + (threadIdx.x >> 5)) * R;
   if (row0 >= n) return;
-  const int kv = k / 8;  // 16-byte vectors per row
+  const int kv = k / (16 / static_cast<int>(sizeof(W)));  // 16-byte vectors per row
   const uint4* wrow[R];
 #pragma unroll
   for (int r = 0; r < R; ++r) {
     const int row = row0 + r < n ? row0 + r : n - 1;
     wrow[r] = reinterpret_cast<const uint4*>(w + static_cast<int64_t>(row) * k);
   }
-  const uint4* xv = reinterpret_cast<const uint4*>(x);
   float acc[M][R];
 #pragma unroll
   for (int m = 0; m < M; ++m) {
@@ -89,11 +91,7 @@ __global__ void __launch_bounds__(kWarps * 32)
       const int c = c0 + 32 * u;
       if (c < kv) {
 #pragma unroll
-        for (int m = 0; m < M; ++m) {
-          const uint4 xm = __ldg(xv + static_cast<int64_t>(m) * kv + c);
-#pragma unroll
-          for (int r = 0; r < R; ++r) acc[m][r] = dot8<T>(wv[u][r], xm, acc[m][r]);
-        }
+        for (int m = 0; m < M; ++m) dot(wv[u], m, c, kv, acc[m]);
       }
     }
   }
@@ -105,18 +103,32 @@ __global__ void __launch_bounds__(kWarps * 32)
       for (int off = 16; off > 0; off >>= 1) acc[m][r] += __shfl_xor_sync(0xffffffffu, acc[m][r], off);
     }
   }
-  // Every lane holds every sum now; lane m * R + r stores output (m, row0 + r).
 #pragma unroll
   for (int m = 0; m < M; ++m) {
 #pragma unroll
     for (int r = 0; r < R; ++r) {
       const int row = row0 + r;
-      if (lane == m * R + r && row < n) {
-        const float b = bias == nullptr ? 0.f : attn::to_float<T>(bias[row]);
-        y[static_cast<int64_t>(m) * n + row] = attn::from_float<T>(acc[m][r] + b);
-      }
+      if (lane == m * R + r && row < n) store(m, row, acc[m][r]);
     }
   }
+}
+
+template <typename T, int M, int R>
+__global__ void __launch_bounds__(kWarps * 32)
+    gemv_kernel(const T* __restrict__ x, const T* __restrict__ w, const T* __restrict__ bias, T* __restrict__ y,
+                int n, int k) {
+  const uint4* xv = reinterpret_cast<const uint4*>(x);
+  stream_rows<M, R>(
+      w, n, k,
+      [&](const uint4 (&wv)[R], int m, int c, int kv, float (&acc)[R]) {
+        const uint4 xm = __ldg(xv + static_cast<int64_t>(m) * kv + c);
+#pragma unroll
+        for (int r = 0; r < R; ++r) acc[r] = dot8<T>(wv[r], xm, acc[r]);
+      },
+      [&](int m, int row, float sum) {
+        const float b = bias == nullptr ? 0.f : attn::to_float<T>(bias[row]);
+        y[static_cast<int64_t>(m) * n + row] = attn::from_float<T>(sum + b);
+      });
 }
 
 // y = (x . W8^T) * scale + bias with W8 E4M3 [N, K] and one float32 scale per output row
@@ -147,65 +159,19 @@ __global__ void __launch_bounds__(kWarps * 32)
     gemv_fp8_kernel(const __nv_bfloat16* __restrict__ x, const unsigned char* __restrict__ w,
                     const float* __restrict__ scale, const __nv_bfloat16* __restrict__ bias,
                     __nv_bfloat16* __restrict__ y, int n, int k) {
-  constexpr int U = 8 / R;
-  const int lane = threadIdx.x & 31;
-  const int row0 = (blockIdx.x * kWarps + (threadIdx.x >> 5)) * R;
-  if (row0 >= n) return;
-  const int kv = k / 16;  // 16-byte vectors of weights per row
-  const uint4* wrow[R];
-#pragma unroll
-  for (int r = 0; r < R; ++r) {
-    const int row = row0 + r < n ? row0 + r : n - 1;
-    wrow[r] = reinterpret_cast<const uint4*>(w + static_cast<int64_t>(row) * k);
-  }
   const uint4* xv = reinterpret_cast<const uint4*>(x);  // row m: 2 * kv vectors of 8
-  float acc[M][R];
+  stream_rows<M, R>(
+      w, n, k,
+      [&](const uint4 (&wv)[R], int m, int c, int kv, float (&acc)[R]) {
+        const uint4 xa = __ldg(xv + static_cast<int64_t>(m) * 2 * kv + 2 * c);
+        const uint4 xb = __ldg(xv + static_cast<int64_t>(m) * 2 * kv + 2 * c + 1);
 #pragma unroll
-  for (int m = 0; m < M; ++m) {
-#pragma unroll
-    for (int r = 0; r < R; ++r) acc[m][r] = 0.f;
-  }
-  for (int c0 = lane; c0 < kv; c0 += 32 * U) {
-    uint4 wv[U][R];
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int c = c0 + 32 * u;
-#pragma unroll
-      for (int r = 0; r < R; ++r) wv[u][r] = c < kv ? ld_stream(wrow[r] + c) : make_uint4(0, 0, 0, 0);
-    }
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int c = c0 + 32 * u;
-      if (c < kv) {
-#pragma unroll
-        for (int m = 0; m < M; ++m) {
-          const uint4 xa = __ldg(xv + static_cast<int64_t>(m) * 2 * kv + 2 * c);
-          const uint4 xb = __ldg(xv + static_cast<int64_t>(m) * 2 * kv + 2 * c + 1);
-#pragma unroll
-          for (int r = 0; r < R; ++r) acc[m][r] = dot16_fp8(wv[u][r], xa, xb, acc[m][r]);
-        }
-      }
-    }
-  }
-#pragma unroll
-  for (int m = 0; m < M; ++m) {
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
-#pragma unroll
-      for (int off = 16; off > 0; off >>= 1) acc[m][r] += __shfl_xor_sync(0xffffffffu, acc[m][r], off);
-    }
-  }
-#pragma unroll
-  for (int m = 0; m < M; ++m) {
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
-      const int row = row0 + r;
-      if (lane == m * R + r && row < n) {
+        for (int r = 0; r < R; ++r) acc[r] = dot16_fp8(wv[r], xa, xb, acc[r]);
+      },
+      [&](int m, int row, float sum) {
         const float b = bias == nullptr ? 0.f : __bfloat162float(bias[row]);
-        y[static_cast<int64_t>(m) * n + row] = __float2bfloat16_rn(acc[m][r] * scale[row] + b);
-      }
-    }
-  }
+        y[static_cast<int64_t>(m) * n + row] = __float2bfloat16_rn(sum * scale[row] + b);
+      });
 }
 
 // Rows per warp: as many as still leave ~16 warps an SM (a warp keeps 8 x 16 bytes a lane in flight,

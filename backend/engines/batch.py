@@ -1,30 +1,19 @@
 """The running batch: one decode step over every admitted stream, and chunk emission.
 
-Shared by the monolithic engine and by D. The owner (one engine thread) adds streams whose prompt
-KV already sits in the pool together with their first generated row, then calls `advance()` in a
-loop. A stream leaves the batch when it finishes (final chunk emitted) or when its client is gone
-(`cancelled`); its `release` (pages back) is called exactly once, when no queued step can still
-write its KV. Pages are reserved at admission for the prompt plus `max_new_rows`, so a step never
-allocates and a running stream can never be starved of pages.
+Shared by the monolithic engine and D; one engine thread owns it. It adds streams whose prompt KV
+and first row are in the pool, then calls `advance()` in a loop. A stream leaves when it finishes
+or its client is gone; its `release` (pages back) runs exactly once, when no queued step can still
+write its KV. Pages for the prompt plus `max_new_rows` are reserved at admission, so a step never
+allocates.
 
-Device-side token feedback: `advance()` queues step n+1 *before* it waits for step n. Step n+1's
-input rows are step n's sampled rows, still on the device, so the device goes from one step to the
-next without waiting for the host; the host then takes step n's rows (copied into pinned memory
-behind step n, ahead of step n+1), emits chunks, and does the owner's work (D admits and polls
-transfers) while step n+1 runs. What that costs, and how it stays correct:
-- A stream whose step-n row ends it (EOS) is already in step n+1: that row is computed and dropped.
-  A stream's `max_new_rows` is known in advance, so it is never queued past it.
-- That dropped step still writes the KV of the stream's last row into the stream's pages, so a
-  stream leaving while a queued step includes it gets its `release` only when that step finished.
-- Every host -> device copy of a step goes through pinned memory (`backend/device.py`): from
-  pageable memory the host would wait for the step already running.
-- A stream joining between two `advance()` calls misses the step already queued: its first decode
-  row comes one step later than a serial loop would give it.
-Tokens are exactly those of a serial loop: sampling depends on (seed, position, column) only.
+`advance()` queues step n+1 (its input rows: step n's sampled rows, still on the device) before it
+waits for step n, so the device never waits for the host (docs/architecture.md, "Threads and
+ownership"). Consequences: a stream that ends at step n has one dropped row in step n+1, which
+still writes its last KV (hence the late `release`); a stream joining between two calls misses the
+step already queued. Tokens equal a serial loop's: sampling depends on (seed, position, column) only.
 
-Between two `advance()` calls at most one step is queued; `drain()` waits for it. `step()` is
-`advance()` then `drain()`: one whole step, every stream's row appended when it returns. On the CPU
-the forward runs inside `advance()`, in the same order, so the same code is what the CPU tests run.
+At most one step is queued between calls; `drain()` waits for it; `step()` is `advance()` then
+`drain()`. On the CPU the forward runs inside `advance()`, in the same order.
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """The seam a fault drill plugs into P: a copy hook loaded from a file the settings name.
 
-Product code holds no fault logic: with `tandem.faults.hook` unset (the default) P's sender gets no
-hook and its copy path runs nothing extra. A drill names a Python file (the tests': their
-tests/support/fault_hooks.py) whose `make_copy_hook(options)` builds the hook; it is loaded by path,
-once, when P starts, so it needs nothing on P's import path.
+With `tandem.faults.hook` unset (the default) P's sender gets no hook. A drill names a Python file
+whose `make_copy_hook(options)` builds the hook (the tests': tests/support/fault_hooks.py); it is
+loaded by path, once, when P starts.
 """
 
 from __future__ import annotations

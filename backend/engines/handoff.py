@@ -1,8 +1,7 @@
 """What P hands D through the `tts` ensemble: the transfer ticket plus the stream's state.
 
-P samples the first row (it has the prompt's logits) and fixes the seed; D continues from there.
-Travels as the `HANDOFF` BYTES tensor (JSON), the only input of `decode` (ensemble rule: decode's
-inputs come from one ancestry). `ticket` is None when the stream already ended at its first row.
+P samples the first row and fixes the seed; D continues from there. Travels as the `HANDOFF` BYTES
+tensor (JSON), decode's only input; `ticket` is None when the stream ended at its first row.
 """
 
 from __future__ import annotations

@@ -1,11 +1,10 @@
-"""The monolithic engine: prefill and decode share one device and one loop (the baseline PD beats).
+"""The monolithic engine: prefill and decode share one device and one loop (the baseline).
 
-Each loop iteration first admits every pending request that fits (together in one prefill forward,
-with prefix caching, as P does), then runs one decode step over the running batch. A cold prompt's
-prefill therefore pauses every playing stream on the device — exactly the stall the PD split
-removes — and both engines share every other piece (decoder, batch, sampling, chunking), so `tts`
-and `tts_mono` produce identical tokens for identical requests (on a GPU, up to the float rounding
-of which prompts shared a forward).
+Each iteration admits every pending request that fits into one prefill forward (prefix-cached, as
+P does), then runs one decode step over the batch, so a cold prefill pauses every playing stream.
+Every other piece (decoder, batch, sampling, chunking) is shared with P and D, so `tts` and
+`tts_mono` give identical tokens for identical requests (on a GPU, up to the rounding of which
+prompts shared a forward).
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
-"""The pieces every engine builds the same way from its settings: the decoder, pool, batch, intake and
-transfer path.
+"""What every engine builds the same way from its settings: decoder, pool, batch, intake, transfer path.
 
-The monolithic engine, P and D each own a KV pool, most own a decode batch and a bounded intake, and P
-and D select a transfer path; building them here keeps the three engines from drifting apart (equal
-settings must mean equal behaviour, or `tts` and `tts_mono` stop producing identical tokens).
+One builder keeps the engines from drifting apart: equal settings must mean equal behaviour, or
+`tts` and `tts_mono` stop producing identical tokens.
 """
 
 from __future__ import annotations

@@ -1,14 +1,12 @@
 """P: prompt forward, first row, and the offer of the prompt's KV to D.
 
-A request's journey through P:
-    execute thread: validate + pack (native) -> Intake (bounded)      [off the forward loop]
+    execute thread: validate + pack (native) -> Intake (bounded)
     engine thread:  prefix-cache allocate -> forward -> sample row 0 -> cache commit
-                    -> sender.offer(gather) -> HANDOFF response (ticket + row 0 + seed + timings)
-    sender threads: on D's PULL, gather the rows into staging and copy them across; then
-                    `on_source_released` -> the engine thread releases the prompt's pages.
+                    -> sender.offer(gather) -> HANDOFF (ticket + row 0 + seed + timings)
+    sender threads: on D's PULL, copy the rows across, then `on_source_released`
 
-P's pages for a prompt belong to the transfer sender from `offer` until `on_source_released`;
-the engine releases them only then (on its own thread, via `_released`).
+P's pages for a prompt belong to the transfer sender from `offer` until `on_source_released`; the
+engine thread releases them only then (`_released`).
 """
 
 from __future__ import annotations

@@ -1,13 +1,13 @@
-"""A stream's journey through an engine, and the chunks it emits.
+r"""A stream's states in an engine, and the chunks it emits.
 
-A stream is one client request addressed by its stream id (Triton's correlation id). Its life:
+A stream is one client request, addressed by its stream id (Triton's correlation id):
 
     QUEUED -> (WAITING_KV: D only, the KV is crossing) -> RUNNING -> FINISHED
-                     \\-> FAILED (transfer failed, engine fault)     \\-> CANCELLED (client went away)
+                     \-> FAILED (transfer failed, engine fault)     \-> CANCELLED (client went away)
 
-The engine that owns a stream is the only one that mutates it. Everything the client sees leaves
-through the stream's `ChunkSink`: `emit(chunk)` for each group of rows (the last one with
-`final=True`) or exactly one `fail(error)`; after either terminal call the sink is never used again.
+Only the engine that owns a stream mutates it. Everything the client sees leaves through its
+`ChunkSink`: `emit(chunk)` per group of rows (the last with `final=True`) or exactly one
+`fail(error)`; after either terminal call the sink is never used again.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
-"""The loop thread every engine runs on, with one policy for faults.
+"""The loop thread every engine runs on, and its one policy for faults.
 
-An exception escaping an engine iteration is a bug or a device fault: the engine fails every stream
-it owns with a clear error (clients are told at once), logs the traceback, and keeps serving new
-requests. Triton's execute threads only enqueue; all engine state is touched by this thread alone.
+An exception escaping an iteration (a bug or a device fault) fails every stream the engine owns
+(clients are told at once), is logged with its traceback, and the engine keeps serving. All engine
+state is touched by this thread alone.
 """
 
 from __future__ import annotations

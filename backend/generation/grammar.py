@@ -1,15 +1,11 @@
 """Audio-token grammars: which ids a stream may sample at each of its generated positions.
 
-Why: an audio-token LM with random or under-trained weights (and a trained one, now and then) can
-sample a text token or an audio id of the wrong codebook slot, and the codec cannot decode such a
-stream. A grammar masks every other id before sampling, so every stream decodes. It is a pure
-function of (grammar, audio position), the same on P, D and the monolithic engine, so `tts` and
-`tts_mono` sample identical tokens with it (both call `sampling.sample_on_device`, which applies it).
+A grammar masks every id the codec could not decode (a text token, an audio id of the wrong slot).
+It is a pure function of (grammar, audio position), so P, D and the monolithic engine sample the same.
 
-Orpheus (canopyai/Orpheus-TTS; SNAC 24 kHz, three codebooks, seven ids per 2,048-sample frame): the
-i-th audio token of a stream (i = 0 for the first generated token, since the prompt ends with
-start-of-speech) is `128266 + (i mod 7) * 4096 + code`, code in [0, 4096); end-of-speech is 128258.
-So at audio position i exactly the 4,096 ids of slot `i mod 7` and end-of-speech may be sampled.
+Orpheus (SNAC 24 kHz, seven ids per frame): the i-th audio token (i = 0 first generated) is
+`128266 + (i mod 7) * 4096 + code`, code in [0, 4096); end-of-speech is 128258. At position i only
+slot `i mod 7`'s 4,096 ids and end-of-speech may be sampled.
 """
 
 from __future__ import annotations

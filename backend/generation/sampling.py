@@ -1,17 +1,13 @@
 """Batched, order-independent token sampling.
 
-Why counter-based randomness: a stream's first token is sampled by the prefill engine and the rest by
-the decode engine, and each step shares a batch with whatever other streams happen to be running. For a
-seeded request to be reproducible, the random number used for (stream, position, column) must depend on
-nothing else. So there is no running RNG state at all: each uniform is a hash (splitmix64) of
-(seed, position, column), computed on the CPU with numpy for the whole batch at once and moved to the
-logits' device. Everything else (top-k, top-p, temperature, inverse-CDF draw) is vectorised on that device.
+No running RNG state: each uniform is a hash (splitmix64) of (seed, position, column), so a seeded
+stream gets the same tokens whichever engine samples it (P its first row, D the rest) and whatever
+shares its batch. Top-k, top-p, temperature and the inverse-CDF draw are vectorised on the logits'
+device.
 
-Before the draw, two logit processors: the repetition penalty (HF's and vLLM's rule: a logit of an id
-the stream already generated is divided by the penalty when positive, multiplied when negative; the
-ids come from a per-stream `seen` mask the running batch keeps on the device, `mark_seen`) and the
-stream's audio-token grammar (`backend/generation/grammar.py`), a pure function of its position.
-Both therefore keep a stream's tokens independent of its batch companions, and P, D and `tts_mono` equal.
+Before the draw: the repetition penalty (HF's and vLLM's rule, over a per-stream `seen` mask on the
+device, `mark_seen`) and the stream's audio-token grammar (`grammar.py`), both pure functions of the
+stream alone.
 """
 
 from __future__ import annotations
@@ -163,19 +159,14 @@ def sample_on_device(
     positions: Sequence[int],
     seen: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Draw a token per (row, column) from float32 logits [B, W, V] -> LongTensor [B, W] on their device.
+    """Draw a token per (row, column) from float32 logits [B, W, V] -> LongTensor [B, W] on their device
+    (the caller's); nothing waits for the device.
 
-    Called by the engines after every prefill/decode step; the caller owns the result. Nothing waits
-    for the device (decode overlaps its host work with it, `DecodeBatch.launch`). Row b is greedy
-    when params[b].temperature == 0; otherwise top-k, then top-p (the smallest set of most likely tokens
-    whose mass >= top_p, at least one), then temperature, then an inverse-CDF draw with the uniform for
-    (params[b].seed, positions[b], column). Ties are broken towards the lower token id everywhere, so
-    top_k=1 or a tiny top_p equals greedy.
-
-    First (greedy rows too) the repetition penalty over `seen` Bool [B, W, V] (the ids row b's stream
-    generated so far; None: no history, no penalty) and each row's grammar at audio position
-    positions[b] - params[b].grammar_start, so a grammar's masked ids are never drawn.
-    """
+    First the repetition penalty over `seen` Bool [B, W, V] (row b's stream's generated ids; None: no
+    penalty) and row b's grammar at audio position positions[b] - params[b].grammar_start. Then row b is
+    greedy when its temperature is 0, else top-k, top-p (the smallest most-likely set of mass >= top_p),
+    temperature and an inverse-CDF draw with the uniform of (seed, positions[b], column). Ties go to the
+    lower id everywhere, so top_k=1 or a tiny top_p equals greedy."""
     if logits.ndim != 3:
         raise ValueError(f"logits must be [B, W, V], got {tuple(logits.shape)}")
     b, w, v = logits.shape

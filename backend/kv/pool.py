@@ -1,18 +1,13 @@
 """Paged, per-token KV storage shared by every sequence one engine runs.
 
-Why paged: streams start and finish at arbitrary times and prompts vary from tens to thousands of rows,
-so one contiguous buffer per sequence would fragment device memory. Instead one big tensor is cut into
-fixed-size pages; a sequence owns a list of pages (in any order), and every token of it lives in one
-*slot* (a row of the token axis). Attention reads K/V by slot index, so a sequence's pages need not be
-adjacent. The layout is layer-major, `[L, 2, slots, kvh, hd]`, which makes `gather`/`scatter` of a whole
-sequence (what the prefill->decode hand-off moves) one row copy each over the token axis: the
-`tandem.csrc.kv_cuda` kernels on a GPU (torch `index_select`/`index_copy_` on the CPU or when the kernels
-are not built; bit-for-bit the same).
+One tensor `[L, 2, slots, kvh, hd]` cut into fixed-size pages; a sequence owns a list of pages in any
+order, each of its tokens one slot, and attention reads K/V by slot. `gather`/`scatter` of a whole
+sequence (what the P -> D hand-off moves) is one row copy each over the token axis (the
+`tandem.csrc.kv_cuda` kernels on a GPU, torch on the CPU; bit-for-bit the same).
 
-The free list is a LIFO stack: the most recently freed page is handed out first. That keeps hot pages
-hot and makes fragmented allocations easy to provoke in tests (allocate, free every other page, allocate).
-Allocation and free are not locked: each engine calls them from one thread, or (D, whose admission
-thread allocates while its engine thread frees) under D's one lock (`backend/engines/decode/admission.py`).
+The free list is a LIFO stack (the most recently freed page first). Allocation and free are not
+locked: each engine calls them from one thread, or (D) under its one lock (docs/architecture.md,
+"D's engine").
 """
 
 from __future__ import annotations
@@ -46,14 +41,10 @@ class KVPool:
         device: torch.device | str,
         storage: torch.Tensor | None = None,
     ) -> None:
-        """Called once by an engine at start-up; the pool owns `kv` for its whole life.
-
-        `storage` (D in direct mode: the transfer receiver's arena, which P writes into) is used as
-        `kv` instead of a fresh tensor; it must have exactly `layout.staging_shape(num_pages *
-        page_size)`, the layout's dtype and `device`. Either way the storage is zero-filled so that
-        padded (masked) reads of never-written slots can never inject NaN/Inf from uninitialised
-        memory into attention.
-        """
+        """Called once by an engine at start-up; the pool owns `kv` for its whole life. `storage` (D in
+        direct mode: the receiver's arena, which P writes) is used as `kv` instead of a fresh tensor and
+        must be `layout.staging_shape(num_pages * page_size)`, of the layout's dtype, on `device`. Either
+        way it is zero-filled, so masked reads of never-written slots cannot bring NaN/Inf into attention."""
         if num_pages < 1 or page_size < 1:
             raise ValueError("num_pages and page_size must be positive")
         self.layout = layout
@@ -164,30 +155,20 @@ class KVPool:
         return upload(np.asarray(arr, dtype=np.int64), self.device)
 
     def gather(self, slots: torch.Tensor, out: torch.Tensor) -> None:
-        """Copy the KV of `slots` (LongTensor[T], contiguous, on the pool's device) into
-        `out[L, 2, T, kvh, hd]` (`layout.staging_shape(T)`: contiguous, pool dtype, pool device).
-
-        Called by the prefill side before shipping a sequence's KV; `out` stays the caller's. Runs
-        `kv_cuda.gather` (the pool `[L, 2, S, kvh, hd]` is its `[L, 2, S, *row]`), ordered on the current
-        stream. Slots are not bounds-checked (that would sync the device): they must come from
-        `slots()` of pages this pool handed out. Raises ValueError/TypeError on a shape, dtype, device
-        or contiguity mismatch; T = 0 copies nothing.
-        """
+        """Copy the KV of `slots` (LongTensor[T], contiguous, pool device) into `out`
+        (`layout.staging_shape(T)`: contiguous, pool dtype and device; the caller's), ordered on the
+        current stream (`kv_cuda.gather`). Slots are not bounds-checked (that would sync the device): they
+        must come from `slots()`. Raises ValueError/TypeError on a shape, dtype, device or contiguity
+        mismatch; T = 0 copies nothing."""
         if slots.numel() == 0:
             return
         kv_cuda.gather(self.kv, slots, out, check_bounds=False)
 
     def scatter(self, slots: torch.Tensor, src: torch.Tensor) -> None:
-        """Write `src[L, 2, T, kvh, hd]` (`layout.staging_shape(T)`: contiguous, pool dtype, pool device)
-        into the pool at `slots` (LongTensor[T], contiguous, on the pool's device).
-
-        Called by the decode side when it receives a sequence's KV; `src` stays the caller's. Runs
-        `kv_cuda.scatter` without a bounds check (no device sync, so D's overlapped loop never stalls
-        here): slots must come from `slots()` of pages this pool handed out. The copy is ordered on the
-        current stream: work on that stream may reuse `src` at once, but a writer ordered on nothing of
-        ours (another process) only after the stream passed this point. Raises ValueError/TypeError on
-        a shape, dtype, device or contiguity mismatch; T = 0 copies nothing.
-        """
+        """Write `src` (`layout.staging_shape(T)`: contiguous, pool dtype and device; the caller's) into the
+        pool at `slots` (LongTensor[T], contiguous, pool device), as `gather` with the same checks. Ordered
+        on the current stream: work on that stream may reuse `src` at once, a writer ordered on nothing of
+        ours (another process) only after the stream passed this point."""
         if slots.numel() == 0:
             return
         kv_cuda.scatter(src, self.kv, slots, check_bounds=False)

@@ -1,17 +1,11 @@
-"""Automatic prefix caching over prompt rows.
+"""Automatic prefix caching over prompt rows (TTS prompts repeat long prefixes: a voice's rows).
 
-Why: TTS prompts repeat long prefixes (system text, a speaker's reference audio rows), so the KV of a
-shared prefix can be computed once and reused by every later prompt that starts the same way.
+Page i of a prompt is keyed by a hash chain, key_i = H(key_{i-1}, rows of page i), so a key names
+the page's rows and everything before them. Only full pages are cached, and a cached page is never
+written again. Pages carry reference counts; a cached page nobody uses stays on an LRU list until
+`allocate` needs free pages. The last prompt token is always recomputed (its logits are needed).
 
-How: prompts are cut into pages of the KV pool. Page i of a prompt is keyed by a hash chain,
-key_i = H(key_{i-1}, bytes of rows[i*P:(i+1)*P]), so a key identifies the page's rows *and* everything
-before them. Only full pages are cached; a cached page is read-only forever (only the allocation that
-wrote it, before `commit`, ever wrote to it, and decode writes land in later pages). Pages carry
-reference counts; when the last user releases a cached page it stays cached on an LRU list and is evicted
-only when `allocate` needs free pages. Never the whole prompt is served from cache: the caller needs the
-logits of the last prompt token, so at least that token is always recomputed.
-
-All methods are called from one engine thread; there is no locking.
+One engine thread calls every method; there is no locking.
 """
 
 from __future__ import annotations
@@ -73,10 +67,9 @@ class PrefixCache:
         return keys
 
     def peek(self, rows: torch.Tensor | np.ndarray) -> tuple[int, bytes | None]:
-        """(tokens `allocate` would serve from the cache now, the key of the prompt's first full page
-        or None) without allocating, evicting or counting anything. Lets an engine size a prefill
-        batch, and hold back a prompt whose first page another prompt of the batch is computing (it
-        hits the cache one forward later instead of computing the same prefix twice)."""
+        """(tokens `allocate` would serve from the cache now, key of the prompt's first full page or None),
+        allocating, evicting and counting nothing: for sizing a prefill batch and holding back a prompt
+        whose first page another member is computing."""
         arr = _as_rows(rows)
         max_pages = (arr.shape[0] - 1) // self.pool.page_size
         keys = self._keys(arr, max_pages) if self.enabled else []

@@ -1,28 +1,19 @@
 """The decoder's attention dispatch: per forward, which kernel each layer's attention runs and how the
 new rows' K/V reach the paged pool.
 
-Contract. `Decoder.prefill_many` and `Decoder.decode_padded` build one `LayerAttention` per forward
-(`for_prefill`, `for_decode`) from the pool, the forward's slots and the model's heads, and hand it to
-the layer loop, which calls, for every layer i, one of:
+`Decoder.prefill_many` and `Decoder.decode_padded` build one `LayerAttention` per forward
+(`for_prefill`, `for_decode`) and the layer loop calls, for every layer i, one of:
+- `unfused(i, q, k, v)`: q [N, nh, hd], k/v [N, kvh, hd], qk-norm and RoPE already applied;
+- `fused(i, qkv, cos, sin)` (None where the forward has no fused form): the QKV projection's output
+  [N, (nh + 2 kvh) * hd]; qk-norm, RoPE and the K/V write in one kernel (`triton_ops.rope_kv_write`).
+Either writes the N new rows' K/V into layer i of the pool at the forward's new slots (E4M3 at the
+layer's per-head scales for an E4M3 pool, `KVAccess`) and returns the attention output [N, nh * hd].
 
-- `unfused(i, q, k, v)`: q [N, nh, hd] and k/v [N, kvh, hd] with qk-norm and RoPE already applied;
-- `fused(i, qkv, cos, sin)` (None where the forward has no fused form): the fused QKV projection's
-  output [N, (nh + 2 kvh) * hd]; it applies qk-norm and RoPE and writes K/V in one kernel
-  (`triton_ops.rope_kv_write`).
-
-Either writes the N new rows' K and V into layer i of the pool at the forward's new slots (quantised
-to E4M3 at the layer's per-head scales for an E4M3 pool, `KVAccess`), then returns the attention output
-[N, nh * hd] over each sequence's own slots (read back dequantised from an E4M3 pool). What runs:
-
-- prefill: per prompt, `prefill_attention.attend_gpu` on a GPU (flash; memory-efficient after a cached
-  prefix; cuDNN where planned), masked SDPA on the CPU. A bf16 pool's unfused path attends over the
-  fresh k/v of the prompt's rows (the prefix from the pool); every other path reads the prompt's K/V
-  back from the pool, so an E4M3 pool's prefill sees exactly what later decode steps and a prefix-cache
-  hit see (a cached and an uncached prompt attend identically);
-- decode: the paged kernel reading K/V in place (`kv_cuda.decode_attention`, variant 4, E4M3 too)
-  where it is built for this shape and `Decoder.paged_attention` is on; otherwise the gather of each
-  sequence's padded context and masked SDPA (no fused form: the layer loop then runs qk-norm and RoPE
-  in torch, as before this module).
+What runs: prefill, per prompt, `prefill_attention.attend_gpu` on a GPU, masked SDPA on the CPU;
+every path but a bf16 pool's unfused one reads the prompt's K/V back from the pool, so a cached and an
+uncached prompt attend identically. Decode: the paged kernel reading K/V in place
+(`kv_cuda.decode_attention`) where it is built for this shape and `Decoder.paged_attention` is on,
+else a gather of each sequence's padded context and masked SDPA (no fused form).
 """
 
 from __future__ import annotations

@@ -1,13 +1,10 @@
-"""Load and save real decoder checkpoints: a Hugging Face `config.json` plus `*.safetensors`.
+"""Load and save decoder checkpoints: a Hugging Face `config.json` plus `*.safetensors`, tensor by
+tensor with no renaming (`Decoder`'s parameter names are HF's).
 
-Why this format: it is what Orpheus, Spark-TTS and CosyVoice2's LLM ship, and `Decoder`'s parameter
-names are HF's, so a checkpoint is loaded tensor by tensor with no renaming. Row width W>1 (several
-codebook columns per step) is expressed by the extra config key "tandem_row_width" with embed_tokens and
-lm_head of shape [W*V, H]; with W=1 the files are plain HF checkpoints transformers can load.
-
-Anything the decoder does not implement (other architectures, RoPE scalings other than Llama 3's,
-sliding windows, o_proj or MLP biases, other activations) is rejected with a ValueError naming the
-field rather than loaded wrong.
+Row width W>1 is the extra config key "tandem_row_width" with embed_tokens and lm_head of [W*V, H];
+with W=1 the files are plain HF checkpoints. Anything the decoder does not implement (other
+architectures, RoPE scalings but Llama 3's, sliding windows, o_proj or MLP biases, other
+activations) is a ValueError naming the field.
 """
 
 from __future__ import annotations

@@ -1,13 +1,8 @@
-"""CUDA-graph replay of the decode step: the reference decoder is dispatch-bound on a GPU.
-
-An eager step of the 36-layer model issues ~2,800 small kernels from Python; on an H200 that costs
-~80 ms per step whatever the batch size (docs/benchmarks, decoder-qwen3-4b-shape-h200), far above
-the 24 ms a 42 tok/s floor allows. A captured graph replays the same kernels with one launch.
+"""CUDA-graph replay of the decode step (an eager step is dispatch-bound: docs/benchmarks).
 
 Graphs are captured lazily per bucket (batch rounded up to a power of two, or to `max_batch` above
-the largest power of two under it; context rounded up to `context_step`), over static input
-buffers. Unused batch rows point at a scratch slot the graph owns (one pool page reserved at
-construction), so they write and read only that slot.
+the largest power of two under it; context rounded up to `context_step`), over static input buffers.
+Unused batch rows point at a scratch slot the graph owns (one pool page reserved at construction).
 
 Owner: the engine thread that calls `decode` (D or the monolithic engine); not thread-safe.
 """

@@ -1,20 +1,12 @@
 """The audio-token LM: a Llama/Qwen2/Qwen3 decoder that reads and writes paged KV.
 
-Why its own implementation rather than transformers: the engines split prefill and decode across
-processes and keep every sequence's KV in a shared `KVPool` addressed by slot, so attention must read
-K/V by slot index (fragmented pages, prefix-cache pages shared between prompts) and batch decode steps of
-unrelated sequences. HF's cache classes assume one contiguous cache per batch. The maths is HF's, module
-for module (see `layers.py`), so real checkpoints load unchanged and logits match transformers.
+Its own implementation because attention must read K/V by slot from a shared `KVPool` (fragmented
+pages, shared prefix pages) and batch unrelated sequences' decode steps; the maths is HF's, module for
+module (`layers.py`), so checkpoints load unchanged and logits match transformers.
 
-On a GPU the layers run fused (`Decoder._run_fused`, about ten kernels a layer): one QKV and one gate-up
-GEMM over weights concatenated at construction (`layers.fuse_linears`; the HF parameters view them),
-the Triton kernels of `tandem.csrc.triton_ops`; every projection and the head go through
-`tandem.csrc.linear` (cuBLAS, or at small batch and when enabled its CUDA GEMV). The CPU runs the
-torch modules one by one, so its numbers (greedy tokens included) are the unfused ones.
-
-Rows: a prompt or generated step is a row of `row_width` (W) ids. Column c is embedded with rows
-c*V..c*V+V-1 of one [W*V, H] table and the W embeddings are summed; the head is one [W*V, H] matrix whose
-logits reshape to [W, V]. W=1 is exactly an HF causal LM.
+On a GPU the layers run fused (`_run_fused`, about ten kernels a layer: one QKV and one gate-up GEMM,
+the `tandem.csrc.triton_ops` kernels, projections through `tandem.csrc.linear`); the CPU runs the torch
+modules one by one (the unfused numbers). Rows of `row_width` (W) ids: `ModelConfig`.
 """
 
 from __future__ import annotations
@@ -58,10 +50,8 @@ class PrefillItem:
 
 
 class Decoder(nn.Module):
-    """Llama/Qwen2/Qwen3 decoder: RMSNorm, RoPE (HF 'rotate_half' convention, rope_theta), GQA, SwiGLU MLP,
-    optional per-head q/k RMSNorm (Qwen3 'qk_norm'), optional qkv bias (Qwen2), optional tied embeddings.
-    Embedding: one [W*V, H] table; column c uses rows c*V..; the W embeddings are summed.
-    Head: [W*V, H] -> logits [.., W, V]."""
+    """Llama/Qwen2/Qwen3 decoder: RMSNorm, RoPE (HF 'rotate_half', rope_theta), GQA, SwiGLU MLP, optional
+    per-head q/k RMSNorm (Qwen3), qkv bias (Qwen2) and tied embeddings; rows of W ids (`ModelConfig`)."""
 
     cfg: ModelConfig
     inv_freq: torch.Tensor
@@ -314,14 +304,9 @@ class Decoder(nn.Module):
     @torch.inference_mode()
     def prefill_many(self, pool: KVPool, items: Sequence[PrefillItem]) -> torch.Tensor:
         """`prefill` for several unrelated prompts in one forward; returns float32 logits [n, W, V], row i
-        the last position of item i. Each prompt attends only to itself (its cached prefix and its own
-        earlier rows), so results do not depend on the other items.
-
-        Why: a prefill forward on a GPU costs about the same for 256 rows as for 2,048 (dispatch-bound,
-        docs/benchmarks), so prompts that queue while one runs (a burst of clients, short prompts after
-        a cached voice prefix) go through together: the linear layers run once over all rows, the
-        attention once per prompt. Items' slots must not overlap.
-        """
+        the last position of item i. The linear layers run once over all rows, attention once per prompt,
+        each prompt over itself only, so results do not depend on the other items. Items' slots must not
+        overlap."""
         self._check_pool(pool)
         if not items:
             raise ValueError("prefill_many needs at least one item")

@@ -1,27 +1,18 @@
 """FP8 (E4M3) weights and KV scales: quantisation at load, the scaled matmul, the CPU's reference maths.
 
-`tandem.model.dtype=fp8` (docs/operations.md): every projection of every layer (q/k/v as one fused
-weight, o, gate-up as one, down) is stored as E4M3 with one float32 scale per output channel, computed
-here at load from the checkpoint's bf16/fp32 weights (amax of the row / 448), so no FP8 checkpoint is
-needed. The embedding table and the output head stay in the model dtype (bf16): the table is a gather
-of B rows a step (no bandwidth to save), and the head's logits are what sampling reads, so they keep
-bf16's precision; with a tied table the two are one tensor anyway. The norms stay bf16 too.
+`tandem.model.dtype=fp8` (docs/operations.md): every projection of every layer is stored as E4M3 with
+one float32 scale per output channel (amax / 448), computed at load from the bf16/fp32 checkpoint.
+The embedding table, output head and norms stay bf16 (the head's logits are what sampling reads).
 
-The matmul is `torch._scaled_mm` with rowwise scales (sm_89+: CUTLASS's f8f8bf16 rowwise kernel): the
-activations are quantised per row on the fly (amax of the row / 448; `triton_ops.quantize_rows`, or
-fused into the add + RMSNorm and SwiGLU kernels that produce them), so out = (x8 * sx) . (W8 * sw)^T
-with float32 accumulation, cast to bf16. The CPU cannot run it; `emulate=True` (tests only) computes
-the same function from the dequantised operands with `F.linear` in float32, which is what the GPU
-tests hold `_scaled_mm` to and what the CPU tests check the maths with.
+The matmul is `torch._scaled_mm` with rowwise scales (sm_89+), activations quantised per row on the
+fly (`triton_ops.quantize_rows`, or fused into the kernels that produce them), float32 accumulation.
+The CPU cannot run it: `emulate=True` (tests only) computes the same function from the dequantised
+operands in float32, the reference the GPU tests hold `_scaled_mm` to.
 
-KV scales (`tandem.kv.dtype=fp8`, `kv_scales`): static, one per (layer, K or V, KV head), derived from
-the weights alone, so P and D compute equal scales from equal checkpoints and nothing but FP8 bytes
-crosses the hand-off (the scales' digest is part of the KV layout, so engines whose scales differ refuse
-each other). Each is an upper bound of |K| or |V| over every possible input (Cauchy-Schwarz through the
-RMSNorm, see `kv_scales`), rounded up to a power of two: no value can saturate, and quantising
-(x * 2^-e) and dequantising (q * 2^e) are exact multiplications in every kernel and reference. A loose
-bound costs little in E4M3: its relative step is the same over 15 binades, and only values more than
-2^15 below the bound fall into the subnormals.
+KV scales (`tandem.kv.dtype=fp8`, `kv_scales`): static, one per (layer, K or V, KV head), from the
+weights alone, so P and D compute equal scales from equal checkpoints (their digest is part of the KV
+layout). Each is an upper bound of |K| or |V| over every input, rounded up to a power of two: no value
+saturates, and (de)quantising is an exact multiplication in every kernel and reference.
 """
 
 from __future__ import annotations

@@ -1,15 +1,10 @@
-"""Building blocks of the Llama/Qwen decoder, named exactly like Hugging Face's modules.
+"""Building blocks of the Llama/Qwen decoder, named exactly like Hugging Face's modules, so
+`state_dict()` keys are the checkpoint's tensor names; numerics follow HF (RMSNorm in float32, RoPE
+with `rotate_half`), so logits match transformers at 1e-4.
 
-Why mirror HF names: the decoder's `state_dict()` keys are then the checkpoint's tensor names
-(`model.layers.0.self_attn.q_proj.weight`, ...), so loading and saving real checkpoints needs no
-renaming table. The numerics follow HF too (RMSNorm in float32, RoPE with `rotate_half`), which is what
-lets the unit tests compare logits with transformers at 1e-4.
-
-Fused projections: q/k/v and gate/up keep their HF parameters (so `state_dict()` and checkpoints are
-unchanged), but each group's weights live in one concatenated tensor that the parameters are row-block
-views of (`fuse_linears`). A GPU step then runs one QKV and one gate-up GEMM instead of five GEMMs
-(`Attention.qkv_weight`, `MLP.gate_up_weight`); the CPU path still runs the separate projections, so its
-numbers are exactly the unfused ones.
+Fused projections: q/k/v and gate/up keep their HF parameters, as row-block views of one concatenated
+weight per group (`fuse_linears`), so a GPU step runs one QKV and one gate-up GEMM; the CPU path runs
+the separate projections.
 """
 
 from __future__ import annotations

@@ -1,12 +1,6 @@
-"""Prefill's causal attention of one prompt on a GPU: which fused kernel runs.
-
-`attend_gpu(q, k, v, start)` is what the prefill's attention dispatch (`attention.for_prefill`) calls
-per prompt on a GPU: torch's flash attention (grouped K/V natively where this torch supports it), or,
+"""Prefill's causal attention of one prompt on a GPU (`attend_gpu`, called per prompt by
+`attention.for_prefill`): torch's flash attention (grouped K/V where this torch supports it), or,
 after a cached prefix, memory-efficient attention with a lower-right causal bias.
-
-A cuDNN path (prompts of 1,024+ rows padded to 256-row buckets whose plans warm-up built,
-`TANDEM_PREFILL_ATTENTION=cudnn`) was measured on an H200 and deleted: the 4B shape's 2,048-row
-prefill took 32.4 ms with it against flash's 31.3 (docs/benchmarks, issue 26).
 """
 
 from __future__ import annotations

@@ -1,17 +1,9 @@
-"""RoPE inverse frequencies: unscaled, or with Llama 3's frequency-band scaling.
+"""RoPE inverse frequencies: unscaled, or with Llama 3's frequency-band scaling (`rope_type: llama3`,
+which every Llama 3.x checkpoint ships; ignoring it gives subtly wrong logits).
 
-Why its own module: Llama 3.x checkpoints (Orpheus, Llasa, every Llama-3.2 fine-tune) ship
-`rope_type: llama3`, which rescales each rotary frequency by the wavelength band it falls in, and a
-decoder that ignored it would load those weights and produce subtly wrong logits at every position.
-The loader (`backend/model/checkpoint.py`) parses the config into `RopeScaling`; the decoder asks
-`inv_freq` for its table once at construction. Both spellings a checkpoint may use (transformers < 5
-`rope_scaling`, transformers >= 5 `rope_parameters`) are read by `parse_rope`; every other scaling is
-refused by name rather than loaded wrong.
-
-The maths (Llama 3.1's reference, as transformers implements it): with `L` the original context
-length, a frequency whose wavelength 2*pi/f is shorter than L/high_freq_factor stays as it is, one
-longer than L/low_freq_factor is divided by `factor`, and one in between is blended linearly in
-L/wavelength between the two. Computed in float32 like transformers, so logits match at 1e-4.
+`parse_rope` reads both config spellings (transformers < 5 `rope_scaling`, >= 5 `rope_parameters`)
+into `RopeScaling` and refuses every other scaling by name; the decoder asks `inv_freq` once.
+The maths is Llama 3.1's reference as transformers implements it, in float32 (logits match at 1e-4).
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
-"""Each GPU kernel's first call, made before an engine serves.
-
-Why: a fused Triton kernel's first call with a new specialisation compiles it (seconds on an H200),
-and the engine's loop would stall its streams that long: the first prompts of a fresh server made the
-stubs take P and `tts_mono` for stalled. The engines' `start()` call `warm_up`; D's CUDA graphs are
-captured by `cuda_graphs.GraphedDecode.warm_up` instead.
+"""Each GPU kernel's first call, made before an engine serves: a Triton kernel's first call with a new
+specialisation compiles (seconds), which inside the loop would stall its streams. The engines'
+`start()` call `warm_up`; D's graphs are captured by `cuda_graphs.GraphedDecode.warm_up` instead.
 """
 
 from __future__ import annotations

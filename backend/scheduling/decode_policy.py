@@ -1,11 +1,7 @@
 """D's admission policy: whether one more stream may join, and how many more would fit.
 
-Pure decisions over numbers, no threads and no memory: D's admission thread
-(`backend/engines/decode/admission.py`) asks `fits` under its lock with one snapshot of the members
-and their context, and D's gauges ask `admittable`. The mechanism around it (reserving pages, sending
-the PULL) stays with the engine; what is decided lives here, beside the step-time model it reads.
-
-Rules, in order:
+Pure decisions over numbers: D's admission thread asks `fits` under its lock with one snapshot of the
+members and their context; D's gauges ask `admittable`. Rules, in order:
 - draining: quarantined receive memory above `transfer.drain_held_fraction` admits nothing until
   proofs free it (docs/failure-semantics.md);
 - batch room: at most `batch.max_batch` members;

@@ -1,10 +1,8 @@
-"""Bounded intake shared by the engines: a full queue is an immediate UNAVAILABLE, and a request that
-cannot be admitted within `admission_timeout_s` (no pages, no batch slot, draining) gets UNAVAILABLE
-too — never an unbounded wait. Requests whose client went away are dropped without work.
+"""Bounded intake shared by the engines: a full queue is an immediate UNAVAILABLE, and so is a request
+not admitted within `admission_timeout_s`; a request whose client went away is dropped unworked.
 
-`max_queue` bounds every request submitted and not yet admitted, dropped, expired or failed: those in
-the hand-off queue and those the engine already moved to its pending list alike (counting only the
-hand-off queue let the pending list grow by up to `max_queue` per engine iteration; docs/abuse.md).
+`max_queue` bounds every request submitted and not yet admitted, dropped, expired or failed, in the
+hand-off queue and in the engine's pending list alike (docs/abuse.md).
 """
 
 from __future__ import annotations

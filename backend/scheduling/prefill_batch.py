@@ -1,11 +1,10 @@
 """The prompts one prefill forward takes: shared by P and the monolithic engine.
 
-Each engine iteration admits, in arrival order, every queued prompt that fits one forward
-(`Decoder.prefill_many`): at most `prefill_batch_max` prompts and `prefill_batch_rows` rows to
-compute (a longer prompt runs alone). A prompt whose first page another prompt of this batch is
-computing waits for the next forward, where it hits the prefix cache instead of computing the same
-voice prefix again. The batch owns its members' prefix-cache allocations until the engine hands each
-one on; `fail_rest` answers and releases whatever was not handed on (a failed forward or hand-off).
+In arrival order, every queued prompt that fits one forward (`Decoder.prefill_many`): at most
+`prefill_batch_max` prompts and `prefill_batch_rows` rows (a longer prompt runs alone). A prompt
+whose first page another member is computing waits for the next forward (then a prefix-cache hit).
+The batch owns its members' prefix-cache allocations until the engine hands each on; `fail_rest`
+answers and releases whatever was not handed on.
 """
 
 from __future__ import annotations

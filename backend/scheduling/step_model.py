@@ -1,15 +1,9 @@
 """Online model of D's decode step time, for rate-floor admission.
 
-Every stream in the batch gets one row per step, so a stream's rate is 1 / step time. The step time
-grows with the batch size B (weights read once, per-row work) and with the total context ΣL
-(attention reads every stream's KV): t ≈ a + b·B + c·ΣL. The model is refitted by least squares over
-the most recent steps; admission asks whether the batch *with* the newcomer still steps fast enough
-for every stream to stay at or above the floor, with a margin for chunking and vocoder overhead.
-Until enough distinct steps were seen, it admits (bounded by max_batch) and learns.
-
-D seeds it at start-up with timed steps of its own loop (`backend/engines/decode/calibration.py`,
-`seed`): those samples stay in every fit beside the recent live ones, so a batch size the live
-window has not seen is predicted from measured steps, not extrapolated from small ones.
+t ≈ a + b·B + c·ΣL (batch size B, total context ΣL), refitted by least squares over recent steps and
+the start-up samples `seed` adds (`backend/engines/decode/calibration.py`), which stay in every fit.
+Admission asks whether the batch with the newcomer still keeps every stream at the floor, with a
+margin. Until enough distinct steps were seen, it admits (bounded by max_batch).
 """
 
 from __future__ import annotations

@@ -1,21 +1,15 @@
 """The family's cloning template: a registered voice's prompt prefix, from its transcript and codes.
 
-Zero-shot cloning on an audio-token LM is in-context: the prompt first shows the model a turn of
-text with the speech that says it, then asks for the new text; the model continues in that voice.
-The prefix is the same for every request with the voice and comes first, so P's prefix cache keeps
-its KV and a second request prefills only the new text (docs/codecs.md, "Registered voices").
+The prompt first shows a turn of text with the speech that says it, then the new text; the prefix
+comes first and is the same for every request with the voice, so P's prefix cache keeps its KV
+(docs/codecs.md, "Registered voices").
 
-- `orpheus` (canopyai/Orpheus-TTS, the pretrained model's zero-shot layout, PR #170's
-  `Orpheus_0_1_Pretrain_Inference.ipynb`):
-  ``[128259] + encode(transcript) + [128009, 128260, 128261, 128257] + <reference audio tokens>
-  + [128258, 128262]``, then the request's own turn ``[128259] + encode(text) + [128009, 128260,
-  128261, 128257]`` (the template without a voice name); `encode` adds BOS 128000. Audio tokens are
-  the reference's SNAC frames in Orpheus' 7-token interleave (`OrpheusLayout.tokens`).
-- `plain`: the transcript's rows (one token per row, column 0), then the reference's frames as rows
-  (a frame is a row of W ids, the reference codec's `rows` layout), then the text's rows.
+- `orpheus` (Orpheus-TTS's pretrained zero-shot layout): ``[128259] + encode(transcript) + [128009,
+  128260, 128261, 128257] + <reference audio tokens> + [128258, 128262]``, then the request's turn
+  without a voice name; audio tokens in Orpheus' 7-token interleave (`OrpheusLayout.tokens`).
+- `plain`: the transcript's rows (column 0), the reference's frames as rows, then the text's rows.
 
-Pure and cheap after the first call per voice (the reader caches the prefix, `frontend.py`).
-A voice whose codes this model cannot read (another codec's frames) is `InvalidInput` naming VOICE.
+A voice whose codes this model cannot read is `InvalidInput` naming VOICE.
 """
 
 from __future__ import annotations

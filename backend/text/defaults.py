@@ -1,16 +1,12 @@
 """A model's generation defaults: what a request that names no sampling input gets.
 
-Why from the checkpoint: a TTS checkpoint is tuned for its own sampling (Orpheus' reference:
-temperature 0.6, top_p 0.8, repetition penalty 1.1-1.3) and stops on its own ids (Orpheus:
-end-of-speech 128258, which Llama 3's eos ids do not include). `generation_config.json` carries the
-first, as vLLM reads it (`temperature`, `top_p`, `top_k`, `repetition_penalty`; `do_sample` is not
-consulted, as in vLLM); its `eos_token_id` and config.json's, plus the grammar's end-of-speech,
-are the stream's stop ids. The audio-token grammar (`backend/generation/grammar.py`) is on by default for an
+From the checkpoint, as vLLM reads them: `generation_config.json`'s `temperature`, `top_p`, `top_k`,
+`repetition_penalty` (`do_sample` not consulted); the stop ids are its and config.json's
+`eos_token_id` plus the grammar's end-of-speech. The audio-token grammar is on by default for an
 Orpheus model (`tandem.frontend.grammar`: auto, off, orpheus).
 
-Built once per model instance by `serving/triton_io.py` (P and `tts_mono`: where requests are
-validated); D gets the result inside each request's `SamplingParams`. A malformed file or a grammar
-that does not fit the model is a load-time ValueError.
+Built once per model instance by `serving/triton_io.py` (P and `tts_mono`); D gets the result in each
+request's `SamplingParams`. A malformed file or a grammar that does not fit is a load-time ValueError.
 """
 
 from __future__ import annotations

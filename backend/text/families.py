@@ -1,11 +1,9 @@
 """Model families `tandem-repo` knows, and how it recognises one from a checkpoint directory.
 
-A family fixes what the checkpoint alone does not say: the codec the LM was trained to drive and how
-its tokens carry that codec's codes (backend/codec/builder.py layouts). Recognised from the files a
-checkpoint ships, never from its directory name:
-- orpheus (canopyai/Orpheus-TTS): a Llama whose vocabulary is the Llama-3 text vocabulary plus the
-  custom tokens up to the 7 x 4096 audio tokens (156,940 ids), whose tokenizer, when shipped, names
-  id 128266 `<custom_token_10>` (SNAC code 0 of slot 0).
+A family fixes the codec the LM drives and how its tokens carry the codes (backend/codec/builder.py).
+Recognised from the checkpoint's files, never its directory name:
+- orpheus: a Llama with the Llama-3 text vocabulary plus 7 x 4096 audio tokens (156,940 ids), whose
+  tokenizer, when shipped, names id 128266 `<custom_token_10>`.
 """
 
 from __future__ import annotations

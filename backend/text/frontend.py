@@ -1,30 +1,19 @@
 """The text front end: a request's TEXT (and VOICE) become the prompt rows the LM was trained on.
 
-Who calls it: the `frontend` step of the `tts` ensemble (before `prefill`) and `tts_mono` (before its
-engine), both through `serving/triton_io.py`, so equal requests give equal rows on both models. It
-runs on Triton's execute thread: tokenizing a sentence takes microseconds and allocates nothing on a
-device.
+Called on Triton's execute thread (microseconds, no device) by the `frontend` step of `tts` and by
+`tts_mono`, both through `serving/triton_io.py`, so equal requests give equal rows on both.
 
-A family is a prompt template. Which one applies comes from the checkpoint (its tokenizer and config,
-`detect_family`) or the setting `tandem.frontend.family`:
+A family is a prompt template, from the checkpoint (`detect_family`) or `tandem.frontend.family`:
+- `orpheus` (canopyai/Orpheus-TTS, `_format_prompt`): ``[128259] + encode(f"{voice}: {text}") +
+  [128009, 128260, 128261, 128257]`` (BOS inside `encode`); without a voice the text alone.
+- `plain`: ``encode(f"{voice}: {text}")`` (or the text alone), each token in column 0 of a W-wide row.
 
-- `orpheus` (canopyai/Orpheus-TTS, `orpheus_tts/engine_class.py`, `_format_prompt`):
-  ``[128259] + encode(f"{voice}: {text}") + [128009, 128260, 128261, 128257]`` with the tokenizer's
-  own BOS inside `encode`; without a voice the text alone. 128259 starts the human turn, 128009 is
-  Llama 3's end of turn, 128260/128261 end the human turn and start the model's, 128257 starts speech.
-- `plain`: ``encode(f"{voice}: {text}")`` (or the text alone); on a model whose rows are W ids wide
-  each token fills column 0 and the other columns are 0. For models without a template of their
-  own, the CPU default's tiny model among them.
+A VOICE is a built-in voice (`tandem.frontend.voices`, else the checkpoint's `tandem_voices`; `*`:
+any name), or a registered one (`backend/voices/store.py`, read per request), whose prompt is its
+cloning prefix (`cloning.py`) and then the text without a voice name. Anything else is refused.
 
-Voices: a VOICE is one of the model's built-in voices (`tandem.frontend.voices`, else the
-checkpoint's `tandem_voices`; `*`: any name) and goes into the template as above, or a registered
-voice (`backend/voices/store.py`, read on every request so a new registration counts at once and a
-deleted one is refused), whose prompt is its cloning prefix (`backend/text/cloning.py`) followed by
-the template of the text without a voice name. Anything else is refused naming VOICE and listing
-what there is.
-
-Every problem with a request's text is `InvalidInput` naming it; a tokenizer that cannot serve the
-model (ids past its vocabulary, a template token it lacks) is a load-time ValueError.
+Failure: a bad TEXT or VOICE is `InvalidInput` naming it; a tokenizer that cannot serve the model is
+a load-time ValueError.
 """
 
 from __future__ import annotations

@@ -1,10 +1,6 @@
-"""A checkpoint's own text tokenizer: its `tokenizer.json`, through the `tokenizers` library.
-
-Why `tokenizers` and not transformers: the serving processes need only the fast tokenizer's
-encoder (Rust, thread-safe, no model code), and transformers is a dev dependency here. A
-`tokenizer.json` holds everything a Hugging Face fast tokenizer is (normalizer, pre-tokenizer, model,
-added/special tokens and the post-processor that adds BOS), so encoding with it gives the ids the
-checkpoint was trained on.
+"""A checkpoint's own text tokenizer: its `tokenizer.json`, through the `tokenizers` library (Rust,
+thread-safe, no model code; transformers is only a dev dependency). Gives the ids the checkpoint was
+trained on, BOS included.
 """
 
 from __future__ import annotations

@@ -49,6 +49,7 @@ from tandem.transfer.frames import (
     expand_runs,
     send_frame,
 )
+from tandem.transfer.pull_checks import bad_dst
 from tandem.transfer.tcp_path import TcpPath
 from tests.support import transfer_fakes
 from tests.support.transfer_fakes import HookControl, SenderProcess, fake_kv, fake_pool
@@ -294,12 +295,11 @@ def test_region_mode_and_non_direct_paths_refuse_direct_use(xdg: str) -> None:
 
 def test_p_refuses_pull_rows_it_cannot_write(xdg: str) -> None:
     """P checks a PULL_ROWS's runs against D's pool before queueing any write (answer: BAD_REGION)."""
-    s = TransferSender(LAYOUT, "chk", HostShmPath(), lambda _: None, lambda _: None)
     peer = Peer(conn=None, arena=SimpleNamespace(nbytes=POOL_BYTES))  # type: ignore[arg-type]
     n = 8
     nbytes = LAYOUT.staging_nbytes(n)
-    assert s._bad_dst(peer, [0, n], nbytes) is None
-    assert s._bad_dst(peer, [10, 3, 100, 5], nbytes) is None
+    assert bad_dst(LAYOUT, peer.arena, [0, n], nbytes) is None
+    assert bad_dst(LAYOUT, peer.arena, [10, 3, 100, 5], nbytes) is None
     for dst, why in [
         ([0, n, 5], "pairs"),  # odd length
         ([0, "8"], "pairs"),  # not ints
@@ -308,10 +308,10 @@ def test_p_refuses_pull_rows_it_cannot_write(xdg: str) -> None:
         ([POOL_SLOTS - 4, n], "outside"),  # past D's pool
         ([0, n + 1], "destination slots for"),  # total is not the offer's size
     ]:
-        bad = s._bad_dst(peer, dst, nbytes)
+        bad = bad_dst(LAYOUT, peer.arena, dst, nbytes)
         assert bad is not None and why in bad, (dst, bad)
     odd = Peer(conn=None, arena=SimpleNamespace(nbytes=POOL_BYTES + 1))  # type: ignore[arg-type]
-    assert "not a pool" in (s._bad_dst(odd, [0, n], nbytes) or "")
+    assert "not a pool" in (bad_dst(LAYOUT, odd.arena, [0, n], nbytes) or "")
     assert FailReason.NO_DIRECT.name == "NO_DIRECT"
 
 

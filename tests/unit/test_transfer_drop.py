@@ -166,7 +166,7 @@ def test_drops_for_an_unreachable_p_are_forgotten_and_the_ttl_stays_the_backstop
     gone = dataclasses.replace(ticket, endpoint=ticket.endpoint.replace("p-p0.sock", "p-none.sock"))
     assert r.drop(gone)
     assert transfer_fakes.wait_for(
-        lambda: not r._endpoints.get(gone.endpoint) or not r._endpoints[gone.endpoint].drops
+        lambda: not r._book.endpoints.get(gone.endpoint) or not r._book.endpoints[gone.endpoint].drops
     )
     assert r.stats().drops_sent == 0
     assert r.drop(ticket)  # the live P still hears its own

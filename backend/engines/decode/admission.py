@@ -1,42 +1,14 @@
-"""D's admission: the thread that turns handoffs into members, the one lock, and what crosses it.
+"""D's admission thread (`DecodeAdmission`) and the one lock it shares with the engine (`Membership`).
 
-A handoff's way in (docs/architecture.md, "D's engine"):
-
-    worker reader thread   DecodeEngine.submit -> Intake.submit (bounded: full -> UNAVAILABLE at once)
-    admission thread       DecodeAdmission: Intake.pull/admit in arrival order -> `_admit`:
-                           the policy (not draining, batch room, rate floor), pages for the stream
-                           -> receiver.request(ticket): region + PULL on the wire -> `Admitted`
-    engine thread          takes `Admitted` from `admitted` (DecodeEngine._take_admitted)
+The lock's contract and what crosses this thread: docs/architecture.md, "D's engine".
 
 Admission has its own thread so that a handoff's pages are reserved and its PULL sent within about a
-millisecond of its arrival, whatever the engine thread is doing: the copy then overlaps the running
-step. This thread makes no torch call (each would wait for the GIL, a device copy also for the
-running step): the stream's slot table crosses to the engine thread as a numpy array.
+millisecond of its arrival, whatever the engine thread is doing. It makes no torch call (each would
+wait for the GIL, a device copy also for the running step): the stream's slot table crosses to the
+engine thread as a numpy array.
 
-**The lock** (`Membership.lock`, one per D) guards exactly:
-- the pool's free list (`KVPool.allocate`/`free` are unlocked): the admission thread allocates, the
-  engine thread frees (streams leaving the batch or failing), the receiver's threads free through
-  `return_held` (direct mode: the proof that a failed transfer's prompt pages can be reused);
-- `members` (streams admitted and not gone: queued to the engine, waiting for KV, or running),
-  `admitted_ctx` (prompt tokens of members not yet in the batch) and `running_ctx`'s updates by
-  `join`; the admission thread reads members and context under it as one snapshot;
-- each Stream's `left` and `held_pages` (a stream leaves, and its held pages return, exactly once).
-It is never held across a call into the receiver, a sink or the device. `running_ctx` is also set
-without it by the engine thread (`set_running`: one assignment, read under the lock by admission).
-
-Narrowing it honestly: the policy's check (`DecodePolicy.fits`, backend/scheduling/decode_policy.py)
-runs under the lock only so that the count and context it judges are one snapshot; the step model it
-reads is refitted by the engine thread without the lock (it swaps its coefficient array in one
-assignment, so a reader sees the old fit or the new one). The pool's free
-list could take a lock of its own, but `reserve` must check room and allocate atomically with the
-member count, so one lock is the simplest honest choice; it is held for microseconds.
-
-**What crosses** to and from this thread is part of D's one written contract (engine.py's docstring).
-Ownership on the way: a request (its sink) belongs to the intake until admitted, dropped, expired or
-failed (each exactly once); a request with a ticket carries its `TicketClaim` (`tickets.py`), marked
-pulled once the receiver took the ticket. With an `Admitted` the Stream and its pages pass to the engine
-thread; this thread never touches the stream again (the receiver may still `return_held` for it, under
-the lock).
+Ownership: a request (its sink) belongs to the intake until admitted, dropped, expired or failed
+(each exactly once); with an `Admitted` the Stream and its pages pass to the engine thread.
 
 Failure: a request `_admit` cannot place stays queued (False) and is offered again when capacity
 comes back or after 5 ms, until the intake's admission wait sheds it (UNAVAILABLE). An error while
@@ -95,7 +67,7 @@ class Admitted:
 
 
 class Membership:
-    """D's members and the pool's free list, under the one lock (see the module docstring)."""
+    """D's members and the pool's free list under the one lock (docs/architecture.md, "D's engine")."""
 
     def __init__(self, pool: KVPool) -> None:
         self.pool = pool

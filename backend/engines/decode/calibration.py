@@ -1,19 +1,13 @@
 """Times D's real decode loop at start-up, to seed the step-time model before the first admission.
 
-Why: rate-floor admission (`backend/scheduling/step_model.py`) predicts the step time of the batch *with* a
-newcomer. Learning only from live steps, a fresh D has seen a few small batches when the first burst
-arrives and extrapolates from them: in every 2x H200 capacity run the first level after a server
-start queued at D (TTFA p95 1.3-2.4 s, D admission p99 1.3-2.3 s) while the model relearned.
+Rate-floor admission (`backend/scheduling/step_model.py`) predicts the step time with a newcomer; a
+fresh D that learned only from live steps extrapolates from a few small batches when the first burst
+arrives (docs/benchmarks). So before admitting, D runs its own loop (`DecodeBatch.advance()`, graph
+replay, sampling, chunks to a sink that drops them) over synthetic streams in its own pool at a few
+batch sizes and contexts; each timed step is a permanent sample (`StepTimeModel.seed`).
 
-So before D admits anything it runs, for a few batch sizes and contexts, the loop it will run:
-synthetic streams over pages of its own pool filled with random KV, through the same
-`DecodeBatch.advance()` (graph replay, sampling with temperature and top-p, rows back to the host,
-chunk emission to a sink that drops them). Each timed step becomes a permanent sample of the model
-(`StepTimeModel.seed`). What this cannot see is what the real sinks (Triton responses) and the
-other threads add; the live fit learns that on top (its intercept covers p90 of live residuals).
-
-Called once, by the engine that owns the batch and pool, before any stream exists; the pool's pages
-all come back and are zeroed again afterwards.
+Called once by the engine that owns the batch and pool, before any stream exists; every page comes
+back, zeroed, afterwards.
 """
 
 from __future__ import annotations

@@ -1,45 +1,21 @@
-"""D: receive a stream's KV from P, then decode it with everyone else.
+"""D: receive a stream's KV from P, then decode it with everyone else (the engine thread).
 
-A stream's journey through D, and the file that holds each part:
+What crosses between D's threads, and the one lock they share: docs/architecture.md, "D's engine"
+(the one written copy).
 
-    worker reader thread  submit: HANDOFF checked against this decoder -> Intake (bounded)
-    admission thread      admit, reserve pages, PULL on the wire            `admission.py`
-    engine thread         (this file, `_iterate`: while the device runs the queued step)
-                          take admitted streams -> wait for their KV        `transfers.py`
-                          poll: VERIFIED -> (scatter) -> batch              [RUNNING]
-                                FAILED   -> the client gets an error now; pages freed with proof
-                          -> decode steps, chunks out, pages freed at the end   `batch.py`
-                          counters as they happen, gauges every ~0.1 s     `metrics.py`
+The KV arrives two ways (`tandem.transfer.direct_write`, docs/transfer.md): direct, P writes the
+prompt's rows into the stream's pages (PULL_ROWS) and D verifies them in place; region, P copies
+into a receive region of the receiver's arena and D scatters it into the pages.
 
-What crosses between D's threads, in one place (each file states its own part in full):
-- reader -> admission: `DecodeRequest` through the `Intake` (`backend/scheduling/intake.py`, its own lock).
-- admission -> engine: `Admitted` through a SimpleQueue; the stream and its pages go with it.
-- shared under `Membership.lock` (the one lock): the pool's allocate/free and the member counts.
-  The engine thread's own state (batch, waiting transfers, metrics deltas, the step model's samples)
-  is touched by no other thread; the admission thread only reads the step model's fit.
-- receiver threads -> engine: transfer events (a list append) and, direct mode, `return_held` (the
-  proof that a failed transfer's prompt pages can be reused, under the lock).
-- engine / receiver -> admission: `Membership.capacity` (an Event), set when pages or batch room come
-  back, so a request that did not fit is offered again at once.
-- any thread that ends a request before its pull -> receiver: `drop(ticket)` through the request's
-  claim (`tickets.py`); it never blocks, and P frees the offer's pages at once.
-
-Two ways the KV arrives (`tandem.transfer.direct_write`, docs/transfer.md):
-    direct (default where the path can): the receiver's arena *is* this pool; P writes the prompt's
-        rows straight into the stream's pages (PULL_ROWS) and D verifies them in place: no scatter.
-    region: P copies into a receive region of the receiver's arena; D scatters it into the pages.
-
-Ownership: D's pages belong to the stream from admission. In region mode P writes only the receive
-region (owned and quarantined by the receiver until proof), never D's pages, so a failed stream's
-pages return at once. In direct mode P writes the stream's prompt pages: a failed stream's other
-pages return at once, its prompt pages (`Stream.held_pages`) only when the receiver calls back with
-proof that no byte can still land. D drains (admits nothing) while quarantined memory exceeds
-`drain_held_fraction` of the arena (direct: of the pool), and resumes when proofs release it.
+Ownership: D's pages belong to the stream from admission. A failed stream's pages return at once,
+except in direct mode its prompt pages (`Stream.held_pages`), which return only with the
+receiver's proof that no byte can still land. D admits nothing while quarantined memory exceeds
+`drain_held_fraction` of the arena (direct: of the pool).
 
 Failure: an exception in an iteration is an engine fault (`backend/engines/thread.py`): `_fault`
 fails every stream the engine thread owns (batch, waiting, just admitted), their pages come back
-(direct mode: prompt pages with proof), and the loop serves on. `close` tells every client still
-here, then closes the receiver.
+(prompt pages with proof), and the loop serves on. `close` tells every client still here, then
+closes the receiver.
 """
 
 from __future__ import annotations

@@ -1,17 +1,10 @@
 """D's metrics: the transfer counters as they happen, and the gauges every ~0.1 s.
 
-Threads: `on_transfer_event` is the receiver's `on_event` callback and runs on whichever receiver
-thread finished a transfer (a reader thread, the maintenance thread, or the engine thread in
-`poll`); it only appends to a list (atomic under the GIL). Everything else runs on D's engine
-thread: `account` drains that list and turns the receiver's cumulative stats into counter
-increments, `publish` sets the gauges from a `DecodeGauges` snapshot the engine took. The sink
-(`backend/metrics.py`: in a worker, a recording sink that the next Beat carries to the stub) is
-safe from any thread; no lock of D's is held while calling it.
-
-State owned here: the last value of each cumulative receiver stat that was published (so each
-increment is published once), the device-busy seconds published so far, and the publish timer.
-Failure: a metrics call that raises is an engine fault like any other (the loop's handler fails
-the engine's streams and it keeps serving); nothing here owns pages or memory of a stream.
+Threads: `on_transfer_event` (the receiver's `on_event`) runs on any receiver thread and only appends
+to a list. Everything else runs on D's engine thread: `account` turns that list and the receiver's
+cumulative stats into counter increments (each published once), `publish` sets the gauges from a
+`DecodeGauges` snapshot. The sink (`backend/metrics.py`) is safe from any thread; no lock of D's is
+held while calling it. Failure: a metrics call that raises is an engine fault like any other.
 """
 
 from __future__ import annotations

@@ -1,31 +1,19 @@
 """The tickets D holds but has not pulled, and telling P at once about the ones D sheds.
 
-Why: P holds a prompt's pages offered from its hand-off until a D pulls them or the offer's TTL
-(`tandem.transfer.ticket_ttl_s`, 30 s checked in) passes. A handoff D sheds before it pulls (queue
-full, admission wait over, a ticket refused, a malformed handoff, the client cancelled while queued,
-shutdown) would otherwise keep them that long (docs/abuse.md). So each such request's end tells P
-to drop the offer now (`TransferReceiver.drop`: a DROP frame, docs/protocol.md); the TTL stays the
-backstop when D cannot reach P.
+A handoff D sheds before it pulls (queue full, admission wait over, refused, malformed, cancelled
+while queued, shutdown) would keep P's offered pages until the ticket TTL (docs/abuse.md); its end
+tells P to drop the offer now (`TransferReceiver.drop`, docs/protocol.md). The TTL stays the backstop.
 
-Each request that carries a ticket gets a `TicketClaim`: it is the request's sink (it passes every
-call through to the client's sink) and it settles exactly once, either `pulled()` (the admission
-thread's `receiver.request` took the ticket: its transfer ends by the transfer's own rules) or shed
-(the first `fail` before that, or `shed()` when `submit` refuses the request). The ledger counts,
-per transfer id, the claims still open and whether any was pulled; when the last one settles, D
-drops the ticket only if none of them was pulled. So a replayed handoff (a second request with the
-same ticket) that D sheds never drops the offer its original is about to pull, or has pulled, and
-within one D no release can free pages another stream's transfer depends on. (P checks again:
-it drops only an offer of its own instance that nobody has pulled.)
+Each request with a ticket gets a `TicketClaim`: its sink (every call passes through) that settles
+exactly once, `pulled()` (the receiver took the ticket) or shed (the first `fail` before that, or
+`shed()`). The ledger counts, per transfer id, the open claims and whether one was pulled; when the
+last settles, D drops the ticket only if none was pulled, so a replayed handoff that D sheds never
+drops the offer its original pulls.
 
-Threads: a claim is opened on the worker's reader thread (`DecodeEngine.submit`) and settled on the
-thread that ends its request's life before the pull: the reader thread (submit refused), the
-admission thread (pulled, expired, cancelled, refused at admission; close), or the engine thread
-(a ticket the receiver refused, failed with the stream). Its own settling and the client's sink
-calls are ordered by the hand-offs between those threads (the intake's queue, `Admitted`'s queue),
-so a claim needs no lock; the ledger's counts are under the ledger's own lock, never held while
-calling the receiver, whose `drop` never blocks (the maintenance thread sends the frame).
-Failure: `drop` refusing (a ticket of another unit, closed receiver) is logged by the receiver;
-nothing here owns memory of a stream, and the client's error has already been sent.
+Threads: a claim opens on the reader thread (`DecodeEngine.submit`) and settles on whichever thread
+ends its request before the pull; those hand-offs order it, so a claim needs no lock. The ledger has
+its own lock, never held while calling the receiver (whose `drop` never blocks).
+Failure: a refused `drop` is logged by the receiver; nothing here owns a stream's memory.
 """
 
 from __future__ import annotations
@@ -74,7 +62,7 @@ class UnpulledTickets:
 
 
 class TicketClaim:
-    """The sink of one request with a ticket D has not pulled yet (see the module docstring)."""
+    """The sink of one request with a ticket D has not pulled yet."""
 
     def __init__(self, ledger: UnpulledTickets, sink: ChunkSink, ticket: Ticket) -> None:
         self._ledger = ledger

@@ -1,34 +1,23 @@
 """D's waiting transfers: streams whose KV is crossing from P, and the proofs that free their memory.
 
-Engine thread only: every method here is called by D's engine loop (`backend/engines/decode/engine.py`),
-and the lists it keeps (`waiting`, `scattering`) are touched by no other thread. The receiver
-(`transfer/receiver.py`) has threads of its own; this module talks to it only through its engine
-API (`poll`, `complete`, `TransferHandle.tensor`), which takes the receiver's lock inside.
+Engine thread only: D's engine loop calls every method, and `waiting` and `scattering` are touched
+by no other thread. It talks to the receiver only through its engine API (`poll`, `complete`,
+`TransferHandle.tensor`).
 
-A waiting stream's end, each exactly once:
+A waiting stream ends exactly once: VERIFIED (region mode: scattered into its pages; direct: the rows
+are there already) -> `join` the batch; FAILED -> `fail` tells the client now, its pages come back at
+once except, direct mode, its prompt pages, which the receiver returns with proof (`on_dest_free` ->
+`Membership.return_held`); dead (an engine fault failed it already) -> its handle is completed when
+terminal.
 
-    poll VERIFIED  region mode: scatter the region into the stream's pages (queued on the device),
-                   the region goes back once the scatter has read it; direct mode: the rows are in
-                   its pages already -> the stream joins the batch (`join`)              [RUNNING]
-    poll FAILED    the client is told now (`fail`); its pages come back at once, except in direct
-                   mode its prompt pages (P may still write them), which the receiver returns with
-                   proof (`Membership.return_held`, its `on_dest_free`)                  [FAILED]
-    dead           the stream already failed (an engine fault); the handle is completed when
-                   terminal, its held pages returned if the transfer verified after all.
+Ownership: the receive region (direct: the prompt's slots) belongs to the transfer until VERIFIED or
+a proof; a VERIFIED region is the engine's until `complete`. On a GPU the scatter is queued behind
+the running step, so the region returns only once an event recorded after it has passed.
 
-Ownership: the stream and its pages are the engine's (a member, `backend/engines/decode/admission.py`); the
-receive region (or, direct mode, the prompt's slots) belongs to the transfer until VERIFIED or a
-proof. A VERIFIED region is the engine's until `complete`; on a GPU the scatter is queued behind the
-running step, so the region returns only when an event recorded after it has passed: P's next copy
-into that region is ordered on nothing of ours. Time alone frees nothing P may still write.
-
-Failure: an exception while handling one entry (a device error in the scatter, a bug) propagates to
-the engine loop, whose fault handler fails every stream it owns. Each entry leaves `waiting` right
-when it is handled, before its side effects that cannot be undone, so `waiting` is exact for that
-handler (`fail_all`); a verified entry that raised midway completes its handle and, if it never
-joined, leaves and fails its stream before the exception goes on. `join` and `fail` are the
-engine's own methods, passed in (not a plan returned) for exactly that reason: an entry joins
-before the next one is polled, so no verified stream is ever outside both `waiting` and the batch.
+Failure: an exception while handling one entry propagates to the engine loop's fault handler. Each
+entry leaves `waiting` as it is handled, before effects that cannot be undone, so `waiting` is exact
+for that handler (`fail_all`); `join` and `fail` are passed in so that an entry joins before the
+next one is polled and no verified stream is ever outside both `waiting` and the batch.
 """
 
 from __future__ import annotations
@@ -89,7 +78,7 @@ class WaitingTransfers:
         self.waiting.append(Waiting(stream, handle, first_row, dead=True))
 
     def poll(self) -> None:
-        """Each entry leaves `waiting` right when it is handled (see the module docstring).
+        """Each entry leaves `waiting` right when it is handled.
 
         A verified transfer's stream gets its transfer stamps in waterfall order: `copy_start`,
         `copy_end` (P's, carried in DONE), `d_done` (D's reader thread received DONE),
@@ -148,13 +137,9 @@ class WaitingTransfers:
             raise
 
     def _release_after_scatter(self, handle: TransferHandle) -> None:
-        """Give a verified region back to the receiver only once the scatter has read it.
-
-        On a GPU the scatter is queued on the engine's stream (behind the running step), while P's
-        next copy into a reused region is ordered on nothing of ours: completing at once could let
-        that copy land before the scatter read the bytes. So a CUDA scatter records an event and the
-        region returns when it has passed (checked every iteration). A CPU scatter has already run.
-        """
+        """Give a verified region back to the receiver only once the scatter has read it: P's next copy
+        into a reused region is ordered on nothing of ours. CUDA: when an event recorded after the scatter
+        has passed (checked every iteration); CPU: at once."""
         if self.pool.device.type != "cuda":
             self.receiver.complete(handle)
             return
