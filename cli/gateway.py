@@ -15,7 +15,6 @@ import argparse
 import sys
 
 from tandem.gateway.app import GatewaySettings, create_app
-from tandem.gateway.logs import configure
 from tandem.gateway.serve import ServerLimits, serve
 
 
@@ -66,8 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         header_timeout_s=args.header_timeout,
         body_timeout_s=args.body_timeout,
     )
-    summary = configure()
-    serve(create_app(settings), args.host, args.port, limits, summary)
+    serve(create_app(settings), args.host, args.port, limits)
     return 0
 
 

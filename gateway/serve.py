@@ -44,7 +44,7 @@ from fastapi import FastAPI
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from tandem.gateway.http_errors import raw_response
-from tandem.gateway.logs import RepeatSummary
+from tandem.gateway.logs import configure
 from tandem.gateway.metrics import GatewayMetrics
 
 log = logging.getLogger("tandem.gateway")
@@ -283,14 +283,10 @@ class GuardedH11Protocol(H11Protocol):
             self._timer = None
 
 
-def serve(
-    app: FastAPI,
-    host: str,
-    port: int,
-    limits: ServerLimits = ServerLimits(),
-    summary: RepeatSummary | None = None,
-) -> None:
-    """Run `app` (the gateway's, `app.state.gateway.metrics` counted) until SIGINT/SIGTERM."""
+def serve(app: FastAPI, host: str, port: int, limits: ServerLimits = ServerLimits()) -> None:
+    """Run `app` (the gateway's, `app.state.gateway.metrics` counted) until SIGINT/SIGTERM, the
+    process's logging set up by `gateway/logs.py`."""
+    summary = configure()
     fd_limit = raise_fd_limit()
     lim = effective(limits, fd_limit)
     metrics = getattr(getattr(app.state, "gateway", None), "metrics", None)
@@ -318,5 +314,4 @@ def serve(
     try:
         uvicorn.Server(config).run()
     finally:
-        if summary is not None:
-            summary.flush(log)
+        summary.flush(log)
