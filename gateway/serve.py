@@ -18,7 +18,10 @@ backlog. What it lacks, `GuardedH11Protocol` (a subclass of uvicorn's `H11Protoc
 - **A body timeout**: a request's whole body within `body_timeout_s` of its head (a Content-Length
   larger than what is sent ends here); else 408, or a close when the response has started.
 - **A drain bound**: a response sent before its request's body arrived (a 413, any refusal) leaves
-  uvicorn discarding the rest of the body; after `drain_s` the connection is closed.
+  uvicorn discarding the rest of the body; after `drain_s` the connection is closed. Where uvicorn
+  would close at once (the request said `Connection: close`), `_LingeringTransport` shuts the
+  write side instead and drains the same way, so a client that sends its whole body before reading
+  gets the answer, not a reset.
 
 The file-descriptor soft limit is raised to the hard limit at start and the cap (and the listen
 backlog, which is also how many sockets asyncio accepts before any is refused) clamped so that
@@ -136,6 +139,74 @@ class ConnectionGuard:
         log.warning(_CUT_LOG[reason], host, why)  # one template per reason: summarised per reason
 
 
+class _LingeringTransport(asyncio.Transport):
+    """The connection's transport as uvicorn sees it. uvicorn closes a connection right after a
+    response when the request said `Connection: close` (urllib always does), also while that
+    request's body is still arriving (a refusal before reading it): the client, still sending, then
+    gets a reset instead of the answer. Here such a `close()` shuts the write side only and lets the
+    body drain (discarded) until the client closes or `drain_s` passes."""
+
+    def __init__(self, inner: asyncio.Transport, proto: GuardedH11Protocol) -> None:
+        super().__init__()
+        self.inner = inner
+        self.proto = proto
+        self.lingering = False
+
+    def close(self) -> None:
+        if self.lingering or self.inner.is_closing():
+            return
+        if self.proto.conn.their_state is h11.SEND_BODY and self.inner.can_write_eof():
+            try:
+                self.inner.write_eof()
+            except OSError:  # the client is gone
+                self.inner.close()
+                return
+            self.lingering = True
+            self.proto.linger()
+            return
+        self.inner.close()
+
+    def is_closing(self) -> bool:
+        return self.lingering or self.inner.is_closing()
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        if not self.lingering:
+            self.inner.write(data)
+
+    def write_eof(self) -> None:
+        self.inner.write_eof()
+
+    def can_write_eof(self) -> bool:
+        return self.inner.can_write_eof()
+
+    def abort(self) -> None:
+        self.inner.abort()
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return self.inner.get_extra_info(name, default)
+
+    def pause_reading(self) -> None:
+        self.inner.pause_reading()
+
+    def resume_reading(self) -> None:
+        self.inner.resume_reading()
+
+    def is_reading(self) -> bool:
+        return self.inner.is_reading()
+
+    def set_protocol(self, protocol: asyncio.BaseProtocol) -> None:
+        self.inner.set_protocol(protocol)
+
+    def get_protocol(self) -> asyncio.BaseProtocol:
+        return self.inner.get_protocol()
+
+    def get_write_buffer_size(self) -> int:
+        return self.inner.get_write_buffer_size()
+
+    def set_write_buffer_limits(self, high: int | None = None, low: int | None = None) -> None:
+        self.inner.set_write_buffer_limits(high, low)
+
+
 class GuardedH11Protocol(H11Protocol):
     """uvicorn's h11 protocol with the cap and timeouts above; `guard` is set per server (`serve`)."""
 
@@ -150,6 +221,8 @@ class GuardedH11Protocol(H11Protocol):
         self._phase = "head"  # head | body | done | drain
         self._got_head_bytes = False
         self._timer: asyncio.TimerHandle | None = None
+        self._linger_timer: asyncio.TimerHandle | None = None
+        self._wrapped: _LingeringTransport | None = None
 
     # -- the cap ------------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -160,8 +233,21 @@ class GuardedH11Protocol(H11Protocol):
             self._refuse(transport, *refusal)
             return
         self._admitted = True
-        super().connection_made(transport)
+        self._wrapped = _LingeringTransport(transport, self)
+        super().connection_made(self._wrapped)
         self._arm(self.guard.limits.header_timeout_s, self._head_timeout)
+
+    def linger(self) -> None:
+        """`_LingeringTransport` shut the write side with the request's body still arriving."""
+        self._cancel()
+        self._linger_timer = self.loop.call_later(self.guard.limits.drain_s, self._lingered)
+
+    def _lingered(self) -> None:
+        self._linger_timer = None
+        if self._wrapped is not None and not self._wrapped.inner.is_closing():
+            s = self.guard.limits.drain_s
+            self.guard.cut("drain", self._host, f"a body still arriving {s:g} s after the response")
+            self._wrapped.inner.close()
 
     def _refuse(self, transport: asyncio.Transport, reason: str, why: str) -> None:
         self._refused = True
@@ -182,6 +268,9 @@ class GuardedH11Protocol(H11Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel()
+        if self._linger_timer is not None:
+            self._linger_timer.cancel()
+            self._linger_timer = None
         if self._refused:
             if self._lingering:
                 self._lingering = False
@@ -202,8 +291,8 @@ class GuardedH11Protocol(H11Protocol):
 
     # -- the timeouts -------------------------------------------------------------------------
     def data_received(self, data: bytes) -> None:
-        if self._refused:
-            return  # a refused client's request: discarded until the linger ends
+        if self._refused or (self._wrapped is not None and self._wrapped.lingering):
+            return  # after a refusal or a response that closes: discarded until the linger ends
         if self._phase == "head":
             self._got_head_bytes = True
         super().data_received(data)

@@ -12,6 +12,8 @@ import json
 import socket
 import statistics
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
@@ -257,6 +259,17 @@ def test_eight_huge_bodies_are_refused_before_they_are_read(gw: GatewayProc, cas
     assert worst <= 1.0 + base
     assert rss.growth <= 50 * 2**20
     assert _raw(gw.port, _request("GET", "/v1/models"))[0] == 200
+
+
+def test_a_client_that_sends_its_whole_body_before_reading_gets_the_413(gw: GatewayProc) -> None:
+    """urllib's way: `Connection: close`, all 10 MB, then read. uvicorn alone closed the connection
+    right after its early answer and the client got a broken pipe."""
+    req = urllib.request.Request(
+        f"{gw.base}/v1/audio/speech", b"x" * 10**7, {"Content-Type": "application/json"}
+    )
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req, timeout=30)
+    assert e.value.code == 413 and json.load(e.value)["error"]["code"] == "INVALID_ARG"
 
 
 def test_nothing_above_went_wrong_inside_the_gateway(gw: GatewayProc) -> None:
