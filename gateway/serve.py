@@ -238,8 +238,11 @@ class GuardedH11Protocol(H11Protocol):
         self._arm(self.guard.limits.header_timeout_s, self._head_timeout)
 
     def linger(self) -> None:
-        """`_LingeringTransport` shut the write side with the request's body still arriving."""
+        """`_LingeringTransport` shut the write side with the request's body still arriving: read
+        (uvicorn may have paused reading while the app did not read) and discard it."""
         self._cancel()
+        if self._wrapped is not None and not self._wrapped.inner.is_reading():
+            self._wrapped.inner.resume_reading()
         self._linger_timer = self.loop.call_later(self.guard.limits.drain_s, self._lingered)
 
     def _lingered(self) -> None:
