@@ -180,7 +180,10 @@ class IdleHolder:
     def report(self) -> HoldReport:
         """Waits for the hold to end."""
         assert self._proc is not None and self._proc.stdout is not None
-        out, _ = self._proc.communicate(timeout=self.hold_s + 120)
+        self._proc.wait(timeout=self.hold_s + 120)
+        # read() and not communicate(): wait_ready's readline may hold the report in its buffer
+        # already (a hold that ended at once), which communicate's raw reads would miss.
+        out = self._proc.stdout.read()
         return HoldReport(**json.loads(out.strip().splitlines()[-1]))
 
     def kill(self) -> None:
