@@ -151,10 +151,23 @@ METRICS: tuple[MetricDef, ...] = (
     MetricDef(
         "tandem_engine_restarts_total", Kind.COUNTER, "Engine worker processes started again after a death"
     ),
+    # Published by every stub about itself (serving/stub_guard.py), labelled model, model_instance.
+    MetricDef(
+        "tandem_stub_heartbeat_timestamp_seconds",
+        Kind.GAUGE,
+        "Unix time of the stub's last heartbeat (every second); stale when the stub is dead or stopped",
+    ),
+    MetricDef(
+        "tandem_model_reloads",
+        Kind.GAUGE,
+        "Times tandem-unit reloaded this model after its stub died, since the unit started",
+    ),
 )
 
 # The metrics a stub publishes about its worker (labels model, model_instance; no engine records them).
 WORKER_METRICS = ("tandem_engine_up", "tandem_engine_restarts_total")
+# The metrics every stub publishes about itself (serving/stub_guard.py).
+STUB_METRICS = ("tandem_stub_heartbeat_timestamp_seconds", "tandem_model_reloads")
 
 BY_NAME = {m.name: m for m in METRICS}
 

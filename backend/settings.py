@@ -55,11 +55,14 @@ class PoolSettings:
     num_pages: int = 4096
     page_size: int = 16
     prefix_cache: bool = True
+    # > 0 (CUDA only): the pool takes this fraction of the device's total memory, num_pages ignored
+    # (engines/parts.size_from_device); engines sharing a GPU each name their share.
+    memory_fraction: float = 0.0
 
 
 @dataclass(frozen=True)
 class BatchSettings:
-    max_batch: int = 64
+    max_batch: int = 64  # 0: as many as the pool has pages for, up to MAX_BATCH (512)
     max_queue: int = 256
     admission_timeout_s: float = 5.0
     first_chunk_rows: int = 4
@@ -262,6 +265,7 @@ def parse_settings(params: Mapping[str, str]) -> EngineSettings:
     explicit_floor = "batch.rate_floor_tok_s" in params
     settings = dataclasses.replace(base, **built, **top)
     _check_dtypes(settings)
+    _check_capacity(settings)
     _check_transfer(settings.transfer)
     return _with_rate_floor(settings, explicit_floor)
 
@@ -279,6 +283,21 @@ def _check_dtypes(settings: EngineSettings) -> None:
     if settings.kv.dtype == "fp8" and settings.model.dtype == "float32":
         raise ValueError(
             "parameter 'kv.dtype': fp8 KV is read by the bf16/fp16 attention kernel, not float32"
+        )
+
+
+MAX_BATCH = 512  # the largest decode batch (graphs are captured per bucket up to it)
+
+
+def _check_capacity(settings: EngineSettings) -> None:
+    b, p = settings.batch, settings.pool
+    if not 0 <= b.max_batch <= MAX_BATCH:
+        raise ValueError(
+            f"parameter 'batch.max_batch': must be in [0, {MAX_BATCH}] (0: from the pool), got {b.max_batch}"
+        )
+    if not 0.0 <= p.memory_fraction < 1.0:
+        raise ValueError(
+            f"parameter 'pool.memory_fraction': must be in [0, 1) (0: num_pages), got {p.memory_fraction}"
         )
 
 

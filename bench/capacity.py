@@ -207,6 +207,7 @@ def run_level(
         "d_admit_ms": {q: float(np.percentile(admit, p)) for q, p in (("p50", 50), ("p99", 99))}
         if admit
         else {},
+        "waterfall_p50_ms": waterfall_p50(ok),
         "decode_device_busy": busy,
         "wall_s": wall_s,
         "records": records,
@@ -215,6 +216,15 @@ def run_level(
         bool(ok) and level["errors"] == 0 and level["stalls"] == 0 and level["streams_below_floor"] == 0
     )
     return level
+
+
+def waterfall_p50(records: list[dict[str, Any]]) -> dict[str, float]:
+    """Each first-audio stage's median over the streams that have it, in waterfall order."""
+    stages: dict[str, list[float]] = {}
+    for r in records:
+        for stage, ms in r["waterfall_ms"].items():
+            stages.setdefault(stage, []).append(ms)
+    return {stage: float(np.median(v)) for stage, v in stages.items()}
 
 
 def capacities(levels: list[dict[str, Any]], start_bound_ms: float) -> tuple[int, int]:
@@ -410,6 +420,8 @@ def main(argv: list[str] | None = None) -> int:
                 ),
                 file=sys.stderr,
             )
+            stages = ", ".join(f"{k} {v:.1f}" for k, v in lv["waterfall_p50_ms"].items())
+            print(f"{model} C={lv['concurrency']} waterfall p50 ms: {stages}", file=sys.stderr)
             capacity, bounded = capacities(runs, args.start_bound_ms)
             n_gpu = gpus.get(model, 1)
             result["models"][model] = {

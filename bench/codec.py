@@ -83,10 +83,54 @@ def streaming_snr(codec: SnacCodec, frames: int, lookback: int, lookahead: int) 
     return float(10 * np.log10(np.sum(ref**2) / max(np.sum(err**2), 1e-30)))
 
 
+def compare_weight_norm(
+    snac_dir: Path, device: torch.device, frames: list[int], reps: int
+) -> list[dict[str, Any]]:
+    """One window of each length decoded by SNAC as the package builds it (weight-norm
+    parametrisations) and by the codec (folded), alternating call by call so both see the same load;
+    median ms of `reps` calls each (after one untimed call of each), and their audio's SNR."""
+    from snac import SNAC
+
+    spec = snac_spec(snac_dir, "orpheus", 0, 0, 7)
+    folded = SnacCodec(snac_dir, spec, device)
+    upstream = SNAC.from_pretrained(str(snac_dir)).to(device).eval()
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda *_: None)
+    out = []
+    for n in frames:
+        codes = np.random.default_rng(n).integers(0, 4096, size=(n, 7))
+        window = [CodecWindow(codes, 0, 0, n)]
+        levels = [x.to(device) for x in folded.levels(torch.from_numpy(codes[None]))]
+        times: dict[str, list[float]] = {"weight_norm": [], "folded": []}
+        with torch.inference_mode():
+            ref = upstream.decode(levels)[0, 0].float().cpu().numpy()
+            got = folded.decode(window)[0]
+            for _ in range(reps):
+                for name in ("weight_norm", "folded"):
+                    sync(device)
+                    t0 = time.perf_counter()
+                    if name == "folded":
+                        folded.decode(window)
+                    else:
+                        upstream.decode(levels).cpu()
+                    times[name].append(time.perf_counter() - t0)
+        err = float(np.sum((got.astype(np.float64) - ref) ** 2))
+        snr = float(10 * np.log10(np.sum(ref.astype(np.float64) ** 2) / max(err, 1e-30)))
+        row = {"frames": n, **{f"{k}_ms": benchutil.median(v) * 1e3 for k, v in times.items()}, "snr_db": snr}
+        out.append(row)
+        print(
+            f"{n} frames: weight norm {row['weight_norm_ms']:.1f} ms, folded {row['folded_ms']:.1f} ms, "
+            f"SNR {snr:.0f} dB",
+            file=sys.stderr,
+        )
+    return out
+
+
 def run(args: argparse.Namespace, snac_dir: Path) -> dict[str, Any]:
     device = torch.device(args.device)
     spec = snac_spec(snac_dir, "orpheus", args.lookback, args.lookahead, 7)
-    codec = SnacCodec(snac_dir, spec, device)
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+    codec = SnacCodec(snac_dir, spec, device, fold=not args.weight_norm)
     floor = spec.rows_per_second / args.rtf
     chunk_s = args.chunk_frames * spec.rows_per_frame / floor  # generating one grown chunk at the floor
     first_s = (1 + args.lookahead) * spec.rows_per_frame / floor
@@ -126,10 +170,14 @@ def run(args: argparse.Namespace, snac_dir: Path) -> dict[str, Any]:
             f"lookback {lookback}, lookahead {lookahead}: {db:.1f} dB against the offline decode",
             file=sys.stderr,
         )
+    compare = compare_weight_norm(snac_dir, device, [2, 19], args.reps) if args.compare_weight_norm else []
     return {
         **benchutil.provenance(device, "tandem-bench-codec", args.argv),
+        "weight_norm_vs_folded": compare,
         "snr_frames": args.snr_frames,
         "decoder_noise": bool(codec.noise),
+        "weight_norm_folded": not args.weight_norm,
+        "torch_threads": torch.get_num_threads(),
         "streaming_snr": snr,
         "codec": "snac",
         "snac_dir": str(snac_dir),
@@ -170,6 +218,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument(
         "--snr-frames", type=int, default=12, help="frames of the streamed-vs-offline SNR check (0: skip)"
+    )
+    ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
+    ap.add_argument(
+        "--weight-norm", action="store_true", help="keep SNAC's weight-norm parametrisations (not folded)"
+    )
+    ap.add_argument(
+        "--compare-weight-norm",
+        action="store_true",
+        help="also time the first and the grown window, SNAC as built against folded, alternating",
     )
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)

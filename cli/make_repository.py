@@ -76,7 +76,7 @@ def _codec_parameters(args: argparse.Namespace, cfg: ModelConfig, params: dict[s
             params.setdefault(m, {})["tandem.limits.default_new_rows"] = str(ORPHEUS_DEFAULT_ROWS)
     if args.codec:
         first = spec.rows_per_frame * (1 + spec.lookahead)
-        for m in ("decode", "tts_mono"):
+        for m in ("decode", "tts_mono", "vocoder"):  # the vocoder warms the windows they cut
             params[m]["tandem.batch.first_chunk_rows"] = str(first)
             params[m]["tandem.batch.max_chunk_rows"] = str(max(first, spec.rows_per_frame * CHUNK_FRAMES_MAX))
     for published in ("tts", "tts_mono"):
@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
             params[m]["tandem.model.dtype"] = args.dtype
         if args.pool_pages:
             params[m]["tandem.pool.num_pages"] = str(args.pool_pages)
-    if args.max_batch:
+    if args.max_batch is not None:  # 0: D sizes it from its pool (up to 512)
         for m in ("decode", "tts_mono"):
             params[m]["tandem.batch.max_batch"] = str(args.max_batch)
     if args.unit:

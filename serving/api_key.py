@@ -43,7 +43,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tandem.serving.repository import model_parameter
+from tandem.serving.repository import model_parameter, repository_unit
 from tandem.transfer.control import control_dir
 from tandem.transfer.errors import UnsafeControlDir
 
@@ -109,16 +109,19 @@ def option_values(args: Sequence[str], name: str) -> list[str]:
 
 def unit_of(server_args: Sequence[str]) -> str:
     """The unit a server serves: the first `tandem.transfer.unit` named by a model (models in name
-    order, local repositories in argument order), else "default" (what the engines use then)."""
+    order, local repositories in argument order), else the first local repository's own
+    (`repository_unit`, what the engines derive then: serving/engine_worker.py), else "default"."""
     repos = option_values(server_args, "--model-repository") + option_values(server_args, "--model-store")
+    local = []
     for repo in repos:
         root = Path(repo)
         with contextlib.suppress(OSError):
             for cfg in sorted(root.glob("*/config.pbtxt")):
+                local.append(root)
                 unit = model_parameter(root, cfg.parent.name, UNIT_PARAMETER)
                 if unit:
                     return unit
-    return DEFAULT_UNIT
+    return repository_unit(local[0]) if local else DEFAULT_UNIT
 
 
 def unit_dir(unit: str, env: Mapping[str, str]) -> Path:

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from tandem.backend.codec.base import Codec, CodecWindow
+from tandem.backend.settings import MAX_BATCH
 from tandem.backend.timing import now_ns
 from tandem.serving import triton_io as io
 
@@ -68,7 +69,7 @@ class VocoderBatcher:
     whose tensors or window are bad gets its error at once, the others their audio.
     """
 
-    def __init__(self, pb: Any, codec: Codec, max_windows: int = 256) -> None:
+    def __init__(self, pb: Any, codec: Codec, max_windows: int = MAX_BATCH) -> None:
         self._pb = pb
         self._codec = codec
         self._max = max_windows

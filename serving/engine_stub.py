@@ -23,7 +23,7 @@ import numpy as np
 from tandem.backend.codec.builder import codec_spec
 from tandem.backend.engines.handoff import Handoff
 from tandem.backend.errors import InvalidInput, TandemError
-from tandem.backend.metrics import METRICS, WORKER_METRICS, Engine
+from tandem.backend.metrics import METRICS, STUB_METRICS, WORKER_METRICS, Engine
 from tandem.backend.model.config import ModelConfig
 from tandem.backend.timing import Timings
 from tandem.backend.worker.channel import Array, EngineKind, Reply, Submit
@@ -80,7 +80,7 @@ class EngineStub:
         self.kind = kind
         self.settings, self.config = io.load_settings(args)
         model, instance = str(args["model_name"]), str(args["model_instance_name"])
-        engine_metrics = [m.name for m in METRICS if m.name not in WORKER_METRICS]
+        engine_metrics = [m.name for m in METRICS if m.name not in (*WORKER_METRICS, *STUB_METRICS)]
         labels = {"model": model, "model_instance": instance}
         metrics = io.TritonMetrics(pb, labels, names=engine_metrics, engine=ENGINES[kind])
         health = io.TritonMetrics(pb, labels, names=WORKER_METRICS)

@@ -31,6 +31,7 @@ worker: a codec (the vocoder) can run in a worker the same way once `backend/wor
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import queue
@@ -65,6 +66,9 @@ from tandem.backend.worker.channel import (
     Submit,
 )
 from tandem.backend.worker.metrics import BeatMetrics
+from tandem.serving.repository import repository_unit
+
+UNIT_PARAMETER = "tandem.transfer.unit"  # serving/api_key.py
 
 log = logging.getLogger("tandem")
 
@@ -127,6 +131,20 @@ class _Process:
     loop_age_s: float = 0.0
 
 
+def with_unit(model_config: str, model_dir: object) -> str:
+    """`model_config` (Triton's JSON) with `tandem.transfer.unit` set to the repository's own unit
+    (`serving.repository.repository_unit` of the model directory's parent) when it names none: two
+    servers of two repositories on one host then never share P's slot or D's arena."""
+    config = json.loads(model_config)
+    params = config.setdefault("parameters", {})
+    if UNIT_PARAMETER in params or not model_dir:
+        return model_config
+    params[UNIT_PARAMETER] = {
+        "string_value": repository_unit(os.path.dirname(os.path.realpath(str(model_dir))))
+    }
+    return json.dumps(config)
+
+
 def python_executable() -> str:
     """The interpreter for the worker: this environment's. Inside a Triton stub `sys.executable` is
     the stub binary, so fall back to the environment's `bin/python3`, then PATH's."""
@@ -163,7 +181,7 @@ class EngineWorker:
             kind=EngineKind(kind),
             instance_kind=str(args.get("model_instance_kind", "CPU")),
             device_id=int(args.get("model_instance_device_id", 0)),
-            model_config=str(args["model_config"]),
+            model_config=with_unit(str(args["model_config"]), args.get("model_repository")),
         )
         self.settings = settings
         self._metrics = metrics

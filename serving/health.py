@@ -6,15 +6,20 @@ The engines publish both on Triton's metrics endpoint:
 
 - `tandem_engine_up{model, model_instance}`: 1 while the model instance's engine worker answers, 0 while
   it is stalled, dead or restarting;
-- `tandem_draining{model, model_instance}`: 1 while a decode engine admits nothing new.
+- `tandem_draining{model, model_instance}`: 1 while a decode engine admits nothing new;
+- `tandem_stub_heartbeat_timestamp_seconds{model, model_instance}`: the Unix time of every stub's
+  last heartbeat (`serving/stub_guard.py`, each second). Triton keeps a dead stub's series at their
+  last values (`tandem_engine_up` stays 1), so a heartbeat older than `STUB_SILENT_S` means the stub
+  is dead or stopped: its model is not ready, and its engine counts as down.
 
 Who reads this: `tandem-health` (the pod's readiness probe, `cli/health.py`), the unit's supervisor and
 the HTTP gateway's `/health`. A unit is *ready* when at least one engine is published, every published
-engine is up, and no engine drains. Nothing here imports Triton or torch.
+engine is up, no engine drains and no stub is silent. Nothing here imports Triton or torch.
 """
 
 from __future__ import annotations
 
+import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
@@ -23,6 +28,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 ENGINE_UP = "tandem_engine_up"
 DRAINING = "tandem_draining"
+HEARTBEAT = "tandem_stub_heartbeat_timestamp_seconds"
+STUB_SILENT_S = 4.0  # heartbeats come every second (stub_guard.PERIOD_S)
 
 
 @dataclass(frozen=True)
@@ -38,10 +45,15 @@ class UnitHealth:
     """What the metrics say about the unit. `reasons` names every engine that is down or draining."""
 
     engines: tuple[EngineState, ...]
+    silent_stubs: tuple[tuple[str, str, float], ...] = ()  # (model, model_instance, seconds silent)
+
+    @property
+    def stubs_alive(self) -> bool:
+        return not self.silent_stubs
 
     @property
     def engines_up(self) -> bool:
-        return bool(self.engines) and all(e.up for e in self.engines)
+        return bool(self.engines) and all(e.up for e in self.engines) and self.stubs_alive
 
     @property
     def draining(self) -> bool:
@@ -55,7 +67,8 @@ class UnitHealth:
     def reasons(self) -> tuple[str, ...]:
         if not self.engines:
             return (f"no {ENGINE_UP} published: no engine has started",)
-        out = [f"{e.model} {e.model_instance}: engine down" for e in self.engines if not e.up]
+        out = [f"{m} {i}: stub silent for {s:.1f} s (dead or stopped)" for m, i, s in self.silent_stubs]
+        out += [f"{e.model} {e.model_instance}: engine down" for e in self.engines if not e.up]
         out += [f"{e.model} {e.model_instance}: draining" for e in self.engines if e.draining]
         return tuple(out)
 
@@ -64,23 +77,34 @@ class HealthUnavailable(Exception):
     """The metrics endpoint could not be read (server down, wrong URL, timeout)."""
 
 
-def parse_health(metrics_text: str) -> UnitHealth:
+def parse_health(metrics_text: str, now: float | None = None) -> UnitHealth:
     """Build the unit's health from one scrape of Triton's metrics text (Prometheus exposition format).
 
     Samples are keyed by (model, model_instance); a draining sample without an engine_up sample still
-    counts (as an engine that is up, since it publishes)."""
+    counts (as an engine that is up, since it publishes). An engine whose stub is silent is down.
+    `now`: the Unix time to judge heartbeats by (default: the clock)."""
+    now = time.time() if now is None else now
     up: dict[tuple[str, str], bool] = {}
     draining: dict[tuple[str, str], bool] = {}
+    beats: dict[tuple[str, str], float] = {}
     for family in text_string_to_metric_families(metrics_text):
-        if family.name not in (ENGINE_UP, DRAINING):
+        if family.name not in (ENGINE_UP, DRAINING, HEARTBEAT):
             continue
         for sample in family.samples:
             key = (sample.labels.get("model", ""), sample.labels.get("model_instance", ""))
-            target = up if family.name == ENGINE_UP else draining
-            target[key] = sample.value >= 0.5
+            if family.name == HEARTBEAT:
+                beats[key] = sample.value
+            else:
+                target = up if family.name == ENGINE_UP else draining
+                target[key] = sample.value >= 0.5
+    silent = {k: now - t for k, t in beats.items() if now - t > STUB_SILENT_S}
     keys = sorted(set(up) | set(draining))
     return UnitHealth(
-        tuple(EngineState(m, i, up.get((m, i), True), draining.get((m, i), False)) for m, i in keys)
+        tuple(
+            EngineState(m, i, up.get((m, i), True) and (m, i) not in silent, draining.get((m, i), False))
+            for m, i in keys
+        ),
+        tuple((m, i, s) for (m, i), s in sorted(silent.items())),
     )
 
 

@@ -16,6 +16,9 @@ logging, trace, statistics) with the unit's API key (`serving/api_key.py`, docs/
 `--http-restricted-api` and `--grpc-restricted-protocol` to the caller's arguments. `TANDEM_API_LOCK=off`
 leaves them open and prints a warning at every start; `TANDEM_API_KEY_FILE` takes the key from a file
 (a mounted Secret) instead of the one generated in the unit's directory.
+
+The server runs under umask 077 (here before the exec, in `tandem-unit` before its start), so that the
+python backend's `/dev/shm` regions, which carry request tensors, are mode 0600.
 """
 
 from __future__ import annotations
@@ -115,6 +118,7 @@ def main() -> None:
     except LauncherError as exc:
         print(f"tritonserver launcher: {exc}", file=sys.stderr)
         raise SystemExit(2) from exc
+    os.umask(0o077)  # the server's files and /dev/shm regions are its user's alone (docs/security.md)
     os.execve(binary, args, env)
 
 

@@ -7,6 +7,8 @@ the `instance_group` of each model — so there is one source of model definitio
 
 from __future__ import annotations
 
+import hashlib
+import os
 import re
 import shutil
 from collections.abc import Mapping
@@ -67,6 +69,15 @@ def get_parameter(config: str, key: str) -> str | None:
 def model_parameter(repository: Path, model: str, key: str) -> str | None:
     """`get_parameter` of `<repository>/<model>/config.pbtxt`."""
     return get_parameter((repository / model / "config.pbtxt").read_text(), key)
+
+
+def repository_unit(repository: Path | str) -> str:
+    """The unit a repository's server serves when no model names one (`tandem.transfer.unit`):
+    `<directory name>-<8 hex digits of its real path>`, e.g. `model_repository-5f1c9a2e`. Two
+    repositories on one host get two units; the same one (a restart) the same unit."""
+    real = os.path.realpath(repository)
+    name = re.sub(r"[^A-Za-z0-9_.-]", "_", os.path.basename(real))[:40] or "repository"
+    return f"{name}-{hashlib.sha256(real.encode()).hexdigest()[:8]}"
 
 
 def set_instance_group(config: str, group: str) -> str:

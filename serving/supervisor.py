@@ -5,13 +5,27 @@ restarts itself (serving/engine_worker.py, docs/failure-semantics.md "Engines in
 own"): a dead or stalled engine never needs this supervisor. What is left here is the server itself:
 
 * starts the real server through the launcher (`tandem.serving.launcher.build_command`), adding
-  `--model-control-mode=explicit --load-model=*` unless a model-control mode is given;
+  `--model-control-mode=explicit --load-model=*` unless a model-control mode is given, loopback
+  addresses unless `--grpc-address`/`--http-address`/`--metrics-address` are given, Triton's
+  `--exit-timeout-secs` (the drain bound, `--drain-timeout`) and a shared-memory prefix of the unit's
+  (`tandem_<uid>_<unit>_<hash of the unit dir>_`, so that it removes the regions of a server that is
+  gone, and only those);
+* holds the unit's lock (`<unit dir>/unit.lock`) for as long as it runs: a second supervisor of the
+  same unit fails at start, naming the setting to change;
+* watches the server's stubs by pid (`tandem.serving.process_tree`): a stub that exits (or is left a
+  zombie) while Triton still calls its model READY is seen at the next `--poll-interval`, and the
+  model is reloaded through Triton's repository API with the unit key, with bounded backoff; the
+  count is published by the new stub as `tandem_model_reloads` (serving/stub_guard.py);
+* probes the server itself (`/v2/health/live` and a metrics scrape, `--probe-timeout` each): after
+  `--probe-failures` failed probes in a row it kills the server's whole tree and starts it again (a
+  hung server: SIGSTOP, a deadlocked crash handler);
 * reads the engines' truth from the server's metrics (`tandem.serving.health`: `tandem_engine_up`,
   `tandem_draining`) every `--poll-interval`, logs each engine that goes down or comes back, and
   restarts the server when some engine has been down for `--engine-down-grace` seconds (its stub's
   own restarts did not bring it back: a broken device, a start that keeps failing);
-* forwards SIGTERM/SIGINT to the server (a second one kills it) and exits with its status; restarts
-  a server that exits unexpectedly, at most `--max-server-restarts` times a minute, then exits non-zero
+* forwards SIGTERM/SIGINT to the server (a second one kills it), kills its tree `--stop-timeout` later
+  and exits 0 once it is gone; restarts a server that exits unexpectedly (killing its tree first),
+  at most `--max-server-restarts` times a minute, then exits non-zero
   so that the pod's supervisor takes over;
 * with `--proxy`, runs the unit's IPC proxy sidecar (`tandem-proxy`, for the `proxy` KV path) before
   the server and for as long as it runs. A proxy that exits takes every P and D registration with it
@@ -29,23 +43,37 @@ import argparse
 import collections
 import contextlib
 import ctypes
+import fcntl
+import glob
+import hashlib
+import json
 import os
 import select
 import signal
 import subprocess
 import sys
+import threading
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import FrameType
 
-from tandem.serving.api_key import DEFAULT_UNIT, UNIT_PARAMETER, ApiKeyError, resolve
+from tandem.serving import process_tree
+from tandem.serving.api_key import UNIT_PARAMETER, ApiKeyError, resolve, unit_dir, unit_of
 from tandem.serving.health import HealthUnavailable, UnitHealth, fetch_health
 from tandem.serving.launcher import LauncherError, build_command
 from tandem.serving.repository import model_parameter
+from tandem.serving.stub_guard import STATE_ENV
 
 RESTART_WINDOW_S = 60.0
 _PR_SET_PDEATHSIG = 1
+LOOPBACK = "127.0.0.1"
+RELOAD_BACKOFF_S = 1.0  # first retry of a failed reload; doubling, at most RELOAD_BACKOFF_MAX_S
+RELOAD_BACKOFF_MAX_S = 30.0
+RELOAD_SETTLE_S = 10.0  # after a reload, stubs of the model replaced by it may still exit
+SHM_PREFIX_OPTION = "shm-region-prefix-name"
 
 
 def log(msg: str) -> None:
@@ -72,6 +100,33 @@ def with_explicit_control(args: Sequence[str]) -> list[str]:
     if option_values(args, "--model-control-mode"):
         return list(args)
     return [*args, "--model-control-mode=explicit", "--load-model=*"]
+
+
+def with_loopback(args: Sequence[str]) -> list[str]:
+    """`args` plus `--<api>-address=127.0.0.1` for each of grpc, http, metrics not given an address
+    (Triton's own default is every interface)."""
+    out = list(args)
+    for api in ("grpc", "http", "metrics"):
+        if not option_values(args, f"--{api}-address"):
+            out.append(f"--{api}-address={LOOPBACK}")
+    return out
+
+
+def with_exit_timeout(args: Sequence[str], drain_s: float) -> list[str]:
+    """`args` plus `--exit-timeout-secs` (how long Triton drains in-flight requests on SIGTERM)."""
+    if option_values(args, "--exit-timeout-secs"):
+        return list(args)
+    return [*args, f"--exit-timeout-secs={max(1, round(drain_s))}"]
+
+
+def shm_prefix(args: Sequence[str]) -> str | None:
+    """The python backend's shared-memory prefix given in `args`, if any."""
+    for value in option_values(args, "--backend-config"):
+        backend, _, setting = value.partition(",")
+        key, _, prefix = setting.partition("=")
+        if backend == "python" and key == SHM_PREFIX_OPTION:
+            return prefix
+    return None
 
 
 def http_base(args: Sequence[str]) -> str:
@@ -114,7 +169,7 @@ def exit_status(returncode: int) -> int:
 
 
 def _die_with_parent_fn() -> Callable[[], None] | None:
-    """A preexec_fn that has the kernel SIGTERM the server if the supervisor dies (Linux)."""
+    """A preexec_fn that has the kernel SIGTERM the child if the supervisor dies (Linux)."""
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         prctl = libc.prctl
@@ -130,11 +185,28 @@ def _die_with_parent_fn() -> Callable[[], None] | None:
     return preexec
 
 
+def _server_preexec_fn() -> Callable[[], None]:
+    """The server's preexec_fn: umask 077, so that every file and /dev/shm region the server and its
+    stubs create is its user's alone (0600), and death with the supervisor (`_die_with_parent_fn`)."""
+    die = _die_with_parent_fn()
+
+    def preexec() -> None:
+        os.umask(0o077)
+        if die is not None:
+            die()
+
+    return preexec
+
+
+class UnitTaken(Exception):
+    """Another supervisor holds this unit's lock."""
+
+
 class Supervisor:
     def __init__(self, opts: argparse.Namespace, server_args: Sequence[str]) -> None:
         self.opts = opts
         self.model: str = opts.prefill_model
-        self.args = with_explicit_control(server_args)
+        self.args = with_exit_timeout(with_loopback(with_explicit_control(server_args)), opts.drain_timeout)
         self.api = resolve(self.args)  # the key the launcher locks the server with (serving/api_key.py)
         self.proc: subprocess.Popen[bytes] | None = None
         self.stopping = False
@@ -148,11 +220,77 @@ class Supervisor:
         self.proxy: subprocess.Popen[str] | None = None
         self.proxy_starts = 0
         self.metrics_url = metrics_url(self.args)
-        self.unit = DEFAULT_UNIT
+        self.unit = unit_of(self.args)
         model_dir = find_model_dir(self.args, self.model)
         if model_dir is not None:
-            self.unit = model_parameter(model_dir.parent, self.model, UNIT_PARAMETER) or DEFAULT_UNIT
-        log(f"unit {self.unit!r}: engines' health from {self.metrics_url}")
+            self.unit = model_parameter(model_dir.parent, self.model, UNIT_PARAMETER) or self.unit
+        self.dir = unit_dir(self.unit, os.environ)
+        self._lock_fd = self._take_unit()
+        self.prefix = shm_prefix(self.args)
+        if self.prefix is None:
+            # /dev/shm is the host's: the unit dir's path (unit name and XDG_RUNTIME_DIR) keeps two
+            # units of one user apart, so that neither removes the other's regions.
+            tag = hashlib.sha256(str(self.dir).encode()).hexdigest()[:8]
+            self.prefix = f"tandem_{os.getuid()}_{self.unit}_{tag}_"
+            self.args.append(f"--backend-config=python,{SHM_PREFIX_OPTION}={self.prefix}")
+        self.repos = option_values(self.args, "--model-repository", "--model-store")
+        self.http = http_base(self.args)
+        self.state_path = self.dir / "unit-state.json"
+        self.reloads: dict[str, int] = {}
+        self._write_state()
+        # per server lifetime (reset by start_server)
+        self.stub_pids: dict[int, str] = {}
+        self.tree: list[int] = []
+        self.reloading: dict[str, threading.Thread] = {}
+        self.settled: dict[str, float] = {}  # model -> when our last reload of it ended (monotonic)
+        self.answered = False
+        self.probe_failures = 0
+        self.next_probe = 0.0
+        key = f"; API key in {self.api.source}" if self.api.source else ""
+        log(f"unit {self.unit!r} (unit dir {self.dir}{key}): engines' health from {self.metrics_url}")
+
+    # ---- the unit's lock and state -----------------------------------------------------------------
+
+    def _take_unit(self) -> int:
+        """flock `<unit dir>/unit.lock` for this process's life; UnitTaken if another holds it."""
+        path = self.dir / "unit.lock"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise UnitTaken(
+                f"another tandem-unit serves unit {self.unit!r} ({path} is locked): give this one "
+                f"another unit name (the `{UNIT_PARAMETER}` parameter of its `{self.model}` model, "
+                "e.g. `tandem-repo --set prefill:tandem.transfer.unit=NAME "
+                "--set decode:tandem.transfer.unit=NAME`) "
+                "or another XDG_RUNTIME_DIR"
+            ) from None
+        return fd
+
+    def _write_state(self) -> None:
+        """The reload counts the stubs publish (`tandem_model_reloads`, serving/stub_guard.py)."""
+        tmp = self.state_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"reloads": self.reloads}))
+        os.replace(tmp, self.state_path)
+
+    def private_regions(self) -> None:
+        """chmod 0600 every region of this unit's prefix (Triton creates them 0644; each stub makes
+        its own private at start, serving/stub_guard.py: this covers any other)."""
+        for path in glob.glob(f"/dev/shm/{glob.escape(self.prefix or '')}*"):
+            with contextlib.suppress(OSError):
+                if os.stat(path).st_mode & 0o077:
+                    os.chmod(path, 0o600)
+
+    def remove_regions(self) -> None:
+        """Remove the python backend's /dev/shm regions of this unit's (stopped) server."""
+        removed = 0
+        for path in glob.glob(f"/dev/shm/{glob.escape(self.prefix or '')}*"):
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+                removed += 1
+        if removed:
+            log(f"removed {removed} shared-memory regions /dev/shm/{self.prefix}* of the stopped server")
 
     # ---- the IPC proxy sidecar (--proxy) -----------------------------------------------------------
 
@@ -197,13 +335,22 @@ class Supervisor:
         except LauncherError as exc:
             log(f"launcher: {exc}")
             raise GiveUp(2) from exc
+        env[STATE_ENV] = str(self.state_path)
+        self.remove_regions()  # a server of this unit killed before (we hold the unit's lock)
         self.started_at = time.time()
         self.proc = subprocess.Popen(
-            argv, executable=binary, env=env, start_new_session=True, preexec_fn=_die_with_parent_fn()
+            argv, executable=binary, env=env, start_new_session=True, preexec_fn=_server_preexec_fn()
         )
         self.starts += 1
         self.health = None
         self.down_since = None
+        self.stub_pids = {}
+        self.tree = []
+        self.reloading = {}
+        self.settled = {}
+        self.answered = False
+        self.probe_failures = 0
+        self.next_probe = time.monotonic()
         log(f"started tritonserver (pid {self.proc.pid}): {self.api.redact(' '.join(argv[1:]))}")
 
     def stop_server(self, timeout_s: float) -> int:
@@ -221,26 +368,32 @@ class Supervisor:
         return proc.returncode
 
     def reap_leftovers(self) -> None:
-        """SIGKILL what is left of an exited server's process group: its stubs outlive a killed server
-        (an orphaned P keeps its slot lock, and the next server's P could not start) and a server that
-        gave up waiting on them at its exit timeout."""
+        """SIGKILL what is left of an exited server (its process group, and every stub and worker
+        seen in its tree): stubs and workers can outlive a killed server (an orphaned P keeps its slot
+        lock, and the next server's P could not start); then remove its shared-memory regions."""
         if self.proc is None or self.proc.poll() is None:
             return
-        try:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.proc.pid, 0)
-        except (ProcessLookupError, PermissionError):
-            return
-        log(f"killing the leftover processes of tritonserver {self.proc.pid} (its stubs)")
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
+            log(f"killing the leftover processes of tritonserver {self.proc.pid} (its stubs, their workers)")
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+        stragglers = process_tree.kill_all(self.tree)
+        if stragglers:
+            log(f"killed {len(stragglers)} processes of tritonserver {self.proc.pid} outside its group")
+        self.remove_regions()
 
     def kill_server(self) -> None:
+        """SIGKILL the server's whole tree: its process group and every process seen below it."""
         if self.proc is not None and self.proc.poll() is None:
+            self.tree = list({*self.tree, *process_tree.descendants(self.proc.pid)})
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, signal.SIGKILL)  # the server and its stubs (one session)
+            process_tree.kill_all(self.tree)
 
-    def restart_server(self, reason: str) -> None:
-        """Stop (if still running) and start the server again, within the restart budget."""
+    def restart_server(self, reason: str, hung: bool = False) -> None:
+        """Stop (if still running; a `hung` one is killed at once) and start the server again, within
+        the restart budget."""
         now = time.monotonic()
         while self.restarts and now - self.restarts[0] > RESTART_WINDOW_S:
             self.restarts.popleft()
@@ -253,6 +406,8 @@ class Supervisor:
             raise GiveUp(exit_status(rc) or 1)
         self.restarts.append(now)
         log(f"restarting tritonserver ({len(self.restarts)} in the last minute): {reason}")
+        if hung:
+            self.kill_server()
         self.stop_server(self.opts.stop_timeout)
         if not self.stopping:
             self.start_server()
@@ -271,6 +426,101 @@ class Supervisor:
         log(f"{name}: forwarding it to tritonserver (pid {self.proc.pid})")
         self.proc.send_signal(signum)
 
+    # ---- the stubs: watched by pid, a dead one's model reloaded ---------------------------------------
+
+    def check_stubs(self) -> None:
+        """One /proc scan: the server's tree (killed whole later) and its stubs. Once the server has
+        answered (its models loaded), a stub seen before and gone now (exited, or a zombie Triton does
+        not reap) has its model reloaded, unless that model's reload is running or just ended."""
+        assert self.proc is not None
+        self.tree = list({*self.tree, *process_tree.descendants(self.proc.pid)})
+        now = process_tree.stubs(self.proc.pid, self.repos)
+        if set(now) != set(self.stub_pids):
+            self.private_regions()
+        mono = time.monotonic()
+        for model, thread in list(self.reloading.items()):
+            if not thread.is_alive():
+                del self.reloading[model]
+                self.settled[model] = mono
+        for pid, model in self.stub_pids.items():
+            if pid in now or not self.answered or model in self.reloading:
+                continue
+            if mono - self.settled.get(model, -RELOAD_SETTLE_S) < RELOAD_SETTLE_S:
+                continue
+            log(f"{model}: its stub (pid {pid}) died; reloading the model")
+            self.start_reload(model)
+        self.stub_pids = now
+
+    def start_reload(self, model: str) -> None:
+        proc = self.proc
+        thread = threading.Thread(
+            target=self._reload, args=(model, proc), name=f"reload-{model}", daemon=True
+        )
+        self.reloading[model] = thread
+        thread.start()
+
+    def _post(self, path: str, timeout_s: float) -> bytes:
+        req = urllib.request.Request(
+            self.http + path, data=b"{}", method="POST", headers=self.api.http_headers()
+        )
+        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+            return bytes(resp.read())
+
+    def _reload(self, model: str, proc: subprocess.Popen[bytes] | None) -> None:
+        """Reload thread: Triton's repository `load` of `model` (it unloads the dead instance, loads a
+        new one and the ensembles above it), retried after 1, 2, 4 ... at most 30 s while it fails and
+        this server lives. A model Triton does not call READY at first (an operator unloaded it) is left
+        alone."""
+        attempt = 0
+        while proc is not None and proc.poll() is None and not self.stopping:
+            try:
+                index = json.loads(self._post("/v2/repository/index", 10.0))
+                states = {m.get("name"): m.get("state") for m in index}
+                if attempt == 0 and states.get(model) != "READY":
+                    log(f"{model}: not reloaded: Triton calls it {states.get(model) or 'unknown'}")
+                    return
+                self.reloads[model] = self.reloads.get(model, 0) + 1
+                self._write_state()
+                started = time.monotonic()
+                self._post(f"/v2/repository/models/{model}/load", self.opts.reload_timeout)
+                took = time.monotonic() - started
+                log(f"{model}: reloaded in {took:.1f} s ({self.reloads[model]} reloads)")
+                return
+            except (urllib.error.URLError, OSError, ValueError) as exc:
+                attempt += 1
+                delay = min(RELOAD_BACKOFF_MAX_S, RELOAD_BACKOFF_S * 2 ** (attempt - 1))
+                log(f"{model}: reload {attempt} failed ({exc}); next try in {delay:.0f} s")
+                time.sleep(delay)
+
+    # ---- the server's liveness ---------------------------------------------------------------------
+
+    def probe_server(self) -> None:
+        """Every `--probe-interval`: `/v2/health/live` and a metrics scrape, each within
+        `--probe-timeout`. Failures count only once the server has answered in this lifetime (its
+        models load first); `--probe-failures` in a row kill its tree and restart it."""
+        now = time.monotonic()
+        if now < self.next_probe:
+            return
+        self.next_probe = now + self.opts.probe_interval
+        timeout = self.opts.probe_timeout
+        try:
+            with urllib.request.urlopen(self.http + "/v2/health/live", timeout=timeout) as resp:
+                resp.read()
+            fetch_health(self.metrics_url, timeout_s=timeout)
+        except (urllib.error.URLError, OSError, ValueError, HealthUnavailable) as exc:
+            if not self.answered:
+                return
+            self.probe_failures += 1
+            log(f"liveness probe {self.probe_failures}/{self.opts.probe_failures} failed: {exc}")
+            if self.probe_failures >= self.opts.probe_failures:
+                why = f"it did not answer {self.probe_failures} liveness probes in a row"
+                self.restart_server(why, hung=True)
+            return
+        if self.probe_failures:
+            log(f"tritonserver answers again after {self.probe_failures} failed probes")
+        self.answered = True
+        self.probe_failures = 0
+
     # ---- the engines ------------------------------------------------------------------------------
 
     def check_engines(self) -> None:
@@ -284,10 +534,17 @@ class Supervisor:
         if not health.engines:
             return  # the models are still loading: no engine has published yet
         before = {(e.model, e.model_instance): e for e in self.health.engines} if self.health else {}
+        silent = {(m, i): t for m, i, t in health.silent_stubs}
+        was_silent = {(m, i) for m, i, _ in self.health.silent_stubs} if self.health else set()
+        for (m, i), t in silent.items():
+            if (m, i) not in was_silent:
+                log(f"{m} {i}: stub silent for {t:.1f} s (its heartbeat stopped)")
         for e in health.engines:
             old = before.get((e.model, e.model_instance))
             if old is None and e.up:
                 log(f"{e.model} {e.model_instance}: engine up")
+            elif (old is None or old.up) and not e.up and (e.model, e.model_instance) in silent:
+                log(f"{e.model} {e.model_instance}: engine down (its stub is silent)")
             elif (old is None or old.up) and not e.up:
                 log(f"{e.model} {e.model_instance}: engine down (tandem_engine_up 0); its stub restarts it")
             elif old is not None and not old.up and e.up:
@@ -320,9 +577,9 @@ class Supervisor:
                 rc = self.proc.poll()
                 if rc is not None:
                     if self.stopping:
-                        log(f"tritonserver exited with status {rc}")
+                        log(f"tritonserver exited with status {rc}; stopped as asked")
                         self.reap_leftovers()
-                        return exit_status(rc)
+                        return 0
                     if rc >= 0 and not self.ever_up and self.starts == 1:
                         # Its own exit during the first start: arguments or repository, not a crash.
                         log(f"tritonserver exited with status {rc} during its first start; not restarting")
@@ -340,7 +597,10 @@ class Supervisor:
                         self.stop_deadline = float("inf")
                 else:
                     self.check_proxy()
-                    self.check_engines()
+                    self.check_stubs()
+                    self.probe_server()
+                    if self.proc.poll() is None:
+                        self.check_engines()
                 time.sleep(self.opts.poll_interval)
         except GiveUp as give_up:
             if self.proc is not None and self.proc.poll() is None:  # e.g. a proxy that will not start
@@ -366,7 +626,24 @@ def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
         "--max-server-restarts", type=int, default=3, help="server restarts per minute before giving up"
     )
     parser.add_argument(
-        "--stop-timeout", type=float, default=45.0, help="seconds after SIGTERM before SIGKILL"
+        "--stop-timeout", type=float, default=12.0, help="seconds after SIGTERM before the tree is killed"
+    )
+    parser.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=8.0,
+        help="Triton's --exit-timeout-secs unless given: how long a stopping server drains requests",
+    )
+    parser.add_argument("--probe-interval", type=float, default=2.0, help="seconds between liveness probes")
+    parser.add_argument("--probe-timeout", type=float, default=3.0, help="seconds each probe may take")
+    parser.add_argument(
+        "--probe-failures",
+        type=int,
+        default=5,
+        help="failed liveness probes in a row before the server's tree is killed and restarted",
+    )
+    parser.add_argument(
+        "--reload-timeout", type=float, default=600.0, help="seconds one model reload may take"
     )
     parser.add_argument("--poll-interval", type=float, default=0.5, help="seconds between checks")
     parser.add_argument(
@@ -393,6 +670,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         supervisor = Supervisor(opts, server_args)
     except ApiKeyError as exc:
         log(f"cannot lock the control APIs: {exc}")
+        raise SystemExit(2) from exc
+    except UnitTaken as exc:
+        log(str(exc))
         raise SystemExit(2) from exc
     raise SystemExit(supervisor.run())
 

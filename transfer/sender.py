@@ -130,7 +130,12 @@ class TransferSender:
         deadline = time.monotonic() + self._lock_wait_s
         while not self._instance_lock.try_acquire():
             if time.monotonic() > deadline:
-                raise TransferError(f"another P instance holds {self.lock_path}")
+                raise TransferError(
+                    f"another P instance holds {self.lock_path}: another server serves the same unit "
+                    "(two units on one host need different `tandem.transfer.unit` parameters on their "
+                    "prefill and decode models, or different XDG_RUNTIME_DIRs), or the previous P of "
+                    f"this one did not exit within {self._lock_wait_s:g} s"
+                )
             time.sleep(0.02)
         self.path.share_instance_lock(self._instance_lock.fd)
         if self.control == "tcp":

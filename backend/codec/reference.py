@@ -200,6 +200,23 @@ class ChunkPolicy:
             left -= size
         return sizes
 
+    def window_frames(self, rows_per_frame: int, chunks: int = 64) -> list[int]:
+        """The frame counts of the windows a stream's first `chunks` non-final chunks carry (as
+        `FrameTrack.window` cuts them), each once, in order of first appearance."""
+        lookback, lookahead = self.framing.lookback, self.framing.lookahead
+        out: list[int] = []
+        rows = emitted = 0
+        for i in range(chunks):
+            rows += self.next_size(i)
+            frames = rows // rows_per_frame
+            emit_to = max(emitted, frames - lookahead)
+            if emit_to > emitted:
+                n = frames - max(0, emitted - lookback)
+                if n not in out:
+                    out.append(n)
+                emitted = emit_to
+        return out
+
 
 def write_wav(path: str | os.PathLike[str], pcm: np.ndarray, sample_rate: int) -> None:
     """Write mono float PCM in [-1, 1] as a 16-bit WAV file (samples outside the range are clipped)."""

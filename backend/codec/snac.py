@@ -14,6 +14,10 @@ Batching: `decode` stacks the windows of equal frame count (streams in their ste
 the same window size) into one call on the codec's device; windows of other sizes go in their own
 call. Padding windows to one length would change the audio of their last frames (the decoder's
 convolutions see the padding), so it is not done.
+
+At load, SNAC's weight-norm parametrisations are folded into plain weights (inference recomputes
+nothing per call; the audio is the same to float rounding), and `warm` decodes each window length
+the vocoder will see once, so no stream's first chunk pays a shape's first call.
 """
 
 from __future__ import annotations
@@ -21,13 +25,14 @@ from __future__ import annotations
 import json
 from collections import defaultdict
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
 
 from tandem.backend.codec.base import CodecSpec, CodecWindow
 
+_M = TypeVar("_M", bound=torch.nn.Module)
 CONFIG = "config.json"
 WEIGHTS = "pytorch_model.bin"
 # hubertsiuzdak/snac_24khz config.json: the codec Orpheus was trained with (19.5 M parameters).
@@ -106,10 +111,21 @@ def snac_spec(path: str | Path, layout: str, lookback: int, lookahead: int, rows
     )
 
 
+def fold_weight_norm(model: _M) -> _M:
+    """Replace every weight-norm parametrisation (`torch.nn.utils.parametrizations.weight_norm`, as
+    SNAC builds its convolutions) by the weight it computes, in place; returns `model`."""
+    from torch.nn.utils import parametrize
+
+    for module in model.modules():
+        if parametrize.is_parametrized(module, "weight"):
+            parametrize.remove_parametrizations(module, "weight", leave_parametrized=True)
+    return model
+
+
 class SnacCodec:
     """`Codec` over a SNAC model on one device; owned by one model instance (not thread-safe)."""
 
-    def __init__(self, path: str | Path, spec: CodecSpec, device: torch.device) -> None:
+    def __init__(self, path: str | Path, spec: CodecSpec, device: torch.device, fold: bool = True) -> None:
         from snac import SNAC  # the package pulls einops; imported here so D never needs it
 
         self._config = read_config(path)
@@ -119,7 +135,8 @@ class SnacCodec:
         self._codebook = int(self._config.get("codebook_size", 4096))
         self.device = device
         self.noise = bool(self._config.get("noise", True))  # SNAC's own default
-        self._model = SNAC.from_pretrained(str(path)).to(device).eval()
+        model = SNAC.from_pretrained(str(path))
+        self._model = (fold_weight_norm(model) if fold else model).to(device).eval()  # fold=False: benches
 
     @property
     def spec(self) -> CodecSpec:
@@ -146,6 +163,14 @@ class SnacCodec:
         frames = levels[0].shape[1]
         parts = [c.reshape(1, frames, count) for c, count in zip(levels, self._counts, strict=True)]
         return torch.cat(parts, dim=2)[0].to(torch.int64).cpu().numpy()
+
+    def warm(self, frame_counts: list[int]) -> None:
+        """Decode one window of each length in `frame_counts` (batch 1) and drop the audio."""
+        rng = np.random.default_rng(0)
+        for n in sorted(set(frame_counts)):
+            if n > 0:
+                codes = rng.integers(0, self._codebook, size=(n, self._width))
+                self.decode([CodecWindow(codes, 0, 0, n)])
 
     def decode(self, windows: list[CodecWindow]) -> list[np.ndarray]:
         """See `Codec.decode`: one SNAC call per distinct window length (windows emitting nothing

@@ -313,8 +313,7 @@ class DecodeBatch:
         assert s.frames is not None
         s.frames.push(rows)  # the codec frames these rows complete, and the context they need
         window = s.frames.window(final=done)
-        timings = s.timings if done else None
-        chunk = Chunk(rows=rows, first_row=s.emitted_rows, final=done, timings=timings, window=window)
+        chunk = Chunk(rows=rows, first_row=s.emitted_rows, final=done, timings=s.timings, window=window)
         s.emitted_rows = len(s.generated)
         s.chunk_index += 1
         s.sink.emit(chunk)

@@ -6,13 +6,16 @@ One builder keeps the engines from drifting apart: equal settings must mean equa
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import time
 from pathlib import Path
 from typing import TypeVar
 
 import torch
 
-from tandem.backend.codec.builder import framing
+from tandem.backend.codec.base import Codec
+from tandem.backend.codec.builder import build_codec, codec_spec, framing
 from tandem.backend.codec.reference import ChunkPolicy
 from tandem.backend.engines.batch import DecodeBatch
 from tandem.backend.kv.pool import KVPool
@@ -22,13 +25,46 @@ from tandem.backend.model.config import preset
 from tandem.backend.model.decoder import Decoder
 from tandem.backend.model.fp8 import require_fp8_device
 from tandem.backend.scheduling.intake import Intake, _HasSink
-from tandem.backend.settings import EngineSettings
+from tandem.backend.settings import MAX_BATCH, EngineSettings
 from tandem.transfer import PathOptions, TransferError, TransferPath, WireLayout, build_path
 from tandem.transfer.auth import read_secret, unit_secret
 from tandem.transfer.control import control_dir
 
 R = TypeVar("R", bound=_HasSink)
 log = logging.getLogger("tandem")
+
+
+def size_from_device(settings: EngineSettings, decoder: Decoder) -> EngineSettings:
+    """Settings with the pool and the batch bound sized for this engine's device, once, after its
+    weights are loaded: `pool.memory_fraction` > 0 turns into `num_pages` (that share of the
+    device's total memory, in pages of this decoder's KV; refused with the figures where the device
+    has not that much free, or is not a GPU), and `batch.max_batch` 0 into the pool's page count
+    capped at MAX_BATCH (every stream holds a page at least; admission's page reservation and the
+    rate floor decide how many really run)."""
+    p, b = settings.pool, settings.batch
+    pages = p.num_pages
+    if p.memory_fraction > 0:
+        device = decoder.device
+        if device.type != "cuda":
+            raise ValueError(
+                f"parameter 'pool.memory_fraction': sizes a GPU's pool; this engine runs on {device}"
+            )
+        free, total = torch.cuda.mem_get_info(device)
+        page_bytes = decoder.kv_layout().token_bytes * p.page_size
+        want = int(p.memory_fraction * total)
+        if want > free:
+            raise ValueError(
+                f"parameter 'pool.memory_fraction': {p.memory_fraction:g} of {total / 2**30:.1f} GiB is "
+                f"{want / 2**30:.1f} GiB, but {free / 2**30:.1f} GiB are free on {device}"
+            )
+        pages = want // page_bytes
+        log.info("pool: %d pages of %d tokens (%.1f GiB of %s)", pages, p.page_size, want / 2**30, device)
+    max_batch = b.max_batch or min(MAX_BATCH, pages)
+    return dataclasses.replace(
+        settings,
+        pool=dataclasses.replace(p, num_pages=pages, memory_fraction=0.0),
+        batch=dataclasses.replace(b, max_batch=max_batch),
+    )
 
 
 def make_pool(decoder: Decoder, settings: EngineSettings, storage: torch.Tensor | None = None) -> KVPool:
@@ -40,6 +76,24 @@ def make_pool(decoder: Decoder, settings: EngineSettings, storage: torch.Tensor 
 def chunk_policy(settings: EngineSettings) -> ChunkPolicy:
     b = settings.batch
     return ChunkPolicy(b.first_chunk_rows, b.chunk_growth, b.max_chunk_rows, framing(settings))
+
+
+def make_codec(settings: EngineSettings, device: torch.device) -> Codec:
+    """The vocoder's (or the monolithic engine's) codec, warmed so no stream pays a shape's first
+    call: on a GPU every window length up to the longest this chunk policy cuts (final chunks'
+    included); on a CPU, where a first call costs little more than the next, the first chunk's."""
+    codec = build_codec(settings, device)
+    warm = getattr(codec, "warm", None)
+    if warm is not None:
+        spec = codec_spec(settings)
+        lengths = chunk_policy(settings).window_frames(spec.rows_per_frame)
+        gpu = device.type == "cuda" and lengths
+        lengths = list(range(1, max(lengths) + 1)) if gpu else lengths[:1]
+        t0 = time.perf_counter()
+        warm(lengths)
+        took = time.perf_counter() - t0
+        log.info("codec %s warmed on %d window lengths in %.2f s", spec.kind, len(lengths), took)
+    return codec
 
 
 def make_batch(decoder: Decoder, pool: KVPool, settings: EngineSettings, metrics: MetricsSink) -> DecodeBatch:

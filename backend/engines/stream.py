@@ -39,8 +39,8 @@ class Chunk:
     """Rows generated since the previous chunk of the same stream.
 
     rows: int64 [N, W]; first_row: index of rows[0] among the stream's generated rows; final: the
-    stream ends with this chunk; timings: the stream's per-stage timestamps, attached to the final
-    chunk; window: the codec frames (with their context) whose audio this chunk carries
+    stream ends with this chunk; timings: the stream's per-stage timestamps (renderers send them with
+    the final chunk); window: the codec frames (with their context) whose audio this chunk carries
     (backend/codec/base.py): the vocoder decodes it and nothing else, so it stays stateless.
     """
 

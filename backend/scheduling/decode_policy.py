@@ -6,13 +6,19 @@ members and their context; D's gauges ask `admittable`. Rules, in order:
   proofs free it (docs/failure-semantics.md);
 - batch room: at most `batch.max_batch` members;
 - rate floor (`batch.rate_admission`): the step predicted with the newcomer must keep every member
-  at `batch.rate_floor_tok_s` less `batch.rate_margin` (`StepTimeModel.admits`).
+  at `batch.rate_floor_tok_s` less `batch.rate_margin`. Given the members' real contexts and
+  generated rows (`ahead`), the check looks ahead: each stream grows by its expected remaining rows
+  (`LengthModel`, learned from finished streams, the worst case until it has seen enough) and the
+  peak step must fit (`StepTimeModel.admits_ahead`); else the step now (`StepTimeModel.admits`).
 """
 
 from __future__ import annotations
 
 import logging
 
+import numpy as np
+
+from tandem.backend.scheduling.length_model import LengthModel
 from tandem.backend.scheduling.step_model import StepTimeModel
 from tandem.backend.settings import BatchSettings
 
@@ -27,24 +33,48 @@ class DecodePolicy:
         self.batch = batch
         self.drain_held_fraction = drain_held_fraction
         self.step_model = step_model
+        self.lengths = LengthModel()
         self._rate_holding = False  # the rate floor is holding newcomers (logged once per hold)
 
     def draining(self, held_fraction: float) -> bool:
         """True while quarantined receive memory is over the drain threshold."""
         return held_fraction > self.drain_held_fraction
 
-    def fits(self, members: int, context: int, prompt_len: int) -> bool:
-        """One more stream of `prompt_len` beside `members` streams of total `context`."""
+    def fits(
+        self,
+        members: int,
+        context: int,
+        prompt_len: int,
+        max_new_rows: int = 0,
+        ahead: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
+    ) -> bool:
+        """One more stream of `prompt_len` (at most `max_new_rows` to generate) beside `members`
+        streams of total `context`; `ahead`: the members' (contexts, generated rows, limits)."""
         b = self.batch
         if members >= b.max_batch:
             return False
-        if b.rate_admission and not self.step_model.admits(
-            members, context, prompt_len, b.rate_floor_tok_s, b.rate_margin
-        ):
+        if b.rate_admission and not self._rate_fits(members, context, prompt_len, max_new_rows, ahead):
             self._note_rate_hold(members, context + prompt_len)
             return False
         self._rate_holding = False
         return True
+
+    def _rate_fits(
+        self,
+        members: int,
+        context: int,
+        prompt_len: int,
+        max_new_rows: int,
+        ahead: tuple[np.ndarray, np.ndarray, np.ndarray] | None,
+    ) -> bool:
+        b = self.batch
+        if ahead is None:
+            return self.step_model.admits(members, context, prompt_len, b.rate_floor_tok_s, b.rate_margin)
+        contexts, generated, limits = ahead
+        remaining = self.lengths.remaining_many(np.append(generated, 0), np.append(limits, max_new_rows))
+        return self.step_model.admits_ahead(
+            np.append(contexts, prompt_len), remaining, b.rate_floor_tok_s, b.rate_margin
+        )
 
     def admittable(self, members: int, context: int) -> int:
         """How many more streams of this batch's typical context fit now (the scaling gauge)."""

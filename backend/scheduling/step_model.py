@@ -77,6 +77,29 @@ class StepTimeModel:
         budget = (1.0 - margin) / floor_tok_s
         return self.predict(batch + 1, context + new_context) <= budget
 
+    def peak(self, contexts: np.ndarray, remaining: np.ndarray) -> float:
+        """The largest step predicted while these streams (context, rows still to generate) grow by
+        one row a step and each leaves after its remaining rows, nobody joining. Between two leaves
+        the step only grows, so each stream's last step is where a peak can be."""
+        if self.coef is None or len(contexts) == 0:
+            return 0.0
+        order = np.argsort(-np.asarray(remaining), kind="stable")
+        ctx = np.asarray(contexts, dtype=np.float64)[order]
+        last = np.maximum(np.asarray(remaining, dtype=np.float64)[order] - 1.0, 0.0)
+        alive = np.arange(1, len(ctx) + 1, dtype=np.float64)  # streams still in at each one's last step
+        a, b, c = self.coef
+        return float(np.max(a + b * alive + c * (np.cumsum(ctx) + alive * last)))
+
+    def admits_ahead(
+        self, contexts: np.ndarray, remaining: np.ndarray, floor_tok_s: float, margin: float
+    ) -> bool:
+        """`admits` over the batch's future: the members' real contexts and expected remaining rows
+        (the newcomer among them) must keep every stream >= floor at the predicted peak step. An
+        idle engine (only the newcomer) always admits."""
+        if not self.ready or len(contexts) <= 1:
+            return True
+        return self.peak(contexts, remaining) <= (1.0 - margin) / floor_tok_s
+
     def admittable(
         self, batch: int, context: int, typical_context: int, floor_tok_s: float, margin: float, limit: int
     ) -> int:

@@ -138,13 +138,14 @@ class EngineHost:
     def build(self) -> Ready:
         """Decoder on the instance's device, then the engine, started. Raises whatever failed."""
         from tandem.backend.device import resolve_device
-        from tandem.backend.engines.parts import build_decoder
+        from tandem.backend.engines.parts import build_decoder, size_from_device
 
         i = self.init
         device = resolve_device(self.settings.device, i.instance_kind, i.device_id)
         if i.kind == EngineKind.VOICES:
             return self._build_voices(device)
         decoder = build_decoder(self.settings, device)
+        self.settings = size_from_device(self.settings, decoder)
         if i.kind == EngineKind.PREFILL:
             from tandem.backend.engines.prefill import PrefillEngine
 
@@ -156,10 +157,10 @@ class EngineHost:
             self.engine = DecodeEngine(decoder, self.settings, self.metrics)
             self._render = _render_decode
         else:
-            from tandem.backend.codec.builder import build_codec
             from tandem.backend.engines.mono import MonoEngine
+            from tandem.backend.engines.parts import make_codec
 
-            codec = build_codec(self.settings, decoder.device)
+            codec = make_codec(self.settings, decoder.device)
             self.engine = MonoEngine(decoder, self.settings, self.metrics)
             self._render = lambda req_id, chunk: _render_mono(req_id, chunk, codec)
         self.engine.start()
@@ -309,8 +310,12 @@ def _render_decode(req_id: int, chunk: Chunk) -> Reply:
 
 
 def _render_mono(req_id: int, chunk: Chunk, codec: Codec) -> Reply:
-    """The monolithic engine's chunk: the engine thread decodes its window with the model's codec."""
-    audio = codec.decode([_window(chunk)])[0]
+    """The monolithic engine's chunk: the engine thread decodes its window with the model's codec; the
+    first sounding window stamps `first_audio` once its audio exists (as the vocoder step does)."""
+    w = _window(chunk)
+    audio = codec.decode([w])[0]
+    if chunk.timings is not None and w.emit_from == 0 and w.emitted:
+        chunk.timings.mark("first_audio")
     return Reply(
         req_id,
         chunk.final,

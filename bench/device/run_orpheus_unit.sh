@@ -11,7 +11,10 @@
 #                                                 # einops wheels lie beside the carry tarball
 #   PATH=$PWD/.venv/bin:$PATH bench/device/run_orpheus_unit.sh cpu OUT   # CPU dry run of the same steps:
 #                                                 # a small Orpheus-layout LM, short streams, few levels
-# ORPHEUS_SET (optional, space-separated MODEL:KEY=VALUE) adds settings, as CAPACITY_SET does.
+# ORPHEUS_SET (optional, space-separated MODEL:KEY=VALUE) adds settings, as CAPACITY_SET does; on the GPU,
+# ORPHEUS_LEVELS (default 1,16,64,128,256,400: issue 26's levels) and ORPHEUS_D_POOL (D's pool as a share
+# of the GPU's memory, default 0.45; max_batch 0 then follows it up to 512) size the run. FP8:
+#   ORPHEUS_SET="prefill:tandem.model.dtype=fp8 decode:tandem.model.dtype=fp8" bench/device/run_orpheus_unit.sh ...
 set -euo pipefail
 carry=${1:?carry tarball, or cpu}; out=${2:?output dir}; shift 2
 here=$(cd "$(dirname "$0")" && pwd)
@@ -44,10 +47,13 @@ else
   done
   python3 -c "import snac, einops" || { echo "snac/einops missing: carry their wheels"; exit 1; }
   source_args=(--preset orpheus-3b-shape --family orpheus --dtype bfloat16)
-  place_args=(--prefill-gpus 0 --decode-gpus 0 --vocoder-gpus 0 --pool-pages 12288 --max-batch 64 --path cuda_ipc
+  place_args=(--prefill-gpus 0 --decode-gpus 0 --vocoder-gpus 0 --pool-pages 12288 --max-batch 0 --path cuda_ipc
+    --set "decode:tandem.pool.memory_fraction=${ORPHEUS_D_POOL:-0.45}"
     --set "decode:tandem.transfer.deadline_s=10" --set "decode:tandem.batch.max_queue=1024"
     --set "decode:tandem.batch.graph_warmup_context=1024")
-  levels=1,16,64; trace_args="n=256, prompt_rows=(30, 90), text_rows=(10, 30), output_rows=(300, 600), voices=8"
+  levels=${ORPHEUS_LEVELS:-1,16,64,128,256,400}
+  # issue 26's trace: text 20-400 characters (~5-100 rows), output up to 1,200 tokens
+  trace_args="n=1024, prompt_rows=(30, 120), text_rows=(5, 100), output_rows=(300, 1200), voices=8"
   bench_args=(--rounds 2 --warmup 8 --ramp-s 2); codec_args=(--device cuda --streams 1,16,64,128,256)
 fi
 

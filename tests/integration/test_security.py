@@ -28,6 +28,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
+from tandem.serving import process_tree
 from tandem.serving.api_key import GRPC_HEADER, HEADER, resolve
 from tests.support.helpers import decode, handoff, prompt, run
 from tests.support.server import REPO, TritonProcess, free_port
@@ -321,12 +322,17 @@ def test_make_serve_starts_locked_on_loopback(tmp_path: Path) -> None:
                     socket.create_connection((outward, port), timeout=5).close()
         assert str(key) not in log.read_text(errors="replace")
     finally:
-        make.send_signal(signal.SIGTERM)  # make passes it to tandem-unit, which stops the server
+        # make's whole process group (make, its shell, tandem-gateway, tandem-unit), and afterwards
+        # whatever was below it: tandem-unit's server runs in a session of its own.
+        tree = process_tree.descendants(make.pid)
+        os.killpg(make.pid, signal.SIGTERM)
         make.wait(60)
         deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            try:
-                socket.create_connection(("127.0.0.1", ports["GRPC_PORT"]), timeout=1).close()
-            except OSError:
-                break
+        while time.monotonic() < deadline and any(process_tree.alive(p) for p in tree):
             time.sleep(0.5)
+        left = process_tree.kill_all(tree)
+        assert not left, (
+            f"still running 60 s after make's SIGTERM: {[process_tree.argv(p)[:2] for p in left]}"
+        )
+        with pytest.raises(OSError):
+            socket.create_connection(("127.0.0.1", ports["GRPC_PORT"]), timeout=1).close()

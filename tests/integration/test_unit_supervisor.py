@@ -1,10 +1,12 @@
-"""`tandem-unit` under a real tritonserver: engine deaths are the stubs' business, the server its own.
+"""`tandem-unit` under a real tritonserver: engine deaths are the stubs' business, the rest its own.
 
 A P worker SIGKILLed under `tandem-unit`: P's stub starts a new worker (a new instance id) while the
 server, its stubs and a stream already decoding on D live on; the supervisor only logs what
 `tandem_engine_up` says (tandem.serving.health) and reloads nothing. An engine that stays down past
-`--engine-down-grace` makes it restart the server. SIGTERM to the supervisor stops the server with its
-status.
+`--engine-down-grace` makes it restart the server. SIGTERM to the supervisor (a stream in flight)
+stops the unit within 15 s with status 0 and nothing of its tree left. A dead *stub* (each of P, D,
+mono, vocoder, frontend) has its model reloaded; a hung server is killed whole and restarted; a
+SIGKILLed server's stubs and workers exit by themselves (the rows at the end, with their figures).
 """
 
 from __future__ import annotations
@@ -16,12 +18,15 @@ import shutil
 import signal
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from tritonclient.utils import InferenceServerException
 
 from tandem.gateway.client import TTSClient
+from tandem.serving import process_tree
+from tandem.serving.health import STUB_SILENT_S, parse_health
 from tandem.serving.repository import get_parameter
 from tandem.serving.supervisor import http_base, option_values, with_explicit_control
 from tests.support.faults import Background, children, find_stub, find_worker, process_state, stub_argv
@@ -79,11 +84,7 @@ def test_server_arguments() -> None:
 @pytest.mark.slow
 def test_unit_leaves_a_killed_p_to_its_stub(tmp_path: Path) -> None:
     unit_bin = Path(sys.executable).parent / "tandem-unit"
-    proc = TritonProcess(
-        tmp_path,
-        extra_args=("--exit-timeout-secs=3",),
-        launcher=(str(unit_bin), "--poll-interval", "0.2", "--stop-timeout", "15", "--"),
-    )
+    proc = TritonProcess(tmp_path, launcher=(str(unit_bin), "--poll-interval", "0.2", "--"))
     shutil.rmtree(proc.repo / "tts_mono")  # not used here; saves a start
     proc.start()
     try:
@@ -151,15 +152,23 @@ def test_unit_leaves_a_killed_p_to_its_stub(tmp_path: Path) -> None:
         assert "restarting tritonserver" not in log
         print(f"\nP back {back:.1f} s after SIGKILL of its worker")
 
+        # SIGTERM with a stream in flight: drained up to --exit-timeout-secs (8 s by default), the
+        # tree killed at --stop-timeout (12 s), exit 0 within 15 s, nothing of the tree left.
+        tree = process_tree.descendants(server)
+        flight = Background(lambda: _long_stream(url))
+        time.sleep(1.0)
         os.kill(proc.proc.pid, signal.SIGTERM)
+        signalled = time.monotonic()
         status = proc.proc.wait(30)
+        stop_s = time.monotonic() - signalled
         log = proc.log_path.read_text(errors="replace")
         assert "tandem-unit: SIGTERM: forwarding it to tritonserver" in log
-        assert f"tandem-unit: tritonserver exited with status {status}\n" in log, proc.log_tail()
-        gone = time.monotonic() + 10
-        while process_state(new_worker) not in ("", "Z") and time.monotonic() < gone:
-            time.sleep(0.1)
-        assert process_state(new_worker) in ("", "Z"), "an engine worker outlived its server"
+        assert status == 0 and "; stopped as asked" in log, proc.log_tail()
+        assert stop_s <= 15, f"the unit took {stop_s:.1f} s to stop"
+        assert not [p for p in tree if process_tree.alive(p)], "part of the server's tree outlived it"
+        with contextlib.suppress(TimeoutError, InferenceServerException):
+            flight.join(60)  # cut off by the stop: how is the drain's business, not this test's
+        print(f"SIGTERM with a stream in flight: the unit exited 0 {stop_s:.1f} s after it")
     finally:
         proc.stop()
 
@@ -278,3 +287,256 @@ def test_unit_runs_the_proxy_and_restarts_the_server_when_it_dies(tmp_path: Path
         assert process_state(new_proxy) in ("", "Z"), "the proxy outlived its supervisor"
     finally:
         proc.stop()
+
+
+# ---- the unit's own fault rows: stub death of each model, a hung server, a killed one -------------
+#
+# One supervised unit (without `voices`) serves every row below, in order: each stub killed in turn
+# (its model reloaded by the supervisor), then the server stopped (SIGSTOP: killed whole and
+# restarted), then the supervisor stopped and the server SIGKILLed (its stubs and workers must exit by
+# themselves). Figures are printed (-s) and summed up by the last test.
+
+STUB_ROWS = ("prefill", "decode", "tts_mono", "vocoder", "frontend")
+ENTRY = {"tts_mono": "tts_mono"}  # the model a client calls to reach each one (else `tts`)
+FIGURES: dict[str, dict[str, float]] = {}
+IN_FLIGHT_S = 25.0  # the in-flight stream's client bound (a stream on a dead stub gets no answer)
+
+
+class SupervisedUnit:
+    def __init__(self, proc: TritonProcess, load_s: float) -> None:
+        self.proc = proc
+        self.load_s = load_s  # this run's own load time: the baseline for the restart bounds
+
+    @property
+    def sup(self) -> int:
+        assert self.proc.proc is not None
+        return self.proc.proc.pid
+
+    def server(self) -> int:
+        return _server_pid(self.sup)
+
+    def log(self) -> str:
+        return self.proc.log_path.read_text(errors="replace")
+
+    def wait_log(self, text: str, since: int, timeout_s: float) -> float:
+        """Seconds until `text` appears in the log after byte `since` (AssertionError at timeout)."""
+        start = time.monotonic()
+        while time.monotonic() - start < timeout_s:
+            if text in self.log()[since:]:
+                return time.monotonic() - start
+            time.sleep(0.05)
+        raise AssertionError(f"{text!r} not logged within {timeout_s} s:\n{self.proc.log_tail()}")
+
+    def prefix(self) -> str:
+        line = next(x for x in self.log().splitlines() if "shm-region-prefix-name=" in x)
+        return line.split("shm-region-prefix-name=")[1].split()[0]
+
+    def serve(self, model: str, seed: int, timeout_s: float) -> float:
+        """Seconds until a request through `model` succeeds."""
+        start = time.monotonic()
+        last = None
+        while time.monotonic() - start < timeout_s:
+            try:
+                r = run(
+                    self.proc.url, model, prompt(20, seed=seed), timeout_s=20, MAX_TOKENS=4, TEMPERATURE=0.0
+                )
+                if r.error is None:
+                    return time.monotonic() - start
+                last = r.error
+            except (InferenceServerException, TimeoutError) as exc:
+                last = str(exc)
+            time.sleep(0.2)
+        raise AssertionError(
+            f"{model} not served within {timeout_s} s (last: {last}):\n{self.proc.log_tail()}"
+        )
+
+
+@pytest.fixture(scope="module")
+def supervised(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SupervisedUnit]:
+    unit_bin = Path(sys.executable).parent / "tandem-unit"
+    opts = (
+        "--poll-interval",
+        "0.2",
+        "--probe-interval",
+        "1",
+        "--probe-timeout",
+        "2",
+        "--probe-failures",
+        "3",
+    )
+    proc = TritonProcess(tmp_path_factory.mktemp("supervised"), launcher=(str(unit_bin), *opts, "--"))
+    shutil.rmtree(proc.repo / "voices")  # not used here; saves a start
+    started = time.monotonic()
+    proc.start()
+    try:
+        yield SupervisedUnit(proc, time.monotonic() - started)
+    finally:
+        proc.stop()
+
+
+def _reloads(url: str, model: str) -> float:
+    return metric_value(metrics_text(url), "tandem_model_reloads", model=model)
+
+
+@pytest.mark.slow
+def test_regions_are_private_to_the_servers_user(supervised: SupervisedUnit) -> None:
+    """Every /dev/shm region of the unit (request tensors, text included, pass through them) is 0600;
+    another uid cannot open one (checked as root from a forked child switched to uid 65534)."""
+    regions = sorted(Path("/dev/shm").glob(f"{supervised.prefix()}*"))
+    assert regions, "no region of the unit's prefix"
+    modes = {r.name: oct(r.stat().st_mode & 0o777) for r in regions}
+    assert set(modes.values()) == {"0o600"}, modes
+    if os.geteuid() != 0:
+        pytest.skip("another uid's view needs root (a setuid child)")
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child: uid/gid 65534, counts the regions it can open
+        code = 255
+        try:
+            os.setgroups([])
+            os.setgid(65534)
+            os.setuid(65534)
+            code = 0
+            for region in regions:
+                try:
+                    os.close(os.open(region, os.O_RDONLY))
+                    code += 1
+                except PermissionError:
+                    pass
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, f"uid 65534 opened regions of {len(regions)}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", STUB_ROWS)
+def test_stub_death_is_seen_and_the_model_reloaded(supervised: SupervisedUnit, model: str) -> None:
+    """kill -9 of the model's stub: the supervisor sees it within one poll and reloads the model;
+    `tandem-health`'s reading says not ready within STUB_SILENT_S + 1 s; the model serves again; a
+    stream in flight on it ends; the server is the same one; `tandem_model_reloads` counts 1."""
+    entry = ENTRY.get(model, "tts")
+    url, metrics = supervised.proc.url, supervised.proc.metrics_url
+    supervised.serve(entry, seed=1, timeout_s=120)
+    assert parse_health(metrics_text(metrics)).ready
+    server = supervised.server()
+    stub = find_stub(server, model)
+    assert stub is not None
+    since = len(supervised.log())
+
+    def long_stream() -> tuple[str | None, float]:
+        """(how the stream ended, when): its error, a client timeout, or None (it finished)."""
+        c = TTSClient(url, entry)
+        try:
+            r = c.run(prompt(30, seed=5), timeout_s=IN_FLIGHT_S, MAX_TOKENS=LONG_ROWS, TEMPERATURE=0.0)
+        except (TimeoutError, InferenceServerException) as exc:
+            ended = time.monotonic()
+            c.close(cancel=True)  # a plain close waits for a response that never comes
+            return f"{type(exc).__name__}: {exc}", ended
+        c.close()
+        return r.error, time.monotonic()
+
+    flight = Background(long_stream)
+    time.sleep(1.0)
+    os.kill(stub, signal.SIGKILL)
+    killed = time.monotonic()
+    detected = supervised.wait_log(f"tandem-unit: {model}: its stub (pid {stub}) died; reloading", since, 10)
+    not_ready = None
+    while time.monotonic() - killed < STUB_SILENT_S + 3:
+        health = parse_health(metrics_text(metrics))
+        if any(r.startswith(f"{model} ") and "stub silent" in r for r in health.reasons):
+            assert not health.ready
+            not_ready = time.monotonic() - killed
+            break
+        time.sleep(0.1)
+    assert not_ready is not None, f"health never said {model}'s stub is silent"
+    supervised.serve(entry, seed=2, timeout_s=180)
+    back = time.monotonic() - killed
+    err, ended_at = flight.join(120)
+    flight_s = ended_at - killed
+    assert supervised.server() == server, "the server was restarted, not the model reloaded"
+    # Triton 2.51 never waits for a dead stub: it stays a zombie of the server (no process, no
+    # memory, one pid) until the server exits; nothing outside the server can reap it.
+    assert process_state(stub) in ("", "Z"), "the dead stub still runs"
+    assert _reloads(metrics, model) == 1
+    deadline = time.monotonic() + 10
+    while not parse_health(metrics_text(metrics)).ready:
+        assert time.monotonic() < deadline, parse_health(metrics_text(metrics)).reasons
+        time.sleep(0.2)
+    FIGURES[f"stub {model}"] = {
+        "detected_s": detected,
+        "not_ready_s": not_ready,
+        "served_again_s": back,
+        "in_flight_ended_s": flight_s,
+    }
+    print(
+        f"\nstub death {model}: reload started {detected:.1f} s after kill -9, not ready "
+        f"{not_ready:.1f} s, {entry} served again {back:.1f} s; the stream in flight ended "
+        f"{flight_s:.1f} s after the kill with {err!r}"
+    )
+
+
+@pytest.mark.slow
+def test_hung_server_is_killed_whole_and_restarted(supervised: SupervisedUnit) -> None:
+    """SIGSTOP of tritonserver: the supervisor's probes fail (1 s apart, 2 s timeout, 3 in a row),
+    it kills the whole tree and starts the server again, which serves within 60 s + this run's load
+    time."""
+    server = supervised.server()
+    tree = process_tree.descendants(server)
+    assert len(tree) >= 5, tree
+    since = len(supervised.log())
+    os.kill(server, signal.SIGSTOP)
+    stopped = time.monotonic()
+    try:
+        detected = supervised.wait_log(
+            "restarting tritonserver (1 in the last minute): it did not answer", since, 60
+        )
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(server, signal.SIGCONT)
+    gone = time.monotonic() + 10
+    while any(process_tree.alive(p) for p in [server, *tree]) and time.monotonic() < gone:
+        time.sleep(0.1)
+    assert not any(process_tree.alive(p) for p in [server, *tree]), "part of the hung server's tree lives on"
+    supervised.serve("tts", seed=3, timeout_s=60 + 2 * supervised.load_s)
+    served = time.monotonic() - stopped
+    assert served <= 60 + 2 * supervised.load_s
+    FIGURES["hung server"] = {"detected_s": detected, "served_again_s": served, "load_s": supervised.load_s}
+    print(
+        f"\nhung server: killed and restarted {detected:.1f} s after SIGSTOP, tts served again "
+        f"{served:.1f} s after it (this run's first load took {supervised.load_s:.1f} s)"
+    )
+
+
+@pytest.mark.slow
+def test_a_killed_servers_tree_exits_by_itself_and_its_regions_go(supervised: SupervisedUnit) -> None:
+    """With the supervisor stopped (SIGSTOP: it cannot clean up), SIGKILL of tritonserver: every
+    stub and engine worker exits by itself within 45 s (stubs watch their server, workers their
+    stub). Then SIGTERM + SIGCONT to the supervisor: it removes the dead server's /dev/shm regions
+    and exits 0."""
+    supervised.serve("tts", seed=4, timeout_s=120)
+    server = supervised.server()
+    tree = process_tree.descendants(server)
+    workers = [p for p in tree if " ".join(process_tree.argv(p)).startswith("tandem-engine ")]
+    assert len(workers) >= 3, tree
+    prefix = supervised.prefix()
+    assert list(Path("/dev/shm").glob(f"{prefix}*"))
+    os.kill(supervised.sup, signal.SIGSTOP)
+    try:
+        os.kill(server, signal.SIGKILL)
+        killed = time.monotonic()
+        while any(process_tree.alive(p) for p in tree) and time.monotonic() - killed < 45:
+            time.sleep(0.1)
+        orphans_s = time.monotonic() - killed
+        left = [(p, process_tree.argv(p)[:2]) for p in tree if process_tree.alive(p)]
+        assert not left, f"alive 45 s after their server's SIGKILL: {left}"
+    finally:
+        os.kill(supervised.sup, signal.SIGTERM)
+        os.kill(supervised.sup, signal.SIGCONT)
+    assert supervised.proc.proc is not None
+    assert supervised.proc.proc.wait(30) == 0, supervised.proc.log_tail()
+    assert not list(Path("/dev/shm").glob(f"{prefix}*")), "the dead server's regions were left"
+    FIGURES["killed server"] = {"tree_gone_s": orphans_s}
+    print(f"\nkilled server: its {len(tree)} stubs and workers gone {orphans_s:.1f} s after its SIGKILL")
+    print("\nthe unit's fault rows (seconds):")
+    for row, figures in FIGURES.items():
+        print(f"  {row:16s} " + "  ".join(f"{k} {v:.1f}" for k, v in figures.items()))

@@ -27,8 +27,8 @@ from typing import Any
 import numpy as np
 import tritonclient.grpc as grpcclient
 
-from tandem.backend.settings import TransferSettings
 from tandem.gateway.client import StreamResult, TTSClient
+from tandem.serving.api_key import unit_of
 from tandem.serving.health import parse_health
 from tandem.serving.repository import model_parameter
 from tests.support.fault_hooks import fault_parameters
@@ -193,9 +193,7 @@ class FaultUnit:
             workdir, merged, extra_args=("--model-control-mode=explicit", "--load-model=*"), groups=groups
         )
         # The unit the server's repository names (a placed repository is rendered afresh, not copied).
-        self.unit_name = (
-            model_parameter(self.proc.repo, "decode", "tandem.transfer.unit") or TransferSettings.unit
-        )
+        self.unit_name = unit_of([f"--model-repository={self.proc.repo}"])
         self.proxy: subprocess.Popen[str] | None = None
         self._want_proxy = proxy
         self.path = model_parameter(self.proc.repo, "decode", "tandem.transfer.paths") or "?"

@@ -8,6 +8,7 @@ loads, unloads or reconfigures passes `api_lock()`'s headers.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -19,6 +20,7 @@ from pathlib import Path
 
 import tritonclient.grpc as grpcclient
 
+from tandem.serving import process_tree
 from tandem.serving.api_key import ApiLock, resolve
 from tandem.serving.repository import render
 
@@ -124,11 +126,19 @@ class TritonProcess:
             return "(no log)"
 
     def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
+        """End the server's whole tree: SIGTERM to its group, SIGKILL 30 s later, then SIGKILL to
+        every process that was below it (a supervised server runs in a session of its own, and
+        stubs and workers can outlive a server that died)."""
+        if self.proc is None:
             return
-        os.killpg(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(10)
+        tree = process_tree.descendants(self.proc.pid)
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+        process_tree.kill_all(tree)

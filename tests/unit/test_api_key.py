@@ -3,7 +3,6 @@ without a server: where the key is made and refused, what each setting does, wha
 
 from __future__ import annotations
 
-import argparse
 import os
 import stat
 from pathlib import Path
@@ -22,8 +21,8 @@ from tandem.serving.api_key import (
     unit_of,
 )
 from tandem.serving.launcher import LauncherError, build_command
-from tandem.serving.repository import render
-from tandem.serving.supervisor import Supervisor
+from tandem.serving.repository import render, repository_unit
+from tandem.serving.supervisor import Supervisor, parse
 from tandem.transfer.control import control_dir
 
 REPO = Path(__file__).resolve().parents[2] / "model_repository"
@@ -48,7 +47,12 @@ def _repo(tmp_path: Path, unit: str) -> Path:
 def test_first_start_makes_a_private_key_in_the_unit_directory(env: dict[str, str], tmp_path: Path) -> None:
     repo = _repo(tmp_path, "u7")
     args = [f"--model-repository={repo}"]
-    assert unit_of(args) == "u7" and unit_of(["--model-repository", str(REPO)]) == "unit0"
+    assert unit_of(args) == "u7"
+    # No model names one: the repository's own, the same for every path to it, other for another.
+    own = unit_of(["--model-repository", str(REPO)])
+    assert own == repository_unit(REPO) and own.startswith("model_repository-") and len(own) == 25
+    assert unit_of([f"--model-repository={REPO}/../model_repository"]) == own
+    assert repository_unit(tmp_path) != own
     assert unit_of(["--model-repository", "s3://bucket/repo"]) == "default"  # what the engines use then
     lock = resolve(args, env)
     assert lock.source == control_dir("u7") / "api.key"  # the transfer plane's 0700 directory
@@ -162,8 +166,8 @@ def test_an_unsafe_key_stops_the_launcher(env: dict[str, str], monkeypatch: pyte
 
 
 def test_tandem_unit_logs_the_command_line_without_the_key(env: dict[str, str]) -> None:
-    opts = argparse.Namespace(prefill_model="prefill", proxy=False)
-    sup = Supervisor(opts, ["--model-repository", str(REPO)])
+    opts, server = parse(["--", "--model-repository", str(REPO)])
+    sup = Supervisor(opts, server)
     _, argv, _ = build_command(sup.args)
     key = resolve(["--model-repository", str(REPO)], env).key
     line = sup.api.redact(" ".join(argv))
@@ -171,11 +175,20 @@ def test_tandem_unit_logs_the_command_line_without_the_key(env: dict[str, str]) 
     assert "tandem-api-key=<api-key>" in line
 
 
-def test_the_default_unit_is_the_engines_default() -> None:
-    """The launcher and the supervisor (which must not import torch) name the unit the engines'
-    settings default to, so a repository without `tandem.transfer.unit` is one unit everywhere."""
-    from tandem.backend.settings import TransferSettings
-    from tandem.serving import api_key, supervisor
+def test_the_default_unit_is_the_engines_default(tmp_path: Path) -> None:
+    """The launcher and the supervisor (which must not import torch) name the unit the engines
+    derive for a repository without `tandem.transfer.unit` (the stub adds it to the worker's
+    config), so such a repository is one unit everywhere; a named unit is left as it is."""
+    import json
 
-    assert TransferSettings().unit == api_key.DEFAULT_UNIT
-    assert supervisor.DEFAULT_UNIT is api_key.DEFAULT_UNIT
+    from tandem.backend.settings import TransferSettings, parse_settings, triton_parameters
+    from tandem.serving import api_key
+    from tandem.serving.engine_worker import with_unit
+
+    assert TransferSettings().unit == api_key.DEFAULT_UNIT  # non-local repositories (s3://)
+    repo = render(REPO, tmp_path / "repo")
+    config = json.dumps({"name": "decode", "parameters": {}})
+    derived = json.loads(with_unit(config, str(repo / "decode")))
+    assert parse_settings(triton_parameters(derived)).transfer.unit == unit_of([f"--model-repository={repo}"])
+    named = json.dumps({"parameters": {"tandem.transfer.unit": {"string_value": "u7"}}})
+    assert with_unit(named, str(repo / "decode")) == named

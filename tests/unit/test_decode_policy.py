@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 import pytest
 
 from tandem.backend.scheduling.decode_policy import DecodePolicy
@@ -42,3 +43,50 @@ def test_the_rate_floor_admits_while_every_member_keeps_its_rate(caplog: pytest.
 def test_draining_starts_above_the_held_fraction() -> None:
     p = DecodePolicy(BatchSettings(), 0.25, StepTimeModel())
     assert not p.draining(0.25) and p.draining(0.2501)
+
+
+def _ahead(*members: tuple[int, int, int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Members as (context, generated rows, limit)."""
+    table = np.array(members, dtype=np.int64).reshape(-1, 3)
+    return table[:, 0], table[:, 1], table[:, 2]
+
+
+def _context_model(a_ms: float, per_token_ms: float) -> StepTimeModel:
+    """A fitted model: step = a + per_token * total context (no batch term)."""
+    m = StepTimeModel()
+    m.seed([(b, c, (a_ms + per_token_ms * c) / 1e3) for b in (1, 2, 4, 8) for c in range(0, 3200, 200)])
+    return m
+
+
+def test_the_look_ahead_holds_a_stream_whose_members_will_grow_past_the_floor() -> None:
+    # budget 10 ms; step = 1 ms + 0.01 ms/token: 900 tokens of context in all fit.
+    b = BatchSettings(max_batch=64, rate_floor_tok_s=100.0, rate_margin=0.0)
+    p = DecodePolicy(b, 0.25, _context_model(1.0, 0.01))
+    # Now: 300 + 300 tokens and a 100-token newcomer = 700 (8 ms) fits the step of today...
+    assert p.fits(2, 600, 100)
+    # ...but the two members may each generate 200 more rows (their limit; no lengths learned yet):
+    # at the newcomer's last step 1,300 tokens (14 ms) would hold every stream below the floor.
+    ahead = _ahead((300, 0, 200), (300, 0, 200))
+    assert not p.fits(2, 600, 100, max_new_rows=100, ahead=ahead)
+    assert p.fits(2, 600, 100, max_new_rows=0, ahead=_ahead((300, 200, 200), (300, 200, 200)))
+
+
+def test_learned_lengths_admit_what_the_worst_case_refuses_and_the_tail_runs_to_its_limit() -> None:
+    b = BatchSettings(max_batch=64, rate_floor_tok_s=100.0, rate_margin=0.0)
+    p = DecodePolicy(b, 0.25, _context_model(1.0, 0.01))
+    ahead = _ahead((300, 0, 1000), (300, 0, 1000))
+    assert not p.fits(2, 600, 100, max_new_rows=1000, ahead=ahead)  # the guard: limits until learned
+    for _ in range(p.lengths.min_samples):
+        p.lengths.observe(50)  # streams end on eos after ~50 rows
+    assert p.lengths.expected == 50
+    assert p.fits(2, 600, 100, max_new_rows=1000, ahead=ahead)  # peak 300+300+100 + 3*49 = 847 tokens
+    # A member already past 50 rows is in the tail: expected to run to its limit (1000), refused.
+    assert not p.fits(2, 600, 100, max_new_rows=1000, ahead=_ahead((300, 60, 1000), (300, 0, 1000)))
+
+
+def test_the_peak_is_at_a_stream_s_last_step() -> None:
+    m = _context_model(0.0, 1.0)  # step ms = total context
+    # A: 100 tokens, 10 rows left; B: 10 tokens, 100 rows left. Both in until A's last step (t = 9):
+    # 109 + 19 = 128; then B alone until its last (t = 99): 109.
+    assert m.peak(np.array([100, 10]), np.array([10, 100])) * 1e3 == pytest.approx(128.0)
+    assert m.peak(np.array([100]), np.array([0])) * 1e3 == pytest.approx(100.0)

@@ -25,10 +25,11 @@ import yaml
 
 from tandem.backend.metrics import BY_NAME
 from tandem.backend.model.checkpoint import save_checkpoint
-from tandem.backend.model.config import preset
+from tandem.backend.model.config import ModelConfig
 from tandem.backend.model.decoder import Decoder
 from tandem.cli.make_repository import main as tandem_repo
 from tandem.transfer.control import control_dir
+from tests.support.snac_dir import write_snac_dir
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -150,13 +151,32 @@ def test_unit_pod_command_renders_a_repository(tmp_path, monkeypatch):
     script = _server()["args"][0]
     repo_cmd = shlex.split(script.split("&&")[0].replace('"$(POD_NAME)"', "tandem-unit-0"))
     assert repo_cmd[0] == "tandem-repo"
-    ckpt = tmp_path / "ckpt"
-    save_checkpoint(Decoder.random(preset("tiny"), "cpu", seed=0), ckpt)
-    args = [str(ckpt) if a == "/models/tts" else a for a in repo_cmd[1:]]
+    ckpt, snac = tmp_path / "ckpt", write_snac_dir(tmp_path / "snac")
+    orpheus_layout = ModelConfig(
+        name="orpheus-layout-tiny",
+        vocab_size=156940,
+        row_width=1,
+        hidden_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        intermediate_size=128,
+        eos_token_id=128258,
+    )
+    save_checkpoint(Decoder.random(orpheus_layout, "cpu", seed=0), ckpt)
+    paths = {"/models/tts": str(ckpt), "/models/snac_24khz": str(snac)}
+    args = [paths.get(a, a) for a in repo_cmd[1:]]
     args[args.index("--out") + 1] = str(tmp_path / "repo")
     assert tandem_repo(args) == 0
-    decode = (tmp_path / "repo" / "decode" / "config.pbtxt").read_text()
-    assert "gpus: [ 1 ]" in decode and 'string_value: "cuda_ipc"' in decode
+    repo = tmp_path / "repo"
+    # The measured unit: Orpheus with SNAC behind the vocoder; P, D and the vocoder on the pod's one GPU.
+    for model in ("prefill", "decode", "vocoder"):
+        assert "gpus: [ 0 ]" in (repo / model / "config.pbtxt").read_text()
+    decode = (repo / "decode" / "config.pbtxt").read_text()
+    assert 'string_value: "cuda_ipc"' in decode and 'string_value: "snac"' in decode
+    assert _server()["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert "rm -rf /run/tandem/repo/tts_mono" in script  # as measured: no monolithic baseline
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
     assert control_dir("tandem-unit-0").name.endswith("tandem-unit-0")  # pod names are valid unit names
 
@@ -251,7 +271,8 @@ def test_keda_scales_on_one_query_that_counts_draining_units_as_full():
     for name in re.findall(r"(tandem_\w+)", query):
         assert name in BY_NAME, name
     assert set(re.findall(r'namespace="([^"]+)"', query)) == {_kustomization()["namespace"]}
-    bench = json.loads((ROOT / "docs" / "benchmarks" / "capacity-h200x2.json").read_text())
+    # the capacity measured for the unit unit.yaml renders (Orpheus, P + D + SNAC on one H200)
+    bench = json.loads((ROOT / "docs" / "benchmarks" / "orpheus-unit-1gpu-h200-caa70d2.json").read_text())
     capacity = bench["models"]["tts"]["capacity"]
     target = int(t["metadata"]["threshold"])
     assert 0.5 * capacity <= target <= 0.6 * capacity

@@ -6,7 +6,7 @@ import threading
 import pytest
 
 from tandem.cli.health import main as health_main
-from tandem.serving.health import HealthUnavailable, fetch_health, parse_health
+from tandem.serving.health import STUB_SILENT_S, HealthUnavailable, fetch_health, parse_health
 
 UP = """\
 # HELP tandem_engine_up 1 while the engine worker answers
@@ -85,3 +85,23 @@ def test_unreachable_endpoint():
     with pytest.raises(HealthUnavailable):
         fetch_health("http://127.0.0.1:9/metrics", timeout_s=0.5)
     assert health_main(["--metrics-url", "http://127.0.0.1:9/metrics", "--timeout", "0.5"]) == 2
+
+
+def test_a_silent_stub_is_not_ready_and_its_engine_is_down():
+    """A dead stub's series stay at their last values (tandem_engine_up 1): its heartbeat, older than
+    STUB_SILENT_S, is what says it is gone, for an engine model and for one without an engine."""
+    beats = (
+        "# TYPE tandem_stub_heartbeat_timestamp_seconds gauge\n"
+        'tandem_stub_heartbeat_timestamp_seconds{model="decode",model_instance="decode_0_0"} 1000.0\n'
+        'tandem_stub_heartbeat_timestamp_seconds{model="vocoder",model_instance="vocoder_0_0"} 1009.5\n'
+    )
+    fresh = parse_health(UP + beats, now=1001.0)
+    assert fresh.ready and fresh.reasons == ()
+    dead = parse_health(UP + beats, now=1000.0 + STUB_SILENT_S + 1)
+    assert not dead.ready and not dead.engines_up
+    assert dead.reasons == (
+        "decode decode_0_0: stub silent for 5.0 s (dead or stopped)",
+        "decode decode_0_0: engine down",
+    )
+    vocoder = parse_health(UP + beats, now=1009.5 + STUB_SILENT_S + 1)  # decode's beat is older still
+    assert "vocoder vocoder_0_0: stub silent for 5.0 s (dead or stopped)" in vocoder.reasons

@@ -76,10 +76,12 @@ def test_an_orpheus_repository_gets_snac_everywhere_and_publishes_its_clock(tmp_
         assert model_parameter(out, model, "rows_per_second") == "82.03125"
         assert model_parameter(out, model, "row_width") == "1"
         assert model_parameter(out, model, "vocab_size") == "156940"
-    for model in ("decode", "tts_mono"):  # first chunk: 1 + lookahead frames; grown: 16 frames
+    # first chunk: 1 + lookahead frames; grown: 16 frames (the vocoder warms the windows they cut)
+    for model in ("decode", "tts_mono", "vocoder"):
         assert model_parameter(out, model, "tandem.batch.first_chunk_rows") == "14"
         assert model_parameter(out, model, "tandem.batch.max_chunk_rows") == "112"
     assert "KIND_GPU" in (out / "vocoder" / "config.pbtxt").read_text()
+    assert model_parameter(out, "vocoder", "tandem.torch_threads") == "1"  # one SNAC thread beside D's
     for model in ("prefill", "tts_mono"):  # a request naming no length: Orpheus' own default
         assert model_parameter(out, model, "tandem.limits.default_new_rows") == "1200"
     for model in ("decode", "vocoder"):  # one id per row; a SNAC frame is 7 codes (1 + 2 + 4)

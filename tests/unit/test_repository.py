@@ -126,3 +126,13 @@ def test_a_parameter_with_quotes_round_trips_through_the_config() -> None:
     assert '\\"delay_every\\"' in config and get_parameter(config, "tandem.faults.options") == value
     again = set_parameter(config, "tandem.faults.options", "{}")
     assert get_parameter(again, "tandem.faults.options") == "{}" and again.count("tandem.faults.options") == 1
+
+
+def test_max_batch_zero_is_rendered_for_d_to_size_from_its_pool(tmp_path):
+    out = tmp_path / "repo"
+    assert main(["--out", str(out), "--max-batch", "0"]) == 0
+    for model in ("decode", "tts_mono"):
+        assert (
+            'key: "tandem.batch.max_batch" value { string_value: "0" }'
+            in (out / model / "config.pbtxt").read_text()
+        )

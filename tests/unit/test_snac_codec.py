@@ -60,7 +60,7 @@ def _streamed(
 def _snr_db(ref: np.ndarray, got: np.ndarray) -> float:
     assert got.shape == ref.shape
     ref64, err = ref.astype(np.float64), (got - ref).astype(np.float64)
-    return float(10 * np.log10(np.sum(ref64**2) / np.sum(err**2)))
+    return float(10 * np.log10(np.sum(ref64**2) / max(np.sum(err**2), 1e-30)))
 
 
 def test_spec_is_read_from_the_config(snac_dir: Path) -> None:
@@ -173,3 +173,38 @@ def test_encode_regroups_snacs_levels_into_canonical_frames(codec: SnacCodec) ->
         assert frames[i].tolist() == [c0[i], c1[2 * i], c1[2 * i + 1], *c2[4 * i : 4 * i + 4]]
     with pytest.raises(ValueError, match="SNAC frames have 7 codes, asked for 4"):
         codec.encode(pcm, 4)
+
+
+def test_folded_weight_norm_decodes_as_snac_itself(snac_dir: Path, codec: SnacCodec) -> None:
+    """The codec folds SNAC's weight-norm parametrisations at load: none is left, and the audio is
+    the unfolded package model's to float rounding."""
+    from snac import SNAC
+    from torch.nn.utils import parametrize
+
+    assert not any(parametrize.is_parametrized(m) for m in codec._model.modules())
+    upstream = SNAC.from_pretrained(str(snac_dir)).eval()
+    assert any(parametrize.is_parametrized(m) for m in upstream.modules())
+    frames = np.random.default_rng(5).integers(0, 4096, size=(4, 7))
+    with torch.inference_mode():
+        ref = upstream.decode(codec.levels(torch.from_numpy(frames[None])))[0, 0].numpy()
+    assert _snr_db(ref, _offline(codec, frames)) >= 80.0
+
+
+def test_warmed_lengths_are_the_windows_a_stream_sends(codec: SnacCodec) -> None:
+    """`ChunkPolicy.window_frames` names the window lengths a stream's chunks really carry (cut by
+    `FrameTrack`), so warming them covers every non-final chunk; `warm` decodes each once."""
+    from tandem.backend.codec.reference import ChunkPolicy
+
+    layout = OrpheusLayout()
+    framing = Framing(layout, 2, 1)
+    policy = ChunkPolicy(14, 2.0, 112, framing)
+    rows = layout.tokens(np.random.default_rng(2).integers(0, 4096, size=(60, 7)))
+    track, seen, at = framing.track(1), [], 0
+    for size in policy.chunk_sizes(rows.shape[0])[:-1]:
+        track.push(rows[at : at + size])
+        at += size
+        n = track.window(final=False).frames.shape[0]
+        if n and n not in seen:
+            seen.append(n)
+    assert policy.window_frames(7) == seen == [2, 6, 11, 19]
+    codec.warm(seen)

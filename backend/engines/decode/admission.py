@@ -18,6 +18,7 @@ logged and fails the whole queue; the thread keeps running.
 
 from __future__ import annotations
 
+import collections
 import functools
 import logging
 import queue
@@ -40,6 +41,8 @@ from tandem.backend.timing import Timings
 from tandem.transfer import ArenaExhausted, TransferError, TransferHandle, TransferReceiver
 
 log = logging.getLogger("tandem")
+
+Ahead = tuple[np.ndarray, np.ndarray, np.ndarray]  # every member's (contexts, generated rows, limits)
 
 
 @dataclass
@@ -75,14 +78,25 @@ class Membership:
         self.members = 0
         self.admitted_ctx = 0
         self.running_ctx = 0  # the engine's last snapshot of the batch's context
+        # The look-ahead's view: the running streams' (context, generated, limit), the engine's last
+        # snapshot plus those joined since, and the admitted ones not yet joined: (prompt, limit) counts.
+        self.running: list[tuple[int, int, int]] = []
+        self.pending: collections.Counter[tuple[int, int]] = collections.Counter()
         self.capacity = threading.Event()  # set when pages or batch room come back
 
-    def reserve(self, capacity: int, prompt_len: int, fits: Callable[[int, int], bool]) -> list[int] | None:
-        """Admission thread: if `fits(members, context)` (called under the lock, on one snapshot) and
-        the pool has pages for `capacity` tokens, the caller's stream is a member holding them; else
-        None and nothing changed. A size the pool refuses raises ValueError (nothing changed)."""
+    def reserve(
+        self,
+        capacity: int,
+        prompt_len: int,
+        fits: Callable[[int, int, Ahead], bool],
+        max_new_rows: int = 0,
+    ) -> list[int] | None:
+        """Admission thread: if `fits(members, context, ahead)` (called under the lock, on one
+        snapshot) and the pool has pages for `capacity` tokens, the caller's stream is a member
+        holding them; else None and nothing changed. A size the pool refuses raises ValueError
+        (nothing changed)."""
         with self.lock:
-            if not fits(self.members, self.running_ctx + self.admitted_ctx):
+            if not fits(self.members, self.running_ctx + self.admitted_ctx, self._ahead()):
                 return None
             try:
                 pages = self.pool.allocate(self.pool.pages_for(capacity))
@@ -90,7 +104,23 @@ class Membership:
                 return None
             self.members += 1
             self.admitted_ctx += prompt_len
+            self.pending[(prompt_len, max_new_rows)] += 1
         return pages
+
+    def _ahead(self) -> Ahead:
+        """Under the lock: every member's (contexts, generated rows, limits)."""
+        rows = self.running + [(p, 0, n) for (p, n), k in self.pending.items() for _ in range(k)]
+        if not rows:
+            empty = np.zeros(0, dtype=np.int64)
+            return empty, empty, empty
+        table = np.array(rows, dtype=np.int64)
+        return table[:, 0], table[:, 1], table[:, 2]
+
+    def _unpend(self, stream: Stream) -> None:
+        key = (stream.prompt_len, stream.max_new_rows)
+        self.pending[key] -= 1
+        if self.pending[key] <= 0:
+            del self.pending[key]
 
     def leave(self, stream: Stream, joined: bool, wake: bool = True, hold: bool = False) -> None:
         """A member is gone (finished, failed or never started): its pages and batch room come back,
@@ -109,6 +139,7 @@ class Membership:
             self.members -= 1
             if not joined:
                 self.admitted_ctx -= stream.prompt_len
+                self._unpend(stream)
         if wake:
             self.capacity.set()
 
@@ -129,10 +160,17 @@ class Membership:
         with self.lock:
             self.admitted_ctx -= stream.prompt_len
             self.running_ctx += stream.prompt_len + 1
+            self._unpend(stream)
+            self.running.append((stream.prompt_len + 1, 1, stream.max_new_rows))
 
-    def set_running(self, context: int) -> None:
-        """Engine thread, each iteration: the queued step's context is the whole batch's now."""
+    def set_running(self, context: int, streams: list[Stream] | None = None) -> None:
+        """Engine thread, each iteration: the queued step's context is the whole batch's now, and
+        `streams` (given) are the running members the look-ahead sees."""
         self.running_ctx = context
+        if streams is not None:
+            running = [(s.prompt_len + len(s.generated), len(s.generated), s.max_new_rows) for s in streams]
+            with self.lock:
+                self.running = running
 
     def snapshot(self) -> tuple[int, int]:
         """(members, context of running and admitted members); any thread."""
@@ -200,9 +238,9 @@ class DecodeAdmission:
                 log.exception("decode admission failed")
                 self.intake.fail_all(StreamFailed("decode admission failed (see the server log)"))
 
-    def _fits(self, prompt_len: int, members: int, context: int) -> bool:
+    def _fits(self, prompt_len: int, max_new_rows: int, members: int, context: int, ahead: Ahead) -> bool:
         """Under the lock (`Membership.reserve`): the policy's verdict on one snapshot."""
-        return self.policy.fits(members, context, prompt_len)
+        return self.policy.fits(members, context, prompt_len, max_new_rows, ahead)
 
     def _admit(self, req: DecodeRequest) -> bool:
         """Reserve the stream's pages and send its PULL, or return False (no room)."""
@@ -211,8 +249,8 @@ class DecodeAdmission:
             return False  # draining: quarantined memory must come back first
         capacity = h.prompt_len + h.max_new_rows
         try:
-            fits = functools.partial(self._fits, h.prompt_len)
-            pages = self.members.reserve(capacity, h.prompt_len, fits)
+            fits = functools.partial(self._fits, h.prompt_len, h.max_new_rows)
+            pages = self.members.reserve(capacity, h.prompt_len, fits, h.max_new_rows)
         except ValueError as exc:  # sizes submit() did not catch: this request only
             req.sink.fail(StreamFailed(f"decode admission refused: {exc}"))
             return True

@@ -206,7 +206,8 @@ class DecodeEngine:
         if finished is not None:
             self.step_model.observe(finished.batch, finished.context, finished.seconds)
         # The queued step's streams are the whole batch now; those joining below add their context.
-        self.members.set_running(self.batch.queued_context)
+        look_ahead = self.settings.batch.rate_admission
+        self.members.set_running(self.batch.queued_context, self.batch.streams if look_ahead else None)
         idle = not self.batch.in_flight and not self.transfers.waiting
         self._take_admitted(block_s=0.02 if idle else 0.0)  # idle: sleep until a stream is handed over
         self.transfers.poll()
@@ -215,6 +216,12 @@ class DecodeEngine:
             time.sleep(0.001)  # only transfers in flight: poll them, do not spin
         if self.stats.due():
             self.stats.publish(self._gauges())
+
+    def _release(self, stream: Stream) -> None:
+        """A joined stream's pages come back; a finished one's length teaches admission's look-ahead."""
+        if stream.status is StreamStatus.FINISHED:
+            self.admission.policy.lengths.observe(len(stream.generated))
+        self.members.leave(stream, joined=True)
 
     def _take_admitted(self, block_s: float = 0.0) -> None:
         """Streams the admission thread admitted start waiting for their KV (or join at once, or
@@ -253,7 +260,7 @@ class DecodeEngine:
         """A member with its prompt KV in the pool enters the batch; its pages come back when the
         batch releases it (no queued step can write them any more)."""
         self.members.join(stream)
-        self.batch.add(stream, first_row, lambda s=stream: self.members.leave(s, joined=True))
+        self.batch.add(stream, first_row, lambda s=stream: self._release(s))
 
     def _fail(self, stream: Stream, reason: str) -> None:
         stream.status = StreamStatus.FAILED

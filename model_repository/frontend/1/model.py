@@ -4,10 +4,12 @@ it came)."""
 import triton_python_backend_utils as pb_utils
 
 from tandem.serving import triton_io as io
+from tandem.serving.stub_guard import StubGuard
 
 
 class TritonPythonModel:
     def initialize(self, args):
+        self.guard = StubGuard(pb_utils, args)  # heartbeat; exits with the server
         self.frontend = io.frontend_step(args)
 
     def execute(self, requests):
@@ -19,3 +21,6 @@ class TritonPythonModel:
             except Exception as err:
                 responses.append(pb_utils.InferenceResponse(error=io.triton_error(pb_utils, err)))
         return responses
+
+    def finalize(self):
+        self.guard.close()

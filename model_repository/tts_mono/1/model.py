@@ -8,10 +8,12 @@ import triton_python_backend_utils as pb_utils
 
 from tandem.backend.worker.channel import EngineKind
 from tandem.serving.engine_stub import EngineStub
+from tandem.serving.stub_guard import StubGuard
 
 
 class TritonPythonModel:
     def initialize(self, args):
+        self.guard = StubGuard(pb_utils, args)  # heartbeat; exits with the server
         self.stub = EngineStub(pb_utils, args, EngineKind.MONO)
 
     def execute(self, requests):
@@ -19,4 +21,5 @@ class TritonPythonModel:
         return None
 
     def finalize(self):
+        self.guard.close()
         self.stub.close()

@@ -2,26 +2,32 @@
 codec window alone). Decoupled: execute enqueues, `VocoderBatcher`'s thread decodes the chunks of
 many streams in one codec call and answers each request once."""
 
+import torch
 import triton_python_backend_utils as pb_utils
 
-from tandem.backend.codec.builder import build_codec
 from tandem.backend.device import resolve_device
+from tandem.backend.engines.parts import make_codec
 from tandem.serving import triton_io as io
 from tandem.serving.chunk_render import VocoderBatcher
+from tandem.serving.stub_guard import StubGuard
 
 
 class TritonPythonModel:
     def initialize(self, args):
+        self.guard = StubGuard(pb_utils, args)  # heartbeat; exits with the server
         io.setup_logging(args["model_name"])
         settings, _ = io.load_settings(args)
         device = resolve_device(
             settings.device, args["model_instance_kind"], int(args["model_instance_device_id"])
         )
-        self.batcher = VocoderBatcher(pb_utils, build_codec(settings, device))
+        if settings.torch_threads > 0:  # the codec's intra-op threads, beside D's on a shared CPU
+            torch.set_num_threads(settings.torch_threads)
+        self.batcher = VocoderBatcher(pb_utils, make_codec(settings, device))
 
     def execute(self, requests):
         self.batcher.submit(requests)
         return None
 
     def finalize(self):
+        self.guard.close()
         self.batcher.close()

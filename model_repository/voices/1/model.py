@@ -5,11 +5,13 @@ forwards and relays."""
 
 import triton_python_backend_utils as pb_utils
 
+from tandem.serving.stub_guard import StubGuard
 from tandem.serving.voice_stub import VoiceStub
 
 
 class TritonPythonModel:
     def initialize(self, args):
+        self.guard = StubGuard(pb_utils, args)  # heartbeat; exits with the server
         self.stub = VoiceStub(pb_utils, args)
 
     def execute(self, requests):
@@ -17,4 +19,5 @@ class TritonPythonModel:
         return None
 
     def finalize(self):
+        self.guard.close()
         self.stub.close()
