@@ -1,20 +1,21 @@
 """tandem-gateway: OpenAI's speech API (`POST /v1/audio/speech`) in front of the unit's Triton.
 
     tandem-gateway --triton HOST:GRPC_PORT --port HTTP_PORT [--metrics-url URL] [--models tts,tts_mono]
+                   [--max-connections N] [--max-connections-per-client N] [--header-timeout S]
+                   [--body-timeout S]
 
 Speaks Triton gRPC streaming to the models (one stream id per request, set for the caller) and
-streams their audio to HTTP callers as it is produced; `gateway/app.py` documents the routes.
+streams their audio to HTTP callers as it is produced; `gateway/app.py` documents the routes,
+`gateway/serve.py` the HTTP server's bounds.
 """
 
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 
-import uvicorn
-
 from tandem.gateway.app import GatewaySettings, create_app
+from tandem.gateway.serve import ServerLimits, serve
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -43,6 +44,25 @@ def main(argv: list[str] | None = None) -> int:
         default=8192,
         help="a WebSocket turn's unspoken characters at most (a text frame past it is refused)",
     )
+    d = ServerLimits()
+    ap.add_argument(
+        "--max-connections",
+        type=int,
+        default=d.max_connections,
+        help="open connections past which a new one is refused (503); clamped below the open-files limit",
+    )
+    ap.add_argument(
+        "--max-connections-per-client",
+        type=int,
+        default=d.max_per_client,
+        help="connections from one peer address past which a new one is refused (behind a proxy: as the cap)",
+    )
+    ap.add_argument(
+        "--header-timeout", type=float, default=d.header_timeout_s, help="seconds a request's head may take"
+    )
+    ap.add_argument(
+        "--body-timeout", type=float, default=d.body_timeout_s, help="seconds a request's body may take"
+    )
     args = ap.parse_args(argv)
     host = args.triton.rsplit(":", 1)[0]
     settings = GatewaySettings(
@@ -53,8 +73,13 @@ def main(argv: list[str] | None = None) -> int:
         ws_idle_timeout_s=args.ws_idle_timeout,
         ws_max_pending_chars=args.ws_max_pending_chars,
     )
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level="info")
+    limits = ServerLimits(
+        max_connections=args.max_connections,
+        max_per_client=args.max_connections_per_client,
+        header_timeout_s=args.header_timeout,
+        body_timeout_s=args.body_timeout,
+    )
+    serve(create_app(settings), args.host, args.port, limits)
     return 0
 
 

@@ -45,6 +45,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from tandem.gateway.audio import AudioFormat, Framer, StreamFormat
 from tandem.gateway.encode import SPEED_MAX, SPEED_MIN
 from tandem.gateway.errors import HTTP_STATUS, ClientCode, ClientError
+from tandem.gateway.http_errors import error_body
+from tandem.gateway.http_errors import install as install_http_errors
+from tandem.gateway.limits import SPEECH_BODY_BYTES, ContentLengthLimit, Utf8Str, route_limit
 from tandem.gateway.metrics import GatewayMetrics
 from tandem.gateway.session import SentenceQueue, SpeechSession
 from tandem.gateway.stream import (
@@ -86,7 +89,7 @@ class GatewaySettings:
 
 
 class VoiceRef(BaseModel):
-    id: str
+    id: Utf8Str
 
 
 class SpeechBody(BaseModel):
@@ -95,9 +98,9 @@ class SpeechBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model: str
-    input: str = Field(max_length=4096)
-    voice: str | VoiceRef
-    instructions: str | None = None
+    input: Utf8Str = Field(max_length=4096)
+    voice: Utf8Str | VoiceRef
+    instructions: Utf8Str | None = None
     response_format: Literal["mp3", "opus", "aac", "flac", "wav", "pcm"] = "mp3"
     speed: float = 1.0
     stream_format: Literal["audio", "sse"] = "audio"
@@ -110,9 +113,7 @@ class SpeechBody(BaseModel):
 
 def error_response(err: ClientError, param: str | None = None) -> JSONResponse:
     status = HTTP_STATUS[err.code]
-    kind = "invalid_request_error" if status < 500 else "server_error"
-    body = {"error": {"message": str(err), "type": kind, "param": param, "code": err.code.value}}
-    return JSONResponse(body, status_code=status)
+    return JSONResponse(error_body(status, str(err), param, err.code.value), status_code=status)
 
 
 class Gateway:
@@ -299,25 +300,39 @@ def create_app(settings: GatewaySettings) -> FastAPI:
 
     app = FastAPI(title="tandem-gateway", lifespan=lifespan)
     app.state.gateway = gw
+    count = gw.metrics.count
+    install_http_errors(app, count)  # 404, 405, 413, unparsable bodies, 500: OpenAI's JSON
+    # A Content-Length over the route's max_body_size (SPEECH_BODY_BYTES where a route has none) is
+    # refused before the app runs; a chunked body is cut at it by FastAPI (gateway/limits.py).
+    app.add_middleware(
+        ContentLengthLimit, limit_of=route_limit(app.router.routes, SPEECH_BODY_BYTES), count=count
+    )
 
     @app.exception_handler(GatewayError)
     async def _gateway_error(_: Request, exc: GatewayError) -> JSONResponse:
-        gw.metrics.requests.labels(status=str(HTTP_STATUS[exc.error.code])).inc()
+        count(HTTP_STATUS[exc.error.code])
         return error_response(exc.error, exc.param)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-        first: dict[str, Any] = exc.errors()[0] if exc.errors() else {}
-        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        errors = exc.errors()
+        # A check of our own (e.g. Utf8Str) says more than the other branches of a union.
+        first: dict[str, Any] = next(
+            (e for e in errors if e.get("type") == "value_error"), errors[0] if errors else {}
+        )
+        loc = [str(p) for p in first.get("loc", ()) if p != "body" and "[" not in str(p)]
+        if first.get("type") == "json_invalid":  # loc is the body and the offset
+            loc = []
         param = loc[0] if loc else None
-        detail = f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid request')}"
-        gw.metrics.requests.labels(status="400").inc()
+        msg = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
+        detail = f"{'.'.join(loc) or 'body'}: {msg}"
+        count(400)
         return error_response(ClientError(ClientCode.INVALID_ARG, detail), param)
 
     install_voice_routes(app)  # POST/GET/DELETE /v1/voices (gateway/voices.py)
     install_ws_route(app, gw)  # WS /v1/audio/speech/stream-input (gateway/ws.py)
 
-    @app.post("/v1/audio/speech")
+    @app.post("/v1/audio/speech", max_body_size=SPEECH_BODY_BYTES)
     async def speech(body: SpeechBody) -> Response:
         return await gw.speech(body)
 

@@ -11,8 +11,12 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 REQUESTS = "tandem_gateway_requests_total"
 FIRST_AUDIO = "tandem_gateway_first_audio_seconds"
 STREAMS = "tandem_gateway_streams"
-NAMES = (REQUESTS, FIRST_AUDIO, STREAMS)
-STATUSES = ("200", "400", "404", "499", "500", "503")
+CONNECTIONS = "tandem_gateway_connections"
+CUT = "tandem_gateway_connections_cut_total"
+NAMES = (REQUESTS, FIRST_AUDIO, STREAMS, CONNECTIONS, CUT)
+# Why the HTTP server refused or closed a connection (gateway/serve.py).
+CUT_REASONS = ("cap", "client_cap", "header_timeout", "body_timeout", "drain")
+STATUSES = ("200", "400", "404", "405", "409", "413", "499", "500", "503")
 
 _SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 
@@ -22,7 +26,7 @@ class GatewayMetrics:
         self.registry = CollectorRegistry()
         self.requests = Counter(
             REQUESTS.removesuffix("_total"),
-            "Speech requests by HTTP status (499: the caller hung up mid-stream)",
+            "Requests answered, by HTTP status (499: the caller hung up mid-stream)",
             ["status"],
             registry=self.registry,
         )
@@ -35,3 +39,17 @@ class GatewayMetrics:
             registry=self.registry,
         )
         self.streams = Gauge(STREAMS, "Speech responses streaming now", registry=self.registry)
+        self.connections = Gauge(CONNECTIONS, "HTTP connections open (admitted)", registry=self.registry)
+        self.cut = Counter(
+            CUT.removesuffix("_total"),
+            "Connections the HTTP server refused (cap: over the connection cap, client_cap: over the"
+            " cap per client address) or closed (a read timeout; drain: a refused body still arriving)",
+            ["reason"],
+            registry=self.registry,
+        )
+        for reason in CUT_REASONS:
+            self.cut.labels(reason=reason)
+
+    def count(self, status: int) -> None:
+        """One request answered with `status` (a refusal, or a stream's end)."""
+        self.requests.labels(status=str(status)).inc()

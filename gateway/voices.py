@@ -15,8 +15,10 @@ no `voices` model), 503 UNAVAILABLE. The Triton side is the `voices` model (`gat
 builds its inputs); its refusals name NAME, TRANSCRIPT, AUDIO, here `name`, `transcript`, `file`.
 
 Size: a body whose Content-Length exceeds the model's `tandem.voices.max_file_bytes` plus
-`FORM_SLACK` is refused (400, `file`) before it is read; a chunked body is cut at `UPLOAD_CEILING`
-(413, the route's `max_body_size`); the file itself is checked again as read.
+`FORM_SLACK` is refused (400, `file`) before it is read; a chunked body is cut at the same size as
+it arrives (400, `file`: `_capped`; the file parts read until then are spooled to disk and
+removed); `UPLOAD_CEILING` (413, the route's `max_body_size`) is the backstop the gateway checks
+before the model's limit is known (`gateway/limits.py`); the file itself is checked again as read.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse
 from starlette.datastructures import UploadFile
 from starlette.formparsers import MultiPartException
+from starlette.types import Message, Receive
 from tritonclient.utils import InferenceServerException
 
 from tandem.gateway.errors import ClientCode, classify
@@ -101,18 +104,45 @@ def _card(voice: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+class _OverLimit(Exception):
+    """A chunked body went past what the `voices` model takes."""
+
+
+def _capped(receive: Receive, limit: int) -> Receive:
+    """`receive`, raising `_OverLimit` once more than `limit` body bytes came."""
+    seen = 0
+
+    async def capped() -> Message:
+        nonlocal seen
+        message = await receive()
+        seen += len(message.get("body", b""))
+        if seen > limit:
+            raise _OverLimit
+        return message
+
+    return capped
+
+
 @router.post("/v1/voices", status_code=201, max_body_size=UPLOAD_CEILING)
 async def register(request: Request) -> JSONResponse:
     limits = await _limits(request)
     length = request.headers.get("content-length", "")
-    if length.isdigit() and int(length) > limits.max_file_bytes + FORM_SLACK:
+    body_limit = limits.max_file_bytes + FORM_SLACK
+    if length.isdigit() and int(length) > body_limit:
         raise refuse(
             ClientCode.INVALID_ARG,
             f"file: the request is {int(length)} bytes; a reference file may be {limits.max_file_bytes}",
             "file",
         )
     try:
-        form = await request.form(max_files=1, max_fields=2, max_part_size=FORM_SLACK)
+        capped = Request(request.scope, _capped(request.receive, body_limit))
+        form = await capped.form(max_files=1, max_fields=2, max_part_size=FORM_SLACK)
+    except _OverLimit:
+        raise refuse(
+            ClientCode.INVALID_ARG,
+            f"file: the request is over {body_limit} bytes; a reference file may be {limits.max_file_bytes}",
+            "file",
+        ) from None
     except MultiPartException as exc:
         raise refuse(ClientCode.INVALID_ARG, f"the form (multipart: name, transcript, file): {exc}") from None
     try:

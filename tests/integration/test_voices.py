@@ -9,6 +9,9 @@ and every bad input gets its stated status naming the field. The Orpheus layout 
 from __future__ import annotations
 
 import contextlib
+import http.client
+import json
+import urllib.parse
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,7 +25,14 @@ from tandem.gateway.voice_client import VoiceClient, VoiceError
 from tests.support.gateway_process import gateway_process
 from tests.support.helpers import metric_value, metrics_text, wait_metric
 from tests.support.server import TritonProcess
-from tests.support.voice_audio import encoded_bytes, http_call, register_http, speech_like, wav_bytes
+from tests.support.voice_audio import (
+    encoded_bytes,
+    http_call,
+    multipart,
+    register_http,
+    speech_like,
+    wav_bytes,
+)
 
 MAX_FILE = 1_000_000  # tandem.voices.max_file_bytes here, so an over-size file stays cheap
 TRANSCRIPT = "Hello there, this is how I sound when I read a sentence aloud."
@@ -183,6 +193,25 @@ def test_bad_registrations(unit: Unit, name, transcript, file, status, param, ne
     assert err["code"] == ("ALREADY_EXISTS" if status == 409 else "INVALID_ARG")
     names = [v["id"] for v in http_call("GET", f"{unit.base}/v1/voices")[1]["data"]]
     assert not set(names) & {"x1", "x2", "x3", "x4", "x5", "x6", "x7", "x8", "x9"}  # nothing else kept
+
+
+def test_a_chunked_upload_past_the_file_limit_is_cut_there(unit: Unit) -> None:
+    """No Content-Length to check up front: the gateway counts the body as it arrives and answers
+    400 `file` at the model's limit plus the form's slack, not at the route's 64 MiB ceiling."""
+    body, ctype = multipart({"name": "x10", "transcript": TRANSCRIPT}, b"\0" * (20 * MAX_FILE))
+    url = urllib.parse.urlsplit(unit.base)
+    conn = http.client.HTTPConnection(url.hostname or "127.0.0.1", url.port, timeout=60)
+    try:
+        chunks = (body[i : i + 65536] for i in range(0, len(body), 65536))
+        conn.request("POST", "/v1/voices", body=chunks, headers={"Content-Type": ctype}, encode_chunked=True)
+        resp = conn.getresponse()
+        status, err = resp.status, json.loads(resp.read())["error"]
+    finally:
+        conn.close()
+    assert status == 400 and err["param"] == "file", err
+    assert f"over {MAX_FILE + 64 * 1024} bytes" in err["message"], err
+    names = [v["id"] for v in http_call("GET", f"{unit.base}/v1/voices")[1]["data"]]
+    assert "x10" not in names
 
 
 def test_bad_requests_over_grpc(unit: Unit) -> None:

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import contextlib
 import json
+import resource
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -76,3 +78,64 @@ def http_post(url: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
             return r.status, {}
     except urllib.error.HTTPError as e:
         return e.code, json.load(e)
+
+
+@contextlib.contextmanager
+def gateway_alone(
+    log_dir: Path, args: Sequence[str] = (), nofile: int | None = None, timeout_s: float = 30.0
+) -> Iterator[GatewayProc]:
+    """`tandem-gateway` pointed at a Triton address nobody listens on, for what the HTTP server and
+    the app do before any request reaches Triton (limits, refusals, errors): it starts without
+    Triton (its discovery keeps retrying) and answers `/v1/models` with an empty list. `args` are
+    more command-line flags; `nofile` its RLIMIT_NOFILE (soft and hard). Yields once it answers;
+    stops it (SIGTERM) on exit."""
+    port = free_port()
+    log = log_dir / "gateway.log"
+    cmd = [
+        str(Path(sys.executable).parent / "tandem-gateway"),
+        f"--triton=127.0.0.1:{free_port()}",
+        f"--port={port}",
+        *args,
+    ]
+
+    def limit() -> None:
+        if nofile is not None:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
+
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, preexec_fn=limit)
+    gw = GatewayProc(f"http://127.0.0.1:{port}", port, proc, log)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                with urllib.request.urlopen(f"{gw.base}/v1/models", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except (urllib.error.URLError, OSError):
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"gateway did not start:\n{log.read_text()}")
+            time.sleep(0.1)
+        yield gw
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+@dataclass(frozen=True)
+class GatewayProc:
+    base: str
+    port: int
+    proc: subprocess.Popen[bytes]
+    log: Path
+
+    def metric(self, name: str, **labels: str) -> float:
+        """One sample of the gateway's /metrics."""
+        with urllib.request.urlopen(f"{self.base}/metrics", timeout=10) as r:
+            text = r.read().decode()
+        want = name + ("{" + ",".join(f'{k}="{v}"' for k, v in labels.items()) + "}" if labels else "")
+        for line in text.splitlines():
+            if line.startswith(want + " "):
+                return float(line.split()[-1])
+        raise KeyError(want)
