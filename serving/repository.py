@@ -73,12 +73,11 @@ def model_parameter(repository: Path, model: str, key: str) -> str | None:
 
 def repository_unit(repository: Path | str) -> str:
     """The unit a repository's server serves when no model names one (`tandem.transfer.unit`):
-    `<the directory name's first 8 characters>-<8 hex digits of its real path>`, e.g. `model_re-5f1c9a2e`
-    (short: the unit's control sockets must fit AF_UNIX's 107 bytes under a deep runtime dir). Two
+    8 hex digits of its real path, e.g. `5f1c9a2e` (short: the unit's control sockets must fit
+    AF_UNIX's 107 bytes under a deep runtime dir). Two
     repositories on one host get two units; the same one (a restart) the same unit."""
     real = os.path.realpath(repository)
-    name = re.sub(r"[^A-Za-z0-9_.-]", "_", os.path.basename(real))[:8] or "repository"
-    return f"{name}-{hashlib.sha256(real.encode()).hexdigest()[:8]}"
+    return hashlib.sha256(real.encode()).hexdigest()[:8]
 
 
 def set_instance_group(config: str, group: str) -> str:
