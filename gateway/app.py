@@ -9,6 +9,8 @@ Routes (FastAPI on uvicorn; `cli/gateway.py` starts it):
   (`gateway/session.py`: sentence segments, one stream each, two in flight, audio in order); the
   audio is streamed as the model produces it: the status and headers wait for the first audio (or
   the error that comes instead, with its own status), then each response's audio goes out at once.
+  A `wav` asked for without `stream_format` is the exception: it is answered whole, its header with
+  the real length (what the OpenAI SDK's non-streaming `create` and Python's `wave` expect).
   `X-Tandem-Stream-Id` is the first segment's stream id (Triton `sequence_id`; the next segments'
   follow it, +1 each); `X-Sample-Rate` the PCM rate. A caller who hangs up cancels every stream of
   the session (the gRPC calls are cancelled; Triton tells the engines).
@@ -42,13 +44,13 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
 
-from tandem.gateway.audio import AudioFormat, Framer, StreamFormat
+from tandem.gateway.audio import MEDIA_TYPES, AudioFormat, Framer, StreamFormat, wav_header
 from tandem.gateway.encode import SPEED_MAX, SPEED_MIN
 from tandem.gateway.errors import HTTP_STATUS, ClientCode, ClientError
 from tandem.gateway.http_errors import error_body
 from tandem.gateway.http_errors import install as install_http_errors
 from tandem.gateway.limits import SPEECH_BODY_BYTES, ContentLengthLimit, Utf8Str, route_limit
-from tandem.gateway.metrics import GatewayMetrics
+from tandem.gateway.metrics import NO_MODEL, GatewayMetrics
 from tandem.gateway.session import SentenceQueue, SpeechSession
 from tandem.gateway.stream import (
     AudioPiece,
@@ -122,6 +124,8 @@ class Gateway:
     def __init__(self, settings: GatewaySettings) -> None:
         self.settings = settings
         self.metrics = GatewayMetrics()
+        for name in settings.models:
+            self.metrics.serve(name)
         self.client: aio.InferenceServerClient | None = None
         self.models: dict[str, SpeechModel] | None = None  # None until Triton answered
         self._discovery: asyncio.Task[None] | None = None
@@ -181,6 +185,10 @@ class Gateway:
 
         return base, SpeechSession(open_segment)
 
+    def label(self, model: str) -> str:
+        """`model` as the metrics' label: a name this gateway serves, else NO_MODEL."""
+        return model if model in self.settings.models else NO_MODEL
+
     async def speech(self, body: SpeechBody) -> Response:
         received = time.monotonic()
         model = self.model(body.model)
@@ -191,22 +199,65 @@ class Gateway:
         if text.done:
             raise refuse(ClientCode.INVALID_ARG, "input is empty", "input")
         first_id, session = self.session(model, body.voice_name, body.seed)
+        if body.response_format == "wav" and "stream_format" not in body.model_fields_set:
+            return await self.respond_whole_wav(session.speak(text), model, body.speed, received, first_id)
         framer = Framer(
             AudioFormat(body.response_format),
             StreamFormat(body.stream_format),
             model.sample_rate,
             speed=body.speed,
         )
-        return await self.respond_pieces(session.speak(text), framer, received, first_id)
+        return await self.respond_pieces(session.speak(text), framer, received, first_id, model.name)
 
     async def respond(self, req: StreamRequest, framer: Framer, received: float) -> Response:
         """One stream's response (`respond_pieces`)."""
         assert self.client is not None
         pieces = stream_audio(self.client, req, self.settings.idle_timeout_s)
-        return await self.respond_pieces(pieces, framer, received, req.stream_id)
+        return await self.respond_pieces(pieces, framer, received, req.stream_id, self.label(req.model))
+
+    async def respond_whole_wav(
+        self,
+        pieces: AsyncGenerator[AudioPiece, None],
+        model: SpeechModel,
+        speed: float,
+        received: float,
+        stream_id: int,
+    ) -> Response:
+        """A `wav` asked for without `stream_format`: the whole file in one body, its header with the
+        real length and a Content-Length (the OpenAI SDK's `speech.create(...).write_to_file` and
+        Python's `wave` read it exactly); an error at any point is a JSON error with its status.
+        `stream_format: "audio"` streams the wav instead, with the header's sizes unknown."""
+        pcm = Framer(AudioFormat.PCM, StreamFormat.AUDIO, model.sample_rate, speed=speed)
+        data: list[bytes] = []
+        rows, first = 0, True
+        self.metrics.streams.labels(model=model.name).inc()
+        try:
+            async for piece in pieces:
+                if first:
+                    self.metrics.first_audio.labels(model=model.name).observe(time.monotonic() - received)
+                    first = False
+                rows += piece.rows
+                data.append(pcm.piece(piece.pcm))
+            data.append(pcm.end(rows))
+        finally:
+            self.metrics.streams.labels(model=model.name).dec()
+            await pieces.aclose()
+        body = b"".join(data)
+        self.metrics.count(200, model.name)
+        headers = {"X-Tandem-Stream-Id": str(stream_id), "X-Sample-Rate": str(model.sample_rate)}
+        return Response(
+            wav_header(model.sample_rate, len(body)) + body,
+            media_type=MEDIA_TYPES[AudioFormat.WAV],
+            headers=headers,
+        )
 
     async def respond_pieces(
-        self, pieces: AsyncGenerator[AudioPiece, None], framer: Framer, received: float, stream_id: int
+        self,
+        pieces: AsyncGenerator[AudioPiece, None],
+        framer: Framer,
+        received: float,
+        stream_id: int,
+        model: str,
     ) -> Response:
         """Waits for the first audio (an error before it is a JSON error with its status), then streams."""
         try:
@@ -216,17 +267,17 @@ class Gateway:
         except BaseException:
             await pieces.aclose()
             raise
-        self.metrics.first_audio.observe(time.monotonic() - received)
+        self.metrics.first_audio.labels(model=model).observe(time.monotonic() - received)
         headers = {"X-Tandem-Stream-Id": str(stream_id), "X-Sample-Rate": str(framer.sample_rate)}
         return StreamingResponse(
-            self._body(first, pieces, framer), media_type=framer.media_type, headers=headers
+            self._body(first, pieces, framer, model), media_type=framer.media_type, headers=headers
         )
 
     async def _body(
-        self, first: AudioPiece | None, pieces: AsyncGenerator[AudioPiece, None], framer: Framer
+        self, first: AudioPiece | None, pieces: AsyncGenerator[AudioPiece, None], framer: Framer, model: str
     ) -> AsyncIterator[bytes]:
         status, rows = "499", 0  # unless the stream ends one way or the other below
-        self.metrics.streams.inc()
+        self.metrics.streams.labels(model=model).inc()
         try:
             if first is not None:
                 rows += first.rows
@@ -247,8 +298,8 @@ class Gateway:
                 raise  # the status is sent: end the body without its last chunk
             yield tail
         finally:
-            self.metrics.streams.dec()
-            self.metrics.requests.labels(status=status).inc()
+            self.metrics.streams.labels(model=model).dec()
+            self.metrics.requests.labels(status=status, model=model).inc()
             await pieces.aclose()
 
     async def health(self) -> JSONResponse:
@@ -309,8 +360,8 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     )
 
     @app.exception_handler(GatewayError)
-    async def _gateway_error(_: Request, exc: GatewayError) -> JSONResponse:
-        count(HTTP_STATUS[exc.error.code])
+    async def _gateway_error(request: Request, exc: GatewayError) -> JSONResponse:
+        count(HTTP_STATUS[exc.error.code], getattr(request.state, "model", NO_MODEL))
         return error_response(exc.error, exc.param)
 
     @app.exception_handler(RequestValidationError)
@@ -333,7 +384,8 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     install_ws_route(app, gw)  # WS /v1/audio/speech/stream-input (gateway/ws.py)
 
     @app.post("/v1/audio/speech", max_body_size=SPEECH_BODY_BYTES)
-    async def speech(body: SpeechBody) -> Response:
+    async def speech(body: SpeechBody, request: Request) -> Response:
+        request.state.model = gw.label(body.model)  # for the metrics of a refusal (_gateway_error)
         return await gw.speech(body)
 
     @app.get("/v1/models")

@@ -2,9 +2,11 @@
 
 - `pcm`: raw 16-bit signed little-endian mono samples at the model's `sample_rate` (OpenAI's is
   fixed at 24 kHz; here the model's rate is in the `X-Sample-Rate` response header).
-- `wav`: a 44-byte RIFF/WAVE header, then the same samples. The length is unknown when the first
-  bytes go out, so both RIFF sizes are 0xFFFFFFFF (the streaming convention players accept); a
-  complete file's length is the bytes received.
+- `wav`: a 44-byte RIFF/WAVE header, then the same samples. Asked for without `stream_format`, the
+  gateway answers the whole file at once (`Gateway.respond_whole_wav`): the header has the real
+  length. Streamed (`stream_format` `audio` or `sse`), the length is unknown when the first bytes go
+  out, so both RIFF sizes are 0xFFFFFFFF (the streaming convention players accept); a complete
+  file's length is then the bytes received.
 - `mp3`, `opus`, `aac`, `flac`: FFmpeg's encoders and muxers through PyAV (`gateway/encode.py`),
   each piece's bytes as the muxer writes them; the response's last bytes come with `end`.
 - `speed` != 1: the PCM goes through FFmpeg's `atempo` (`encode.Tempo`) before any of the above.

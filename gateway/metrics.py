@@ -17,6 +17,9 @@ NAMES = (REQUESTS, FIRST_AUDIO, STREAMS, CONNECTIONS, CUT)
 # Why the HTTP server refused or closed a connection (gateway/serve.py).
 CUT_REASONS = ("cap", "client_cap", "header_timeout", "body_timeout", "drain")
 STATUSES = ("200", "400", "404", "405", "409", "413", "499", "500", "503")
+# The `model` label: a served model's name, or NO_MODEL for a request that named none the gateway
+# serves (a refused body, another route): never a caller's own string, so the series stay bounded.
+NO_MODEL = "-"
 
 _SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 
@@ -26,19 +29,21 @@ class GatewayMetrics:
         self.registry = CollectorRegistry()
         self.requests = Counter(
             REQUESTS.removesuffix("_total"),
-            "Requests answered, by HTTP status (499: the caller hung up mid-stream)",
-            ["status"],
+            "Requests answered, by HTTP status (499: the caller hung up mid-stream) and model",
+            ["status", "model"],
             registry=self.registry,
         )
-        for status in STATUSES:
-            self.requests.labels(status=status)
         self.first_audio = Histogram(
             FIRST_AUDIO,
-            "Request received to its first audio bytes handed to the HTTP server",
+            "Request received to its first audio bytes handed to the HTTP server, by model",
+            ["model"],
             buckets=_SECONDS,
             registry=self.registry,
         )
-        self.streams = Gauge(STREAMS, "Speech responses streaming now", registry=self.registry)
+        self.streams = Gauge(
+            STREAMS, "Speech responses streaming now, by model", ["model"], registry=self.registry
+        )
+        self.serve(NO_MODEL)
         self.connections = Gauge(CONNECTIONS, "HTTP connections open (admitted)", registry=self.registry)
         self.cut = Counter(
             CUT.removesuffix("_total"),
@@ -50,6 +55,14 @@ class GatewayMetrics:
         for reason in CUT_REASONS:
             self.cut.labels(reason=reason)
 
-    def count(self, status: int) -> None:
+    def serve(self, model: str) -> None:
+        """Every series of `model` at 0 (the gateway calls it for each model it serves)."""
+        for status in STATUSES:
+            self.requests.labels(status=status, model=model)
+        if model != NO_MODEL:
+            self.first_audio.labels(model=model)
+            self.streams.labels(model=model)
+
+    def count(self, status: int, model: str = NO_MODEL) -> None:
         """One request answered with `status` (a refusal, or a stream's end)."""
-        self.requests.labels(status=str(status)).inc()
+        self.requests.labels(status=str(status), model=model).inc()

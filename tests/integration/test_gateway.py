@@ -116,14 +116,46 @@ def test_malformed_bodies_are_400_naming_the_field(gateway):
 
 
 @pytest.mark.parametrize("model", ["tts", "tts_mono"])
-def test_text_gives_a_wav_at_the_models_rate(sdk, model):
+def test_text_gives_a_wav_of_its_real_length_at_the_models_rate(sdk, model):
+    """No `stream_format`: the whole file, its header's sizes real (wave reads the frame count)."""
     resp = sdk.audio.speech.create(model=model, input="Hello there.", voice="tara", response_format="wav")
     assert resp.response.headers["x-sample-rate"] == str(SAMPLE_RATE)
-    with wave.open(io.BytesIO(resp.content)) as w:  # the streaming header: sizes unknown, the rest exact
+    assert int(resp.response.headers["content-length"]) == 44 + 2 * HTTP_ROWS * SAMPLES_PER_ROW
+    with wave.open(io.BytesIO(resp.content)) as w:
         assert (w.getnchannels(), w.getsampwidth(), w.getframerate()) == (1, 2, SAMPLE_RATE)
-        samples = w.readframes(2**24)
+        assert w.getnframes() == HTTP_ROWS * SAMPLES_PER_ROW
+        samples = w.readframes(w.getnframes())
     assert len(samples) == 2 * HTTP_ROWS * SAMPLES_PER_ROW
     assert np.frombuffer(samples, "<i2").any()
+
+
+def test_a_streamed_wav_says_its_length_is_unknown_and_carries_the_same_samples(sdk):
+    kw = {"model": "tts", "input": "Hello there.", "voice": "tara", "extra_body": {"seed": 11}}
+    whole = sdk.audio.speech.create(response_format="wav", **kw)
+    with sdk.audio.speech.with_streaming_response.create(
+        response_format="wav", stream_format="audio", **kw
+    ) as resp:
+        assert "content-length" not in resp.headers  # chunked, as it is produced
+        chunks = [c for c in resp.iter_bytes() if c]
+    body = b"".join(chunks)
+    assert body[:44] == wav_header(SAMPLE_RATE)  # sizes 0xFFFFFFFF: unknown when the first bytes left
+    assert body[44:] == whole.content[44:]  # one segment, the same seed: the same samples
+
+
+def test_the_gateway_metrics_say_which_model(gateway, sdk):
+    def requests(status: str, model: str) -> float:
+        return metric_value(
+            metrics_text(f"{gateway}/metrics"), "tandem_gateway_requests_total", status=status, model=model
+        )
+
+    ok, refused = requests("200", "tts_mono"), requests("404", "-")
+    sdk.audio.speech.create(model="tts_mono", input="Hi.", voice="tara", response_format="pcm")
+    with pytest.raises(openai.NotFoundError):  # a name it does not serve is counted under "-"
+        sdk.audio.speech.create(model="tts-1", input="Hi.", voice="tara", response_format="pcm")
+    assert requests("200", "tts_mono") == ok + 1 and requests("404", "-") == refused + 1
+    text = metrics_text(f"{gateway}/metrics")
+    assert metric_value(text, "tandem_gateway_first_audio_seconds_count", model="tts_mono") >= 1
+    assert metric_value(text, "tandem_gateway_streams", model="tts") == 0
 
 
 def test_text_streams_pcm_and_sse_over_http(sdk):

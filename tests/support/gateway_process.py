@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tests.support.helpers import metric_value
 from tests.support.server import TritonProcess, free_port
 
 
@@ -131,11 +132,6 @@ class GatewayProc:
     log: Path
 
     def metric(self, name: str, **labels: str) -> float:
-        """One sample of the gateway's /metrics."""
+        """The sum of the gateway's /metrics samples of `name` whose labels include `labels`."""
         with urllib.request.urlopen(f"{self.base}/metrics", timeout=10) as r:
-            text = r.read().decode()
-        want = name + ("{" + ",".join(f'{k}="{v}"' for k, v in labels.items()) + "}" if labels else "")
-        for line in text.splitlines():
-            if line.startswith(want + " "):
-                return float(line.split()[-1])
-        raise KeyError(want)
+            return metric_value(r.read().decode(), name, **labels)
