@@ -56,6 +56,7 @@ class MetricDef:
 _SECONDS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 _BYTES = (2**16, 2**20, 2**22, 2**24, 2**26, 2**28, 2**30)
 _PROMPTS = (1, 2, 4, 8, 16, 32, 64)
+_FIRST_AUDIO = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 _D = frozenset({Engine.DECODE})
 _STREAMS = frozenset({Engine.DECODE, Engine.MONO})
 _CACHE = frozenset({Engine.PREFILL, Engine.MONO})
@@ -135,6 +136,13 @@ METRICS: tuple[MetricDef, ...] = (
     MetricDef("tandem_prefill_seconds", Kind.HISTOGRAM, "Prefill forward time", _SECONDS),
     MetricDef("tandem_prefill_batch", Kind.HISTOGRAM, "Prompts per prefill forward", _PROMPTS),
     MetricDef("tandem_admission_seconds", Kind.HISTOGRAM, "Time from engine receipt to admission", _SECONDS),
+    MetricDef(
+        "tandem_first_audio_seconds",
+        Kind.HISTOGRAM,
+        "A stream's time to first audio on the unit: the first model's execute (prefill in tts, tts_mono"
+        " itself) to its first sounding chunk's audio (published by the vocoder for tts, by tts_mono)",
+        _FIRST_AUDIO,
+    ),
     MetricDef(
         "tandem_prefix_cache_hit_tokens_total",
         Kind.COUNTER,

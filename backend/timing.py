@@ -42,6 +42,13 @@ def now_ns() -> int:
     return time.time_ns()
 
 
+def first_audio_s(stamps: Mapping[str, int]) -> float | None:
+    """The unit's time to first audio, `entry` -> `first_audio` in seconds (None until both exist):
+    what `tandem_first_audio_seconds` observes once per stream."""
+    entry, audio = stamps.get("entry"), stamps.get("first_audio")
+    return None if entry is None or audio is None else max(0.0, (audio - entry) / 1e9)
+
+
 class Timings:
     """An ordered set of named stamps. Not thread-safe: owned by one engine thread at a time."""
 

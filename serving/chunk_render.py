@@ -20,19 +20,23 @@ from typing import Any
 import numpy as np
 
 from tandem.backend.codec.base import Codec, CodecWindow
+from tandem.backend.metrics import MetricsSink
 from tandem.backend.settings import MAX_BATCH
-from tandem.backend.timing import now_ns
+from tandem.backend.timing import first_audio_s, now_ns
 from tandem.serving import triton_io as io
 
 log = logging.getLogger("tandem")
 
 
-def _stamp_first_audio(text: str, window: CodecWindow) -> str:
-    """The stream's first sounding chunk stamps `first_audio` (D sends timings only at the end)."""
+def _stamp_first_audio(text: str, window: CodecWindow, metrics: MetricsSink | None) -> str:
+    """The stream's first sounding chunk stamps `first_audio` into the stamps D sent with it (D sends
+    them with that chunk and the last) and observes the unit's `tandem_first_audio_seconds`."""
     if window.emit_from != 0 or window.emitted == 0:
         return text
     stamps = json.loads(text) if text else {}
     stamps.setdefault("first_audio", now_ns())
+    if metrics is not None and (seconds := first_audio_s(stamps)) is not None:
+        metrics.observe("tandem_first_audio_seconds", seconds)
     return json.dumps(stamps, separators=(",", ":"))
 
 
@@ -69,9 +73,12 @@ class VocoderBatcher:
     whose tensors or window are bad gets its error at once, the others their audio.
     """
 
-    def __init__(self, pb: Any, codec: Codec, max_windows: int = MAX_BATCH) -> None:
+    def __init__(
+        self, pb: Any, codec: Codec, max_windows: int = MAX_BATCH, metrics: MetricsSink | None = None
+    ) -> None:
         self._pb = pb
         self._codec = codec
+        self._metrics = metrics  # tandem_first_audio_seconds of the `tts` streams
         self._max = max_windows
         self._queue: queue.Queue[_Job | None] = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="tandem-vocoder", daemon=True)
@@ -133,7 +140,9 @@ class VocoderBatcher:
                 outputs = [
                     pb.Tensor("TOKENS_OUT", job.rows),
                     pb.Tensor("AUDIO", audio.astype(np.float32, copy=False)),
-                    io.bytes_tensor(pb, "TIMINGS_OUT", _stamp_first_audio(job.timings, job.window)),
+                    io.bytes_tensor(
+                        pb, "TIMINGS_OUT", _stamp_first_audio(job.timings, job.window, self._metrics)
+                    ),
                 ]
                 job.sender.send(pb.InferenceResponse(output_tensors=outputs), flags=flags)
             except Exception:

@@ -35,8 +35,9 @@ from tandem.backend.engines.handoff import Handoff
 from tandem.backend.engines.stream import Chunk
 from tandem.backend.errors import InvalidInput, TandemError
 from tandem.backend.generation.sampling import SamplingParams
+from tandem.backend.metrics import MetricsSink
 from tandem.backend.settings import EngineSettings, parse_settings, triton_parameters
-from tandem.backend.timing import Timings
+from tandem.backend.timing import Timings, first_audio_s
 from tandem.backend.worker.channel import (
     EXIT_FOR_PROOF,
     Array,
@@ -162,7 +163,8 @@ class EngineHost:
 
             codec = make_codec(self.settings, decoder.device)
             self.engine = MonoEngine(decoder, self.settings, self.metrics)
-            self._render = lambda req_id, chunk: _render_mono(req_id, chunk, codec)
+            metrics = self.metrics
+            self._render = lambda req_id, chunk: _render_mono(req_id, chunk, codec, metrics)
         self.engine.start()
         p = self.settings.pool
         return Ready(
@@ -295,9 +297,15 @@ def _window(chunk: Chunk) -> CodecWindow:
     return chunk.window
 
 
+def _first_sounding(w: CodecWindow) -> bool:
+    """The stream's first window that sounds: it starts at frame 0 and emits frames."""
+    return w.emit_from == 0 and w.emitted > 0
+
+
 def _render_decode(req_id: int, chunk: Chunk) -> Reply:
     """D's chunk: the new rows and the codec window (frames with their context, and which of them this
-    chunk sounds: backend/codec/base.py) the vocoder step decodes."""
+    chunk sounds: backend/codec/base.py) the vocoder step decodes. The first sounding chunk carries the
+    stamps so far too: the vocoder stamps `first_audio` into them and observes the unit's first audio."""
     w = _window(chunk)
     return Reply(
         req_id,
@@ -305,17 +313,20 @@ def _render_decode(req_id: int, chunk: Chunk) -> Reply:
         rows=Array.of(chunk.rows),
         frames=Array.of(np.ascontiguousarray(w.frames, dtype=np.int64)),
         window=Array.of(w.as_array()),
-        timings=_timings_text(chunk) if chunk.final else "",
+        timings=_timings_text(chunk) if chunk.final or _first_sounding(w) else "",
     )
 
 
-def _render_mono(req_id: int, chunk: Chunk, codec: Codec) -> Reply:
+def _render_mono(req_id: int, chunk: Chunk, codec: Codec, metrics: MetricsSink) -> Reply:
     """The monolithic engine's chunk: the engine thread decodes its window with the model's codec; the
-    first sounding window stamps `first_audio` once its audio exists (as the vocoder step does)."""
+    first sounding window stamps `first_audio` once its audio exists (as the vocoder step does) and
+    observes `tandem_first_audio_seconds`."""
     w = _window(chunk)
     audio = codec.decode([w])[0]
-    if chunk.timings is not None and w.emit_from == 0 and w.emitted:
+    if chunk.timings is not None and _first_sounding(w):
         chunk.timings.mark("first_audio")
+        if (seconds := first_audio_s(chunk.timings.as_dict())) is not None:
+            metrics.observe("tandem_first_audio_seconds", seconds)
     return Reply(
         req_id,
         chunk.final,

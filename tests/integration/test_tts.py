@@ -159,3 +159,29 @@ def test_metrics_published(server):
         "tandem_draining",
     ):
         metric_value(text, name, model="decode")
+
+
+@pytest.mark.parametrize(("model", "publisher"), [("tts", "vocoder"), ("tts_mono", "tts_mono")])
+def test_the_unit_observes_each_streams_first_audio_within_the_clients(server, model, publisher):
+    """`tandem_first_audio_seconds` (entry -> first audio, on the unit): one sample per stream, and no
+    more than the client's own time to first audio, which contains it."""
+
+    def histogram() -> tuple[float, float]:
+        text = metrics_text(server.metrics_url)
+        return (
+            metric_value(text, "tandem_first_audio_seconds_count", model=publisher),
+            metric_value(text, "tandem_first_audio_seconds_sum", model=publisher),
+        )
+
+    run(server.url, model, prompt(20, seed=8), MAX_TOKENS=3, TEMPERATURE=0.0)  # the series exists
+    wait_metric(server.metrics_url, "tandem_first_audio_seconds_count", lambda v: v >= 1, model=publisher)
+    count, total = histogram()
+    r = run(server.url, model, prompt(40, seed=9), MAX_TOKENS=12, TEMPERATURE=0.0)
+    assert r.error is None
+    wait_metric(
+        server.metrics_url, "tandem_first_audio_seconds_count", lambda v: v >= count + 1, model=publisher
+    )
+    new_count, new_total = histogram()
+    unit_s = new_total - total
+    assert new_count == count + 1
+    assert 0 < unit_s <= r.ttfa_ms / 1e3, (unit_s, r.ttfa_ms)

@@ -22,7 +22,9 @@ class TritonPythonModel:
         )
         if settings.torch_threads > 0:  # the codec's intra-op threads, beside D's on a shared CPU
             torch.set_num_threads(settings.torch_threads)
-        self.batcher = VocoderBatcher(pb_utils, make_codec(settings, device))
+        labels = {"model": args["model_name"], "model_instance": args["model_instance_name"]}
+        self.metrics = io.TritonMetrics(pb_utils, labels, names=("tandem_first_audio_seconds",))
+        self.batcher = VocoderBatcher(pb_utils, make_codec(settings, device), metrics=self.metrics)
 
     def execute(self, requests):
         self.batcher.submit(requests)
