@@ -7,7 +7,11 @@ With `--text` (and optionally `--voice`) the server builds the prompt with the c
 tokenizer and the family's template (the `TEXT` and `VOICE` inputs). Otherwise the prompt is random
 ids of the model's published row width (a stand-in for a real voice reference and text), or
 `--prompt FILE.npy` with an int64 [N, W] array. Prints time to first audio, tokens/s after the first
-response, and the per-stage waterfall from the server's TIMINGS.
+response, and the per-stage waterfall from the server's TIMINGS. Warns (on stderr; the exit status
+stays 0) when the stream ran below the rate floor, the rule the unit counts in
+`tandem_streams_below_floor_total`: rows/s after the first response under the model's published
+`rows_per_second` over `--rtf` (0.5, the unit's default `rate.rtf`: twice real time), with the
+stalls a listener playing it live would have heard.
 """
 
 from __future__ import annotations
@@ -38,7 +42,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--voice-id")
     ap.add_argument("--out", default="out.wav", help="WAV file to write")
     ap.add_argument("--timeout", type=float, default=120.0)
+    ap.add_argument(
+        "--rtf", type=float, default=0.5, help="the floor's real-time factor (the unit's rate.rtf; 0.5)"
+    )
     args = ap.parse_args(argv)
+    if not 0 < args.rtf < float("inf"):
+        ap.error(f"--rtf must be a positive number, got {args.rtf}")
     if args.text is not None and args.prompt:
         ap.error("--text and --prompt are exclusive: a request carries exactly one of TEXT and PROMPT")
     if args.voice is not None and args.text is None:
@@ -48,6 +57,7 @@ def main(argv: list[str] | None = None) -> int:
         published = client.model_parameters()
         width, vocab = int(published["row_width"]), int(published["vocab_size"])
         rate = int(published["sample_rate"])
+        rows_per_second = float(published["rows_per_second"])
         prompt: np.ndarray | None = None
         if args.prompt:
             prompt = np.load(args.prompt).astype(np.int64)
@@ -83,6 +93,15 @@ def main(argv: list[str] | None = None) -> int:
         total += ms
         print(f"  {name:<32} {ms:9.2f}")
     print(f"  {'sum':<32} {total:9.2f}   (client measured {result.ttfa_ms:.2f} to first audio)")
+    if result.below_floor(rows_per_second, args.rtf):
+        stalls, stalled = result.playback_stalls(rate)
+        print(
+            f"warning: the stream ran below the rate floor: {result.tokens_per_s:.1f} rows/s after its"
+            f" first response, under {rows_per_second / args.rtf:.1f} ({rows_per_second:g} rows/s of audio"
+            f" at RTF {args.rtf:g}); a listener playing it live would have heard {stalls} stalls"
+            f" ({stalled:.2f} s in all)",
+            file=sys.stderr,
+        )
     return 0
 
 

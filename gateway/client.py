@@ -54,6 +54,7 @@ class StreamResult:
     responses: int = 0
     response_ns: list[int] = field(default_factory=list)
     response_rows: list[int] = field(default_factory=list)
+    response_samples: list[int] = field(default_factory=list)  # audio samples of each response
 
     @property
     def ttfa_ms(self) -> float:
@@ -69,6 +70,29 @@ class StreamResult:
         first_rows = self.response_rows[0] if self.response_rows else 0
         span = (self.done_ns - self.first_response_ns) / 1e9
         return (n - first_rows) / span if span > 0 and n > first_rows else float("nan")
+
+    def below_floor(self, rows_per_second: float, rtf: float = 0.5) -> bool:
+        """The unit's rule (`tandem_streams_below_floor_total`) seen from here: rows/s after the first
+        response under the floor, the codec's `rows_per_second` of audio over the RTF target."""
+        rate = self.tokens_per_s
+        return rate == rate and rate < rows_per_second / rtf  # nan (one response): no rate to judge
+
+    def playback_stalls(self, sample_rate: int) -> tuple[int, float]:
+        """(stalls, seconds stalled) of a listener who starts playing the first audio on arrival and
+        plays each response's audio as it comes: a stall is a response that arrived after the audio
+        before it had all been played."""
+        stalls, stalled, played_until = 0, 0.0, None
+        for at_ns, samples in zip(self.response_ns, self.response_samples, strict=True):
+            at = at_ns / 1e9
+            if played_until is None:
+                if samples:
+                    played_until = at + samples / sample_rate
+                continue
+            if at > played_until:
+                stalls, stalled = stalls + 1, stalled + (at - played_until)
+                played_until = at
+            played_until += samples / sample_rate
+        return stalls, stalled
 
 
 @dataclass
@@ -185,6 +209,7 @@ class TTSClient:
                     r.first_response_ns = now
                 r.response_ns.append(now)
                 r.response_rows.append(int(tokens.shape[0]))
+                r.response_samples.append(0 if audio is None else int(audio.size))
                 r.rows = tokens if r.rows is None else np.concatenate([r.rows, tokens])
                 if audio is not None and audio.size and not r.first_audio_ns:
                     r.first_audio_ns = now
