@@ -33,6 +33,13 @@ def main(argv: list[str] | None = None) -> int:
         "--idle-timeout", type=float, default=60.0, help="seconds without a response that end a stream"
     )
     ap.add_argument(
+        "--lost-after",
+        type=float,
+        default=5.0,
+        help="seconds without a response after which a stream whose path has a dead stub (by the unit's"
+        " metrics) ends at once instead of at --idle-timeout",
+    )
+    ap.add_argument(
         "--ws-idle-timeout",
         type=float,
         default=60.0,
@@ -70,6 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         metrics_url=args.metrics_url or f"http://{host}:8002/metrics",
         models=tuple(m for m in args.models.split(",") if m),
         idle_timeout_s=args.idle_timeout,
+        lost_after_s=args.lost_after,
         ws_idle_timeout_s=args.ws_idle_timeout,
         ws_max_pending_chars=args.ws_max_pending_chars,
     )

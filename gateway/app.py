@@ -53,8 +53,10 @@ from tandem.gateway.limits import SPEECH_BODY_BYTES, ContentLengthLimit, Utf8Str
 from tandem.gateway.metrics import NO_MODEL, GatewayMetrics
 from tandem.gateway.session import SentenceQueue, SpeechSession
 from tandem.gateway.stream import (
+    LOST_POLL_S,
     AudioPiece,
     GatewayError,
+    LostCheck,
     SpeechModel,
     StreamRequest,
     discover,
@@ -65,7 +67,7 @@ from tandem.gateway.stream import (
 )
 from tandem.gateway.voices import install as install_voice_routes
 from tandem.gateway.ws import install as install_ws_route
-from tandem.serving.health import HealthUnavailable, fetch_health
+from tandem.serving.health import HealthUnavailable, UnitHealth, fetch_health
 
 log = logging.getLogger("tandem.gateway")
 
@@ -85,6 +87,8 @@ class GatewaySettings:
     metrics_url: str  # Triton's metrics endpoint, for /health
     models: tuple[str, ...] = ("tts", "tts_mono")
     idle_timeout_s: float = 60.0  # no response from Triton for this long ends a stream (UNAVAILABLE)
+    # A stream silent this long while the unit reports a dead stub on its path is lost (UNAVAILABLE).
+    lost_after_s: float = 5.0
     retry_s: float = 1.0  # how often start-up asks Triton for the models' configs until it answers
     ws_idle_timeout_s: float = 60.0  # a WebSocket with no frame and no turn speaking this long is closed
     ws_max_pending_chars: int = 8192  # a WebSocket turn's unspoken text at most (gateway/ws.py)
@@ -129,6 +133,8 @@ class Gateway:
         self.client: aio.InferenceServerClient | None = None
         self.models: dict[str, SpeechModel] | None = None  # None until Triton answered
         self._discovery: asyncio.Task[None] | None = None
+        self._health: tuple[float, UnitHealth | None] = (-1.0, None)  # (when read, what it said)
+        self._health_lock = asyncio.Lock()
 
     async def start(self) -> None:
         self.client = aio.InferenceServerClient(self.settings.triton_url, channel_args=CHANNEL_ARGS)
@@ -166,6 +172,41 @@ class Gateway:
             )
         return self.models[name]
 
+    async def _unit_health(self) -> UnitHealth | None:
+        """The unit's health by its metrics, read at most once a second however many streams ask;
+        None when the metrics cannot be read (then nothing is judged lost: the idle timeout holds)."""
+        async with self._health_lock:
+            read_at, health = self._health
+            if time.monotonic() - read_at >= LOST_POLL_S:
+                try:
+                    health = await asyncio.to_thread(fetch_health, self.settings.metrics_url)
+                except HealthUnavailable:
+                    health = None
+                self._health = (time.monotonic(), health)
+            return health
+
+    def lost_check(self, path: frozenset[str]) -> LostCheck:
+        """Whether a silent stream through the models of `path` is lost: a stub of one of them is
+        silent (dead or stopped: Triton never answers what it held)."""
+
+        async def lost() -> str | None:
+            health = await self._unit_health()
+            dead = [
+                f"{m} {i} is dead (its stub silent for {s:.1f} s)"
+                for m, i, s in (health.silent_stubs if health is not None else ())
+                if m in path
+            ]
+            return "; ".join(dead) or None
+
+        return lost
+
+    def stream(self, req: StreamRequest) -> AsyncGenerator[AudioPiece, None]:
+        """`req`'s audio (`stream_audio`) with this gateway's bounds."""
+        assert self.client is not None
+        s, known = self.settings, (self.models or {}).get(req.model)
+        path = known.path if known is not None else frozenset({req.model})
+        return stream_audio(self.client, req, s.idle_timeout_s, self.lost_check(path), s.lost_after_s)
+
     @property
     def ws_limits(self) -> tuple[float, int]:
         return self.settings.ws_idle_timeout_s, self.settings.ws_max_pending_chars
@@ -175,13 +216,11 @@ class Gateway:
     ) -> tuple[int, SpeechSession[AudioPiece]]:
         """A speech session speaking with `voice` and `seed` on `model`; its first stream id (the
         next segments' ids follow it)."""
-        assert self.client is not None
-        client, idle = self.client, self.settings.idle_timeout_s
         base = (new_stream_id() >> 1) + 1  # non-zero, with room for a session's consecutive ids below 2**63
 
         def open_segment(text: str, index: int) -> AsyncGenerator[AudioPiece, None]:
             req = StreamRequest(model.name, text_inputs(model, text, voice, seed), base + index)
-            return stream_audio(client, req, idle)
+            return self.stream(req)
 
         return base, SpeechSession(open_segment)
 
@@ -211,8 +250,7 @@ class Gateway:
 
     async def respond(self, req: StreamRequest, framer: Framer, received: float) -> Response:
         """One stream's response (`respond_pieces`)."""
-        assert self.client is not None
-        pieces = stream_audio(self.client, req, self.settings.idle_timeout_s)
+        pieces = self.stream(req)
         return await self.respond_pieces(pieces, framer, received, req.stream_id, self.label(req.model))
 
     async def respond_whole_wav(

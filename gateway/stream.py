@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import secrets
-from collections.abc import AsyncGenerator, AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,6 +66,7 @@ class SpeechModel:
     sample_rate: int
     row_width: int
     inputs: frozenset[str]
+    path: frozenset[str] = frozenset()  # the model and, for an ensemble, the models of its steps
 
     @property
     def takes_text(self) -> bool:
@@ -84,6 +85,10 @@ class SpeechModel:
             sample_rate=int(params["sample_rate"]),
             row_width=int(params.get("row_width", "1")),
             inputs=frozenset(i["name"] for i in config.get("input", [])),
+            path=frozenset(
+                {name}
+                | {str(s["model_name"]) for s in (config.get("ensemble_scheduling") or {}).get("step", [])}
+            ),
         )
 
 
@@ -159,15 +164,27 @@ class StreamRequest:
     stream_id: int
 
 
+# Why a silent stream is lost: None, or what the unit says of a model on its path (a dead stub).
+LostCheck = Callable[[], Awaitable[str | None]]
+LOST_POLL_S = 1.0  # how often a stream silent past `lost_after_s` asks `lost` again
+
+
 async def stream_audio(
-    client: aio.InferenceServerClient, req: StreamRequest, idle_timeout_s: float = 60.0
+    client: aio.InferenceServerClient,
+    req: StreamRequest,
+    idle_timeout_s: float = 60.0,
+    lost: LostCheck | None = None,
+    lost_after_s: float = 5.0,
 ) -> AsyncGenerator[AudioPiece, None]:
     """Yields each response's audio as it arrives and returns after Triton's final response.
 
     Raises GatewayError on an error response (code by `classify`), on a broken stream (its gRPC
-    status), or when no response arrives for `idle_timeout_s` (UNAVAILABLE). Closing the generator
-    before the end cancels the gRPC call (Triton marks the request cancelled; the engines stop)."""
+    status), or when no response arrives for `idle_timeout_s` (UNAVAILABLE). A stream silent for
+    `lost_after_s` asks `lost` (then every LOST_POLL_S): a reason ends it at once (UNAVAILABLE), since
+    Triton never answers the requests a dead stub held. Closing the generator before the end
+    cancels the gRPC call (Triton marks the request cancelled; the engines stop)."""
     finished = asyncio.Event()
+    loop = asyncio.get_running_loop()
 
     async def requests() -> AsyncIterator[dict[str, Any]]:
         yield {
@@ -180,19 +197,37 @@ async def stream_audio(
         }
         await finished.wait()  # half-closing the stream early would end it before the last response
 
+    async def silence_ends(pending: asyncio.Future[Any]) -> None:
+        """Returns once `pending` has its response; raises when the silence has a verdict."""
+        since = loop.time()
+        while True:
+            silent = loop.time() - since
+            if silent >= idle_timeout_s:
+                raise refuse(ClientCode.UNAVAILABLE, f"no response from Triton for {idle_timeout_s:g} s")
+            step = idle_timeout_s - silent
+            if lost is not None:
+                step = min(step, max(lost_after_s - silent, LOST_POLL_S))
+            if (await asyncio.wait({pending}, timeout=step))[0]:
+                return
+            if lost is not None and loop.time() - since >= lost_after_s and (reason := await lost()):
+                raise refuse(
+                    ClientCode.UNAVAILABLE,
+                    f"the stream is lost: no response for {loop.time() - since:.1f} s and {reason}"
+                    " (tandem-unit reloads it; send the request again)",
+                )
+
     responses = client.stream_infer(requests())
     done = False
+    pending: asyncio.Future[Any] | None = None
     try:
         while not done:
+            pending = asyncio.ensure_future(responses.__anext__())
+            await silence_ends(pending)
             try:
-                result, error = await asyncio.wait_for(responses.__anext__(), idle_timeout_s)
+                result, error = pending.result()
             except StopAsyncIteration:
                 raise refuse(
                     ClientCode.UNAVAILABLE, "Triton closed the stream before its final response"
-                ) from None
-            except asyncio.TimeoutError:
-                raise refuse(
-                    ClientCode.UNAVAILABLE, f"no response from Triton for {idle_timeout_s:g} s"
                 ) from None
             except grpc.RpcError as exc:  # the stream itself broke: its status is the code
                 raise GatewayError(classify(str(exc.details()), str(exc.code()))) from None
@@ -208,5 +243,7 @@ async def stream_audio(
                 yield AudioPiece(audio, 0 if tokens is None else int(tokens.shape[0]))
     finally:
         finished.set()
+        if pending is not None and not pending.done():
+            pending.cancel()
         if not done:
             responses.cancel()

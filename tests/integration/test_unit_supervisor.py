@@ -11,6 +11,7 @@ SIGKILLed server's stubs and workers exit by themselves (the rows at the end, wi
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -24,7 +25,10 @@ from pathlib import Path
 import pytest
 from tritonclient.utils import InferenceServerException
 
+from tandem.gateway.app import Gateway, GatewaySettings
+from tandem.gateway.audio import AudioFormat, Framer, StreamFormat
 from tandem.gateway.client import TTSClient
+from tandem.gateway.stream import GatewayError, StreamRequest, new_stream_id, prompt_inputs
 from tandem.serving import process_tree
 from tandem.serving.health import STUB_SILENT_S, parse_health
 from tandem.serving.repository import get_parameter
@@ -63,6 +67,37 @@ def _instance(url: str) -> str:
 def _long_stream(url: str) -> object:
     with TTSClient(url, "tts") as c:
         return c.run(prompt(30, seed=7), timeout_s=60, MAX_TOKENS=LONG_ROWS, TEMPERATURE=0.0)
+
+
+def _gateway_stream(url: str, metrics_url: str, model: str) -> tuple[str | None, float]:
+    """A long stream through the gateway's own streaming path (SSE): (its error or None, when it
+    ended). The gateway ends a silent stream whose path has a dead stub (by the unit's metrics)."""
+
+    async def main() -> tuple[str | None, float]:
+        gw = Gateway(GatewaySettings(url, metrics_url))
+        await gw.start()
+        try:
+            while gw.models is None:
+                await asyncio.sleep(0.05)
+            inputs = prompt_inputs(prompt(30, seed=6), MAX_TOKENS=LONG_ROWS, TEMPERATURE=0.0)
+            framer = Framer(AudioFormat.PCM, StreamFormat.SSE, 22050)
+            try:
+                resp = await gw.respond(
+                    StreamRequest(model, inputs, new_stream_id()), framer, time.monotonic()
+                )
+            except GatewayError as exc:
+                return str(exc.error), time.monotonic()
+            error = None
+            async for chunk in resp.body_iterator:
+                text = chunk if isinstance(chunk, str) else bytes(chunk).decode()
+                for event in text.split("\n\n"):
+                    if event.startswith("data: ") and (e := json.loads(event[6:]))["type"] == "error":
+                        error = e["error"]["message"]
+            return error, time.monotonic()
+        finally:
+            await gw.stop()
+
+    return asyncio.run(main())
 
 
 def test_server_arguments() -> None:
@@ -436,6 +471,7 @@ def test_stub_death_is_seen_and_the_model_reloaded(supervised: SupervisedUnit, m
         return r.error, time.monotonic()
 
     flight = Background(long_stream)
+    via_gateway = Background(lambda: _gateway_stream(url, metrics, entry))
     time.sleep(1.0)
     os.kill(stub, signal.SIGKILL)
     killed = time.monotonic()
@@ -453,6 +489,15 @@ def test_stub_death_is_seen_and_the_model_reloaded(supervised: SupervisedUnit, m
     back = time.monotonic() - killed
     err, ended_at = flight.join(120)
     flight_s = ended_at - killed
+    gw_err, gw_ended_at = via_gateway.join(60)
+    gateway_s = gw_ended_at - killed
+    if model in ("decode", "tts_mono"):  # Triton never answers: the gateway sees the dead stub itself
+        assert gw_err is not None and "the stream is lost" in gw_err and f"{model} " in gw_err, gw_err
+        assert gateway_s <= 10.0, (gateway_s, gw_err)
+    elif model == "vocoder":  # the next chunk's request reaches the dead stub: Triton's own error
+        assert gw_err is not None and gateway_s <= 10.0, (gateway_s, gw_err)
+    else:  # a stream past the front end and P finishes
+        assert gw_err is None, gw_err
     assert supervised.server() == server, "the server was restarted, not the model reloaded"
     # Triton 2.51 never waits for a dead stub: it stays a zombie of the server (no process, no
     # memory, one pid) until the server exits; nothing outside the server can reap it.
@@ -467,11 +512,12 @@ def test_stub_death_is_seen_and_the_model_reloaded(supervised: SupervisedUnit, m
         "not_ready_s": not_ready,
         "served_again_s": back,
         "in_flight_ended_s": flight_s,
+        "gateway_stream_ended_s": gateway_s,
     }
     print(
         f"\nstub death {model}: reload started {detected:.1f} s after kill -9, not ready "
         f"{not_ready:.1f} s, {entry} served again {back:.1f} s; the stream in flight ended "
-        f"{flight_s:.1f} s after the kill with {err!r}"
+        f"{flight_s:.1f} s after the kill with {err!r}; through the gateway {gateway_s:.1f} s with {gw_err!r}"
     )
 
 
