@@ -47,3 +47,12 @@ def test_an_orpheus_model_publishes_its_codecs_clock_and_takes_text():
 def test_a_model_without_audio_or_a_clock_is_not_served():
     with pytest.raises(ValueError, match="not a tandem speech model"):
         SpeechModel.from_config({"name": "x", "output": [{"name": "AUDIO"}]})
+
+
+def test_an_ensembles_path_is_itself_and_its_steps_models():
+    """What a silent stream's dead-stub check looks at (gateway `lost_check`)."""
+    steps = [{"model_name": n} for n in ("frontend", "prefill", "decode", "vocoder")]
+    ensemble = {**_config("24000", ["TEXT"]), "ensemble_scheduling": {"step": steps}}
+    assert SpeechModel.from_config(ensemble).path == {"tts", "frontend", "prefill", "decode", "vocoder"}
+    mono = {**_config("24000", ["TEXT"]), "name": "tts_mono"}
+    assert SpeechModel.from_config(mono).path == {"tts_mono"}
