@@ -53,12 +53,14 @@ from tandem.gateway.limits import SPEECH_BODY_BYTES, ContentLengthLimit, Utf8Str
 from tandem.gateway.metrics import NO_MODEL, GatewayMetrics
 from tandem.gateway.session import SentenceQueue, SpeechSession
 from tandem.gateway.stream import (
+    DECODE,
     LOST_POLL_S,
     AudioPiece,
     GatewayError,
     LostCheck,
     SpeechModel,
     StreamRequest,
+    cancel_on_decode,
     discover,
     new_stream_id,
     refuse,
@@ -135,6 +137,7 @@ class Gateway:
         self._discovery: asyncio.Task[None] | None = None
         self._health: tuple[float, UnitHealth | None] = (-1.0, None)  # (when read, what it said)
         self._health_lock = asyncio.Lock()
+        self._cancels: set[asyncio.Task[None]] = set()  # CANCELs to D in flight (kept from the GC)
 
     async def start(self) -> None:
         self.client = aio.InferenceServerClient(self.settings.triton_url, channel_args=CHANNEL_ARGS)
@@ -154,6 +157,8 @@ class Gateway:
                 await asyncio.sleep(self.settings.retry_s)
 
     async def stop(self) -> None:
+        if self._cancels:  # CANCELs to D still on their way: give them their bound
+            await asyncio.wait(set(self._cancels), timeout=5.0)
         if self._discovery is not None:
             self._discovery.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -205,7 +210,28 @@ class Gateway:
         assert self.client is not None
         s, known = self.settings, (self.models or {}).get(req.model)
         path = known.path if known is not None else frozenset({req.model})
-        return stream_audio(self.client, req, s.idle_timeout_s, self.lost_check(path), s.lost_after_s)
+        # An ensemble with a decode step: an abandoned stream's cancellation does not reach D by itself.
+        abandoned = self._cancel_on_decode if DECODE in path and req.model != DECODE else None
+        return stream_audio(
+            self.client, req, s.idle_timeout_s, self.lost_check(path), s.lost_after_s, abandoned
+        )
+
+    def _cancel_on_decode(self, stream_id: int) -> None:
+        """Tell D to drop `stream_id`, in the background (the caller is already gone)."""
+        assert self.client is not None
+        client = self.client
+
+        async def cancel() -> None:
+            try:
+                await cancel_on_decode(client, stream_id)
+            except GatewayError as exc:
+                log.warning("gateway: stream %d: could not cancel it on decode: %s", stream_id, exc.error)
+            except Exception:  # the channel closed (the gateway stops)
+                log.warning("gateway: stream %d: could not cancel it on decode", stream_id, exc_info=True)
+
+        task = asyncio.get_running_loop().create_task(cancel())
+        self._cancels.add(task)
+        task.add_done_callback(self._cancels.discard)
 
     @property
     def ws_limits(self) -> tuple[float, int]:

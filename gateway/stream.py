@@ -37,6 +37,7 @@ from tandem.gateway.client import build_inputs
 from tandem.gateway.errors import ClientCode, ClientError, classify
 
 TEXT, VOICE, VOICE_ID = "TEXT", "VOICE", "VOICE_ID"
+DECODE = "decode"  # D's model: the `tts` step that takes CANCEL directly
 OPENAI_PARAMS = {
     TEXT: "input",
     VOICE: "voice",
@@ -164,6 +165,39 @@ class StreamRequest:
     stream_id: int
 
 
+async def cancel_on_decode(client: aio.InferenceServerClient, stream_id: int, timeout_s: float = 5.0) -> None:
+    """Tell D to drop `tts` stream `stream_id`: one request to `decode` with `CANCEL` (Triton 2.51 does
+    not pass an ensemble's cancellation on to its decode step; serving/cancel_board.py). Raises
+    GatewayError when D refuses it or does not answer within `timeout_s`."""
+    cancel = grpcclient.InferInput("CANCEL", [1], "INT64")
+    cancel.set_data_from_numpy(np.array([stream_id], dtype=np.int64))
+    answered = asyncio.Event()
+
+    async def requests() -> AsyncIterator[dict[str, Any]]:
+        yield {
+            "model_name": "decode",
+            "inputs": [cancel],
+            "request_id": f"cancel-{stream_id}",
+            "sequence_id": new_stream_id(),
+            "sequence_start": True,
+            "sequence_end": True,
+        }
+        await answered.wait()
+
+    responses = client.stream_infer(requests())
+    try:
+        _, error = await asyncio.wait_for(responses.__anext__(), timeout_s)
+    except asyncio.TimeoutError:
+        raise refuse(ClientCode.UNAVAILABLE, f"decode did not answer CANCEL in {timeout_s:g} s") from None
+    except grpc.RpcError as exc:
+        raise GatewayError(classify(str(exc.details()), str(exc.code()))) from None
+    finally:
+        answered.set()
+        responses.cancel()
+    if error is not None:
+        raise GatewayError(classify(error.message() or str(error), error.status()))
+
+
 # Why a silent stream is lost: None, or what the unit says of a model on its path (a dead stub).
 LostCheck = Callable[[], Awaitable[str | None]]
 LOST_POLL_S = 1.0  # how often a stream silent past `lost_after_s` asks `lost` again
@@ -175,6 +209,7 @@ async def stream_audio(
     idle_timeout_s: float = 60.0,
     lost: LostCheck | None = None,
     lost_after_s: float = 5.0,
+    abandoned: Callable[[int], None] | None = None,
 ) -> AsyncGenerator[AudioPiece, None]:
     """Yields each response's audio as it arrives and returns after Triton's final response.
 
@@ -182,7 +217,9 @@ async def stream_audio(
     status), or when no response arrives for `idle_timeout_s` (UNAVAILABLE). A stream silent for
     `lost_after_s` asks `lost` (then every LOST_POLL_S): a reason ends it at once (UNAVAILABLE), since
     Triton never answers the requests a dead stub held. Closing the generator before the end
-    cancels the gRPC call (Triton marks the request cancelled; the engines stop)."""
+    cancels the gRPC call (Triton marks the request cancelled; the engines stop). A stream that ends
+    any way but with its final response calls `abandoned(stream_id)` (the gateway tells D, which an
+    ensemble's cancellation does not reach)."""
     finished = asyncio.Event()
     loop = asyncio.get_running_loop()
 
@@ -217,7 +254,7 @@ async def stream_audio(
                 )
 
     responses = client.stream_infer(requests())
-    done = False
+    done = completed = False
     pending: asyncio.Future[Any] | None = None
     try:
         while not done:
@@ -239,6 +276,7 @@ async def stream_audio(
             done = "triton_final_response" in params and params["triton_final_response"].bool_param
             audio = result.as_numpy("AUDIO")
             tokens = result.as_numpy("TOKENS")
+            completed = done
             if audio is not None and audio.size:
                 yield AudioPiece(audio, 0 if tokens is None else int(tokens.shape[0]))
     finally:
@@ -247,3 +285,5 @@ async def stream_audio(
             pending.cancel()
         if not done:
             responses.cancel()
+        if not completed and abandoned is not None:
+            abandoned(req.stream_id)

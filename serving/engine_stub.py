@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import functools
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -28,7 +28,9 @@ from tandem.backend.model.config import ModelConfig
 from tandem.backend.timing import Timings
 from tandem.backend.worker.channel import Array, EngineKind, Reply, Submit
 from tandem.serving import triton_io as io
-from tandem.serving.engine_worker import EngineWorker
+from tandem.serving.cancel_board import CancelBoard
+from tandem.serving.engine_worker import EngineUnavailable, EngineWorker
+from tandem.transfer.control import control_dir
 
 ENGINES = {EngineKind.PREFILL: Engine.PREFILL, EngineKind.DECODE: Engine.DECODE, EngineKind.MONO: Engine.MONO}
 
@@ -39,11 +41,13 @@ class TritonResponder:
     Called from the relay and watchdog threads. `_lock` orders every call on the sender: Triton frees
     the request's response factory once FINAL is sent, and `is_cancelled()` on a freed factory
     crashes the whole server (seen: SIGSEGV in TRITONBACKEND_ResponseFactoryIsCancelled), so nothing
-    touches the sender after FINAL."""
+    touches the sender after FINAL. `posted`: another way the request may be cancelled (D: a
+    cancellation on the unit's board, `serving/cancel_board.py`)."""
 
-    def __init__(self, pb: Any, request: Any) -> None:
+    def __init__(self, pb: Any, request: Any, posted: Callable[[], bool] | None = None) -> None:
         self._pb = pb
         self._sender = request.get_response_sender()
+        self._posted = posted
         self._closed = False
         self._lock = threading.Lock()
 
@@ -68,7 +72,9 @@ class TritonResponder:
 
     def cancelled(self) -> bool:
         with self._lock:
-            return not self._closed and bool(self._sender.is_cancelled())
+            if self._closed:
+                return False
+            return bool(self._sender.is_cancelled()) or (self._posted is not None and self._posted())
 
 
 class EngineStub:
@@ -99,10 +105,19 @@ class EngineStub:
             if kind == EngineKind.DECODE
             else io.generation_defaults(args, self.settings, self.cfg, self.frontend)
         )
+        # D: cancellations of `tts` streams that clients post by stream id (serving/cancel_board.py)
+        self.cancels = (
+            CancelBoard(control_dir(self.settings.transfer.unit) / "cancels")
+            if kind == EngineKind.DECODE
+            else None
+        )
 
     def execute(self, requests: list[Any]) -> None:
         for request in requests:
-            responder = TritonResponder(self._pb, request)
+            if self.cancels is not None and self._pb.get_input_tensor_by_name(request, "CANCEL") is not None:
+                self._post_cancel(request)
+                continue
+            responder = TritonResponder(self._pb, request, self._posted(request))
             try:
                 build = self._handoff(request) if self.kind == EngineKind.DECODE else self._prompt(request)
             except TandemError as err:
@@ -112,6 +127,40 @@ class EngineStub:
 
     def close(self) -> None:
         self.worker.close()
+
+    def _posted(self, request: Any) -> Callable[[], bool] | None:
+        if self.cancels is None:
+            return None
+        board, sid = self.cancels, io.stream_id(request)
+        return lambda: board.posted(sid)
+
+    def _post_cancel(self, request: Any) -> None:
+        """A `CANCEL` request (D only): post the stream id on the board and answer with one FINAL
+        response whose `TIMINGS` is empty (a response, not just the flag: a gRPC stream delivers a
+        bare FINAL only to clients that asked for empty final responses); a bad id or an unwritable
+        board is the request's error."""
+        assert self.cancels is not None
+        sender = request.get_response_sender()
+        final = self._pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+        try:
+            if self._pb.get_input_tensor_by_name(request, "HANDOFF") is not None:
+                raise InvalidInput("a request carries one of HANDOFF and CANCEL, not both")
+            ids = self._pb.get_input_tensor_by_name(request, "CANCEL").as_numpy().reshape(-1)
+            if ids.size != 1:
+                raise InvalidInput(f"CANCEL holds one stream id, got {ids.size}")
+            try:
+                self.cancels.post(int(ids[0]))
+            except ValueError as exc:
+                raise InvalidInput(str(exc)) from None
+        except TandemError as err:
+            sender.send(self._pb.InferenceResponse(error=io.triton_error(self._pb, err)), flags=final)
+            return
+        except OSError as exc:
+            unwritable = EngineUnavailable(f"decode: the cancel board cannot be written: {exc}")
+            sender.send(self._pb.InferenceResponse(error=io.triton_error(self._pb, unwritable)), flags=final)
+            return
+        ack = self._pb.InferenceResponse(output_tensors=[io.bytes_tensor(self._pb, "TIMINGS", "")])
+        sender.send(ack, flags=final)
 
     def _prompt(self, request: Any) -> functools.partial[Submit]:
         timings = Timings()
@@ -132,7 +181,7 @@ class EngineStub:
     def _handoff(self, request: Any) -> functools.partial[Submit]:
         tensor = self._pb.get_input_tensor_by_name(request, "HANDOFF")
         if tensor is None:
-            raise InvalidInput("HANDOFF is required")
+            raise InvalidInput("HANDOFF is required (or CANCEL, to cancel a stream by its id)")
         raw = tensor.as_numpy()[0]
         try:
             handoff = Handoff.from_json(raw)

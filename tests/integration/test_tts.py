@@ -5,14 +5,16 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import tritonclient.grpc as grpcclient
 
 from tandem.backend.metrics import Engine, zero_series
 from tandem.backend.timing import FIRST_AUDIO_STAGES, waterfall
-from tandem.gateway.client import TTSClient, run_concurrent
+from tandem.gateway.client import TTSClient, next_stream_id, run_concurrent
 from tests.support.helpers import (
     BAD_PROMPTS,
     SPR,
     TINY_W,
+    call,
     metric_value,
     metrics_text,
     prompt,
@@ -185,3 +187,61 @@ def test_the_unit_observes_each_streams_first_audio_within_the_clients(server, m
     unit_s = new_total - total
     assert new_count == count + 1
     assert 0 < unit_s <= r.ttfa_ms / 1e3, (unit_s, r.ttfa_ms)
+
+
+def _cancel(url: str, value, dtype=np.int64, handoff_text: str | None = None):
+    """A request to `decode` with CANCEL (and HANDOFF when given): (responses, error)."""
+    inputs = []
+    t = grpcclient.InferInput("CANCEL", [1], "INT64" if dtype == np.int64 else "INT32")
+    t.set_data_from_numpy(np.array([value], dtype=dtype))
+    inputs.append(t)
+    if handoff_text is not None:
+        h = grpcclient.InferInput("HANDOFF", [1], "BYTES")
+        h.set_data_from_numpy(np.array([handoff_text.encode()], dtype=np.object_))
+        inputs.append(h)
+    return call(url, "decode", inputs, True)
+
+
+@pytest.mark.parametrize(
+    ("value", "handoff_text", "needle"),
+    [
+        (0, None, "[INVALID_ARG] CANCEL = 0: a stream id is a positive sequence_id"),
+        (-5, None, "CANCEL = -5"),
+        (7, "{}", "[INVALID_ARG] a request carries one of HANDOFF and CANCEL, not both"),
+    ],
+)
+def test_a_bad_cancel_is_refused_and_harms_nothing(server, value, handoff_text, needle):
+    _, err = _cancel(server.url, value, handoff_text=handoff_text)
+    assert err is not None and needle in err, err
+    assert run(server.url, "tts", prompt(10), MAX_TOKENS=4).error is None
+
+
+def test_decode_with_neither_handoff_nor_cancel_says_what_it_needs(server):
+    _, err = call(server.url, "decode", [], True)
+    assert err is not None and "HANDOFF is required (or CANCEL" in err, err
+
+
+def test_a_cancel_on_decode_ends_that_tts_stream_and_frees_it(server):
+    """CANCEL reaches D, which an ensemble's cancellation does not in Triton 2.51: posted before the
+    stream starts (still in P, as when a client hangs up early), D drops it when it arrives; another
+    stream is untouched; the posting is used up (a later stream with the same id runs whole)."""
+    metrics = server.metrics_url
+    before = metric_value(metrics_text(metrics), "tandem_streams_total", model="decode", outcome="cancelled")
+    sid = next_stream_id()
+    out, err = _cancel(server.url, sid)
+    assert err is None and len(out) == 1, err  # one acknowledgement
+    with TTSClient(server.url, "tts") as victim, TTSClient(server.url, "tts") as bystander:
+        k1 = victim.send(prompt(20, seed=3), stream_id=sid, MAX_TOKENS=2000, TEMPERATURE=0.0)
+        k2 = bystander.send(prompt(20, seed=4), MAX_TOKENS=30, TEMPERATURE=0.0)
+        cancelled = victim.wait([k1], 60)[0]
+        other = bystander.wait([k2], 60)[0]
+    assert cancelled.error_code is not None and "cancel" in (cancelled.error or "").lower(), cancelled.error
+    assert cancelled.rows is None or cancelled.rows.shape[0] < 2000
+    assert other.error is None and other.rows.shape == (30, TINY_W)
+    wait_metric(
+        metrics, "tandem_streams_total", lambda v: v >= before + 1, model="decode", outcome="cancelled"
+    )
+    wait_metric(metrics, "tandem_inflight_streams", lambda v: v == 0, model="decode")
+    with TTSClient(server.url, "tts") as c:
+        again = c.wait([c.send(prompt(20, seed=3), stream_id=sid, MAX_TOKENS=12, TEMPERATURE=0.0)], 60)[0]
+    assert again.error is None and again.rows.shape == (12, TINY_W)
