@@ -274,14 +274,15 @@ def test_ws_each_turn_is_one_file_of_the_format(gateway):
     assert _decode(audio) == (48000, round(SEGMENT_SAMPLES * 48000 / RATE))
 
 
-def test_ws_cancel_ends_the_turns_streams_at_once(gateway, server):
-    """tts_mono: Triton 2.51 passes a cancellation into the `tts` ensemble only between its steps
-    (docs/failure-semantics.md); the monolithic model's engine drops the stream at once."""
+@pytest.mark.parametrize(("model", "engine"), [("tts_mono", "tts_mono"), ("tts", "decode")])
+def test_ws_cancel_ends_the_turns_streams_at_once(gateway, server, model, engine):
+    """The engine that decodes the turn's streams drops them and frees their pages: tts_mono's at
+    once; `tts`'s decode step by the gateway's CANCEL (Triton 2.51 does not pass it on to D)."""
     before = metric_value(
-        metrics_text(server.metrics_url), "tandem_streams_total", model="tts_mono", outcome="cancelled"
+        metrics_text(server.metrics_url), "tandem_streams_total", model=engine, outcome="cancelled"
     )
     with _ws(gateway) as ws:
-        _send(ws, type="config", model="tts_mono", voice="tara", response_format="pcm")
+        _send(ws, type="config", model=model, voice="tara", response_format="pcm")
         _event(ws)
         _send(ws, type="text", text=_long_text(1200))
         _send(ws, type="flush")
@@ -296,10 +297,10 @@ def test_ws_cancel_ends_the_turns_streams_at_once(gateway, server):
             server.metrics_url,
             "tandem_streams_total",
             lambda v: v >= before + 1,
-            model="tts_mono",
+            model=engine,
             outcome="cancelled",
         )
-        wait_metric(server.metrics_url, "tandem_inflight_streams", lambda v: v == 0, model="tts_mono")
+        wait_metric(server.metrics_url, "tandem_inflight_streams", lambda v: v == 0, model=engine)
         _send(ws, type="text", text="After the cancel.")  # the socket goes on: a new turn
         _send(ws, type="flush")
         audio, done, _ = _until_done(ws)
