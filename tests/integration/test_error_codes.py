@@ -87,7 +87,8 @@ def test_unknown_model_is_not_found(server):
 @pytest.mark.parametrize("model", ["tts", "tts_mono"])
 def test_timings_where_documented(server, model):
     """README: TIMINGS is an output of every response; the last one carries the server's stamps, `tts`'s
-    first one `first_audio` alone (the vocoder's), every other one is empty."""
+    first sounding one those up to D's `first_chunk` and the vocoder's `first_audio`, every other one
+    is empty."""
     responses = _raw_stream(
         server.url,
         model,
@@ -102,7 +103,8 @@ def test_timings_where_documented(server, model):
     last = json.loads(texts[-1])
     assert {"entry", "first_chunk", "last_chunk"} <= set(last)
     if model == "tts":
-        assert set(json.loads(texts[0])) == {"first_audio"}
+        first = json.loads(texts[0])
+        assert {"entry", "d_entry", "first_chunk", "first_audio"} <= set(first) and "last_chunk" not in first
         assert texts[1:-1] == [""] * (len(texts) - 2)
     else:
         assert texts[:-1] == [""] * (len(texts) - 1)
