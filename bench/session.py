@@ -1,6 +1,7 @@
 """tandem-bench-session: first audio of speech sessions and the WebSocket cancel latency, on a gateway.
 
-    tandem-bench-session --gateway http://HOST:PORT [--rounds 10] [--model tts] [--cancel-model tts_mono]
+    tandem-bench-session --gateway http://HOST:PORT [--metrics-url http://HOST:8002/metrics] [--rounds 10]
+        [--model tts] [--cancel-model tts]
 
 Each round, one request at a time, interleaved so drift hits every way alike:
 
@@ -9,7 +10,10 @@ Each round, one request at a time, interleaved so drift hits every way alike:
 - `ws_first_sentence`: on a configured stream-input socket, the text piece that completes the first
   sentence sent to the first binary frame (text streamed word by word, no flush yet);
 - `ws_cancel`: a long turn on `--cancel-model` speaking, `cancel` sent to its `turn_done`
-  (the audio already on the wire is read on the way).
+  (the audio already on the wire is read on the way);
+- `ws_cancel_engine_freed` (with `--metrics-url`): `cancel` sent to the engine that decoded the turn
+  (`decode` for `tts`: the gateway's CANCEL; `tts_mono` itself) holding no stream
+  (`tandem_inflight_streams` 0 on Triton's metrics, polled every 10 ms).
 
 Prints a table and writes JSON (commit, device, each way's quantiles) to `--out`.
 """
@@ -26,6 +30,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 from websockets.sync.client import ClientConnection, connect
 
 from tandem.bench.util import format_table, provenance, quantile, write_json
@@ -86,19 +91,45 @@ def _ws_first_sentence(base: str, model: str) -> float:
     return elapsed
 
 
-def _ws_cancel(base: str, model: str) -> float:
+def _inflight(metrics_url: str, engine: str) -> float:
+    with urllib.request.urlopen(metrics_url, timeout=10) as r:
+        text = r.read().decode()
+    return sum(
+        s.value
+        for f in text_string_to_metric_families(text)
+        if f.name == "tandem_inflight_streams"
+        for s in f.samples
+        if s.labels.get("model") == engine
+    )
+
+
+def _engine_freed(metrics_url: str, engine: str, since: float, timeout_s: float = 60.0) -> float:
+    """Seconds from `since` until `engine` holds no stream (RuntimeError past `timeout_s`)."""
+    while _inflight(metrics_url, engine) > 0:
+        if time.perf_counter() - since > timeout_s:
+            raise RuntimeError(f"{engine} still holds streams {timeout_s:g} s after the cancel")
+        time.sleep(0.01)
+    return time.perf_counter() - since
+
+
+def _ws_cancel(base: str, model: str, metrics_url: str | None) -> tuple[float, float | None]:
+    """(cancel -> turn_done, cancel -> the engine holds no stream, or None without metrics)."""
+    engine = "decode" if model == "tts" else model
     with _ws(base) as ws:
         _send(ws, type="config", model=model, voice="tara", response_format="pcm")
         json.loads(ws.recv(timeout=60))
         _send(ws, type="text", text=long_text(1200))
         _send(ws, type="flush")
         assert isinstance(ws.recv(timeout=600), bytes)
+        if metrics_url is not None:
+            assert _inflight(metrics_url, engine) > 0, f"the turn is not on {engine}"
         t0 = time.perf_counter()
         _send(ws, type="cancel")
         done = _until_done(ws)
         elapsed = time.perf_counter() - t0
         assert done["cancelled"], done
-    return elapsed
+        freed = _engine_freed(metrics_url, engine, t0) if metrics_url is not None else None
+    return elapsed, freed
 
 
 def _stats(samples_s: list[float]) -> dict[str, float | int]:
@@ -115,9 +146,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="tandem-bench-session", description=__doc__.splitlines()[0])
     ap.add_argument("--gateway", default="http://127.0.0.1:8080", help="a running tandem-gateway's base URL")
     ap.add_argument("--model", default="tts")
-    ap.add_argument(
-        "--cancel-model", default="tts_mono", help="tts_mono: Triton 2.51 cancels inside tts late"
-    )
+    ap.add_argument("--cancel-model", default="tts", help="the WebSocket cancel's model")
+    ap.add_argument("--metrics-url", help="Triton's metrics: also time the engine freeing the cancelled turn")
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--out", type=Path, default=Path("docs/benchmarks/session-cpu.json"))
@@ -128,18 +158,22 @@ def main(argv: list[str] | None = None) -> int:
         "http_long": [],
         "ws_first_sentence": [],
         "ws_cancel": [],
+        "ws_cancel_engine_freed": [],
     }
     for i in range(args.warmup + args.rounds):
-        got = {
+        got: dict[str, float | None] = {
             "http_short": _http_first_bytes(args.gateway, args.model, SHORT),
             "http_long": _http_first_bytes(args.gateway, args.model, text),
             "ws_first_sentence": _ws_first_sentence(args.gateway, args.model),
-            "ws_cancel": _ws_cancel(args.gateway, args.cancel_model),
         }
+        got["ws_cancel"], got["ws_cancel_engine_freed"] = _ws_cancel(
+            args.gateway, args.cancel_model, args.metrics_url
+        )
         if i >= args.warmup:
             for k, v in got.items():
-                samples[k].append(v)
-    figures = {k: _stats(v) for k, v in samples.items()}
+                if v is not None:
+                    samples[k].append(v)
+    figures = {k: _stats(v) for k, v in samples.items() if v}
     payload = {
         **provenance(torch.device("cpu"), "tandem-bench-session", argv),
         "model": args.model,
