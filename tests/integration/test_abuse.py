@@ -23,6 +23,7 @@ from tandem.cli.make_repository import main as tandem_repo
 from tandem.gateway.client import StreamResult, TTSClient, next_stream_id
 from tests.support import abusers
 from tests.support.abusers import Vanishing, one_shot, opening, sequence_batching, set_sequence_bounds
+from tests.support.faults import Background
 from tests.support.helpers import TINY_W, metric_value, metrics_text, prompt, wait_metric
 from tests.support.server import REPO, TritonProcess
 from tests.support.vitals import Vitals, read, settle
@@ -244,12 +245,15 @@ def test_clients_that_vanish_without_cancel_are_dropped_and_their_pages_come_bac
     finally:
         abuser.vanish()
     t0 = time.monotonic()
+    # The reader starts at once, beside the 3 vanished streams still on D: started after the wait for
+    # tts_mono's drop, it found them ended on an idle box (the tiny model makes 1,024 rows in < 1 s).
+    beside = metric_value(metrics_text(unit.metrics_url), "tandem_inflight_streams", model="decode")
+    reader = Background(lambda: abusers.read_stream(unit.url, "tts", 200))
     wait_metric(unit.metrics_url, "tandem_inflight_streams", lambda v: v == 0, timeout_s=5, model="tts_mono")
     mono_s = time.monotonic() - t0
     assert cancelled_streams(unit, "tts_mono") - mono0 == 3
-    kept_its_rate("tts", abusers.read_stream(unit.url, "tts", 200), 200)
-    beside = metric_value(metrics_text(unit.metrics_url), "tandem_inflight_streams", model="decode")
-    assert beside >= 3, f"the reader did not run beside the 3 vanished tts streams ({beside:g} left)"
+    assert beside >= 3, f"the reader did not start beside the 3 vanished tts streams ({beside:g} on D)"
+    kept_its_rate("tts", reader.join(60), 200)
     bound = VANISH_ROWS / RATE_FLOOR  # their MAX_TOKENS at the rate floor (at most max_new_rows)
     wait_metric(
         unit.metrics_url, "tandem_inflight_streams", lambda v: v == 0, timeout_s=bound, model="decode"
