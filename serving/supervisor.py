@@ -68,6 +68,7 @@ from tandem.serving.repository import model_parameter
 from tandem.serving.stub_guard import STATE_ENV
 
 RESTART_WINDOW_S = 60.0
+REPEAT_SIGNAL_S = 0.5  # a second stop signal sooner than this is the same stop (see on_signal)
 _PR_SET_PDEATHSIG = 1
 LOOPBACK = "127.0.0.1"
 RELOAD_BACKOFF_S = 1.0  # first retry of a failed reload; doubling, at most RELOAD_BACKOFF_MAX_S
@@ -211,6 +212,7 @@ class Supervisor:
         self.proc: subprocess.Popen[bytes] | None = None
         self.stopping = False
         self.stop_deadline = float("inf")
+        self.stop_signalled = float("-inf")  # when the first stop signal came
         self.restarts: collections.deque[float] = collections.deque()
         self.starts = 0
         self.ever_up = False
@@ -418,10 +420,15 @@ class Supervisor:
             self.stopping = True
             return
         if self.stopping:
+            # One stop often arrives twice at once (a process group's signal and a shell's forward of
+            # it, `make serve`): only a signal well after the first means "now".
+            if time.monotonic() - self.stop_signalled < REPEAT_SIGNAL_S:
+                return
             log(f"{name} again: killing tritonserver")
             self.kill_server()
             return
         self.stopping = True
+        self.stop_signalled = time.monotonic()
         self.stop_deadline = time.monotonic() + self.opts.stop_timeout
         log(f"{name}: forwarding it to tritonserver (pid {self.proc.pid})")
         self.proc.send_signal(signum)

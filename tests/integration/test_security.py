@@ -272,7 +272,10 @@ def _outward_address() -> str | None:
 
 
 @pytest.mark.slow
-def test_make_serve_starts_locked_on_loopback(tmp_path: Path) -> None:
+@pytest.mark.parametrize("stop", ["group", "make"])
+def test_make_serve_starts_locked_on_loopback(tmp_path: Path, stop: str) -> None:
+    """... and stops whole: SIGTERM to make's process group (Ctrl-C's way), or to make alone (a
+    process manager's): the recipe's shell forwards it to tandem-unit and stops the gateway."""
     venv = Path(sys.executable).parent.parent
     ports = {"GRPC_PORT": free_port(), "HTTP_PORT": free_port(), "METRICS_PORT": free_port()}
     run_dir = tmp_path / "run"
@@ -325,7 +328,10 @@ def test_make_serve_starts_locked_on_loopback(tmp_path: Path) -> None:
         # make's whole process group (make, its shell, tandem-gateway, tandem-unit), and afterwards
         # whatever was below it: tandem-unit's server runs in a session of its own.
         tree = process_tree.descendants(make.pid)
-        os.killpg(make.pid, signal.SIGTERM)
+        if stop == "group":
+            os.killpg(make.pid, signal.SIGTERM)
+        else:
+            os.kill(make.pid, signal.SIGTERM)
         make.wait(60)
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and any(process_tree.alive(p) for p in tree):
