@@ -31,15 +31,16 @@ $(VENV)/.installed: pyproject.toml setup.py $(wildcard csrc/*.cpp csrc/*.h)
 # Ctrl-C reaches both from the terminal; a SIGTERM to make alone (a process manager) reaches only this
 # shell, which forwards it to tandem-unit, waits for its drain, then stops the gateway.
 serve: setup
+	stop=; unit=; trap 'stop=1; [ -n "$$unit" ] && kill -TERM $$unit 2>/dev/null' TERM; trap ':' INT; \
 	$(VENV)/bin/tandem-gateway --triton 127.0.0.1:$(GRPC_PORT) --host $(BIND_ADDRESS) --port $(GATEWAY_PORT) \
 		--metrics-url http://127.0.0.1:$(METRICS_PORT)/metrics & gw=$$!; \
 	$(VENV)/bin/tandem-unit -- --model-repository model_repository \
 		--grpc-address $(GRPC_ADDRESS) --grpc-port $(GRPC_PORT) \
 		--http-address $(HTTP_ADDRESS) --http-port $(HTTP_PORT) \
 		--metrics-address $(METRICS_ADDRESS) --metrics-port $(METRICS_PORT) & unit=$$!; \
-	trap 'kill -TERM $$unit 2>/dev/null' TERM; trap ':' INT; \
+	[ -n "$$stop" ] && kill -TERM $$unit; \
 	wait $$unit; rc=$$?; while kill -0 $$unit 2>/dev/null; do wait $$unit; rc=$$?; done; \
-	kill -TERM $$gw 2>/dev/null; wait $$gw; exit $$rc
+	kill -TERM $$gw 2>/dev/null; while kill -0 $$gw 2>/dev/null; do wait $$gw; done; exit $$rc
 
 # CUDA kernels and GPU transfer paths (GPU hosts; CPU CI skips their tests honestly).
 cuda: setup

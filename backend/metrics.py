@@ -139,8 +139,9 @@ METRICS: tuple[MetricDef, ...] = (
     MetricDef(
         "tandem_first_audio_seconds",
         Kind.HISTOGRAM,
-        "A stream's time to first audio on the unit: the first model's execute (prefill in tts, tts_mono"
-        " itself) to its first sounding chunk's audio (published by the vocoder for tts, by tts_mono)",
+        "A stream's time to first audio on the unit: the prompt's entry (prefill's execute in tts, after"
+        " the text front end; tts_mono's own) to its first sounding chunk's audio (published by the"
+        " vocoder for tts, by tts_mono)",
         _FIRST_AUDIO,
     ),
     MetricDef(

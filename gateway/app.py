@@ -184,8 +184,11 @@ class Gateway:
             read_at, health = self._health
             if time.monotonic() - read_at >= LOST_POLL_S:
                 try:
-                    health = await asyncio.to_thread(fetch_health, self.settings.metrics_url)
+                    health = await asyncio.to_thread(fetch_health, self.settings.metrics_url, 2.0, True)
                 except HealthUnavailable:
+                    health = None
+                except Exception:  # metrics that do not parse: judge nothing lost (the idle timeout holds)
+                    log.warning("gateway: the unit's metrics could not be read as health", exc_info=True)
                     health = None
                 self._health = (time.monotonic(), health)
             return health
@@ -254,7 +257,7 @@ class Gateway:
         """`model` as the metrics' label: a name this gateway serves, else NO_MODEL."""
         return model if model in self.settings.models else NO_MODEL
 
-    async def speech(self, body: SpeechBody) -> Response:
+    async def speech(self, body: SpeechBody, request: Request | None = None) -> Response:
         received = time.monotonic()
         model = self.model(body.model)
         check_speech(body.speed, body.instructions)
@@ -265,7 +268,9 @@ class Gateway:
             raise refuse(ClientCode.INVALID_ARG, "input is empty", "input")
         first_id, session = self.session(model, body.voice_name, body.seed)
         if body.response_format == "wav" and "stream_format" not in body.model_fields_set:
-            return await self.respond_whole_wav(session.speak(text), model, body.speed, received, first_id)
+            return await self.respond_whole_wav(
+                session.speak(text), model, body.speed, received, first_id, request
+            )
         framer = Framer(
             AudioFormat(body.response_format),
             StreamFormat(body.stream_format),
@@ -286,11 +291,13 @@ class Gateway:
         speed: float,
         received: float,
         stream_id: int,
+        request: Request | None = None,
     ) -> Response:
         """A `wav` asked for without `stream_format`: the whole file in one body, its header with the
         real length and a Content-Length (the OpenAI SDK's `speech.create(...).write_to_file` and
         Python's `wave` read it exactly); an error at any point is a JSON error with its status.
-        `stream_format: "audio"` streams the wav instead, with the header's sizes unknown."""
+        `stream_format: "audio"` streams the wav instead, with the header's sizes unknown. A caller
+        who hangs up meanwhile (`request` disconnected, checked at each piece) ends the session."""
         pcm = Framer(AudioFormat.PCM, StreamFormat.AUDIO, model.sample_rate, speed=speed)
         data: list[bytes] = []
         rows, first = 0, True
@@ -302,6 +309,9 @@ class Gateway:
                     first = False
                 rows += piece.rows
                 data.append(pcm.piece(piece.pcm))
+                if request is not None and await request.is_disconnected():
+                    self.metrics.count(499, model.name)
+                    return Response(status_code=499)  # nobody reads it; the streams end below
             data.append(pcm.end(rows))
         finally:
             self.metrics.streams.labels(model=model.name).dec()
@@ -450,7 +460,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     @app.post("/v1/audio/speech", max_body_size=SPEECH_BODY_BYTES)
     async def speech(body: SpeechBody, request: Request) -> Response:
         request.state.model = gw.label(body.model)  # for the metrics of a refusal (_gateway_error)
-        return await gw.speech(body)
+        return await gw.speech(body, request)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

@@ -247,6 +247,8 @@ async def stream_audio(
             if (await asyncio.wait({pending}, timeout=step))[0]:
                 return
             if lost is not None and loop.time() - since >= lost_after_s and (reason := await lost()):
+                if pending.done():  # the response came while the unit's health was read
+                    return
                 raise refuse(
                     ClientCode.UNAVAILABLE,
                     f"the stream is lost: no response for {loop.time() - since:.1f} s and {reason}"
@@ -254,7 +256,7 @@ async def stream_audio(
                 )
 
     responses = client.stream_infer(requests())
-    done = completed = False
+    done = completed = False  # completed: the final response came, or a refusal that reached no engine
     pending: asyncio.Future[Any] | None = None
     try:
         while not done:
@@ -271,6 +273,7 @@ async def stream_audio(
             if error is not None:
                 done = True
                 refused = classify(error.message() or str(error), error.status())
+                completed = refused.code in (ClientCode.INVALID_ARG, ClientCode.NOT_FOUND)
                 raise GatewayError(refused, openai_param(refused))
             params = result.get_response().parameters
             done = "triton_final_response" in params and params["triton_final_response"].bool_param

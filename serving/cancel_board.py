@@ -19,7 +19,8 @@ Failure: a board that cannot be written makes the CANCEL request fail with its e
 failures count as "not posted" (the stream then runs to its end, as before).
 
 The stream id is the capability: a client that can reach the unit's gRPC port and guess an id can
-cancel that stream, so ids should be random (the gateway's are 63 random bits).
+cancel that stream, so ids should be random (the gateway's are 63 random bits; TTSClient's default
+pid-and-counter ids are guessable). Past MAX_POSTINGS the board refuses more (BoardFull).
 """
 
 from __future__ import annotations
@@ -35,6 +36,11 @@ log = logging.getLogger("tandem")
 
 TTL_S = 60.0  # a posting no D stub has used by then is removed
 READ_EVERY_S = 0.25  # the listing is read at most this often, however many streams ask
+MAX_POSTINGS = 4096  # a flood of CANCELs is refused past this (each D poll reads every posting)
+
+
+class BoardFull(OSError):
+    """The board holds MAX_POSTINGS postings: the CANCEL request is refused (UNAVAILABLE)."""
 
 
 class CancelBoard:
@@ -50,9 +56,12 @@ class CancelBoard:
         self._read_at = -1.0
 
     def post(self, stream_id: int) -> None:
-        """Cancel `stream_id` wherever it is on D (now, or when it arrives within `ttl_s`)."""
+        """Cancel `stream_id` wherever it is on D (now, or when it arrives within `ttl_s`). Raises
+        ValueError for an id that is not positive, BoardFull past MAX_POSTINGS."""
         if stream_id <= 0:
             raise ValueError(f"CANCEL = {stream_id}: a stream id is a positive sequence_id")
+        if len(os.listdir(self.directory)) >= MAX_POSTINGS:
+            raise BoardFull(f"the cancel board holds {MAX_POSTINGS} postings (each lives {self._ttl_s:g} s)")
         path = self.directory / str(stream_id)
         path.touch(mode=0o600)
         os.utime(path)  # a repeated posting starts its ttl again
@@ -70,8 +79,12 @@ class CancelBoard:
             if name not in self._names:
                 return False
             self._names = self._names - {name}
-        with contextlib.suppress(FileNotFoundError):
+        try:
             (self.directory / name).unlink()
+        except FileNotFoundError:
+            pass
+        except OSError as exc:  # used all the same: the ttl sweep or another stub removes it
+            log.warning("cancel board: posting %s not removed: %s", name, exc)
         return True
 
     def _read(self) -> list[str]:
@@ -89,5 +102,7 @@ class CancelBoard:
                     continue
             except FileNotFoundError:  # used or swept by another D stub meanwhile
                 continue
+            except OSError as exc:  # counted as posted; swept later
+                log.warning("cancel board: %s: %s", entry.path, exc)
             fresh.append(entry.name)
         return fresh

@@ -74,7 +74,11 @@ class TritonResponder:
         with self._lock:
             if self._closed:
                 return False
-            return bool(self._sender.is_cancelled()) or (self._posted is not None and self._posted())
+            if self._sender.is_cancelled():
+                return True
+        # The board's directory I/O outside the lock `reply()` needs (a posting used up for a stream
+        # that finished meanwhile is harmless).
+        return self._posted is not None and self._posted()
 
 
 class EngineStub:

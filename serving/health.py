@@ -26,6 +26,8 @@ from dataclasses import dataclass
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from tandem.serving.stub_guard import PERIOD_S
+
 ENGINE_UP = "tandem_engine_up"
 DRAINING = "tandem_draining"
 HEARTBEAT = "tandem_stub_heartbeat_timestamp_seconds"
@@ -77,13 +79,14 @@ class HealthUnavailable(Exception):
     """The metrics endpoint could not be read (server down, wrong URL, timeout)."""
 
 
-def parse_health(metrics_text: str, now: float | None = None) -> UnitHealth:
+def parse_health(metrics_text: str, now: float | None = None, unit_clock: bool = False) -> UnitHealth:
     """Build the unit's health from one scrape of Triton's metrics text (Prometheus exposition format).
 
     Samples are keyed by (model, model_instance); a draining sample without an engine_up sample still
     counts (as an engine that is up, since it publishes). An engine whose stub is silent is down.
-    `now`: the Unix time to judge heartbeats by (default: the clock)."""
-    now = time.time() if now is None else now
+    `now`: the Unix time to judge heartbeats by (default: this machine's clock); `unit_clock`: judge
+    them by the unit's own clock instead, its newest heartbeat plus one period (for a reader on
+    another host, whose clock may be off by more than STUB_SILENT_S)."""
     up: dict[tuple[str, str], bool] = {}
     draining: dict[tuple[str, str], bool] = {}
     beats: dict[tuple[str, str], float] = {}
@@ -97,6 +100,10 @@ def parse_health(metrics_text: str, now: float | None = None) -> UnitHealth:
             else:
                 target = up if family.name == ENGINE_UP else draining
                 target[key] = sample.value >= 0.5
+    if unit_clock and beats:
+        now = max(beats.values()) + PERIOD_S
+    elif now is None:
+        now = time.time()
     silent = {k: now - t for k, t in beats.items() if now - t > STUB_SILENT_S}
     keys = sorted(set(up) | set(draining))
     return UnitHealth(
@@ -108,11 +115,12 @@ def parse_health(metrics_text: str, now: float | None = None) -> UnitHealth:
     )
 
 
-def fetch_health(metrics_url: str, timeout_s: float = 2.0) -> UnitHealth:
-    """Scrape `metrics_url` once. Raises `HealthUnavailable` when it cannot be read."""
+def fetch_health(metrics_url: str, timeout_s: float = 2.0, unit_clock: bool = False) -> UnitHealth:
+    """Scrape `metrics_url` once (`unit_clock`: as `parse_health`). Raises `HealthUnavailable` when it
+    cannot be read."""
     try:
         with urllib.request.urlopen(metrics_url, timeout=timeout_s) as resp:
             text = resp.read().decode("utf-8", errors="replace")
     except (urllib.error.URLError, OSError, ValueError) as exc:
         raise HealthUnavailable(f"cannot read {metrics_url}: {exc}") from None
-    return parse_health(text)
+    return parse_health(text, unit_clock=unit_clock)

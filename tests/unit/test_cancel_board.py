@@ -49,3 +49,14 @@ def test_the_board_is_private_to_the_unit(tmp_path):
     CancelBoard(tmp_path / "cancels").post(3)
     assert (tmp_path / "cancels").stat().st_mode & 0o777 == 0o700
     assert (tmp_path / "cancels" / "3").stat().st_mode & 0o777 == 0o600
+
+
+def test_a_full_board_refuses_more(tmp_path, monkeypatch):
+    monkeypatch.setattr(cancel_board, "MAX_POSTINGS", 3)
+    board = CancelBoard(tmp_path / "cancels")
+    for sid in (1, 2, 3):
+        board.post(sid)
+    with pytest.raises(cancel_board.BoardFull, match="holds 3 postings"):
+        board.post(4)
+    assert board.posted(1)  # used: room again
+    board.post(4)

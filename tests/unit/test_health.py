@@ -105,3 +105,16 @@ def test_a_silent_stub_is_not_ready_and_its_engine_is_down():
     )
     vocoder = parse_health(UP + beats, now=1009.5 + STUB_SILENT_S + 1)  # decode's beat is older still
     assert "vocoder vocoder_0_0: stub silent for 5.0 s (dead or stopped)" in vocoder.reasons
+
+
+def test_the_units_own_clock_judges_heartbeats_read_from_another_host():
+    """A reader whose clock is off (here by an hour) judges by the newest heartbeat: a stub 9.5 s
+    behind it is silent, one at it is not; by the reader's clock both would be."""
+    beats = (
+        "# TYPE tandem_stub_heartbeat_timestamp_seconds gauge\n"
+        'tandem_stub_heartbeat_timestamp_seconds{model="decode",model_instance="decode_0_0"} 1000.0\n'
+        'tandem_stub_heartbeat_timestamp_seconds{model="vocoder",model_instance="vocoder_0_0"} 1009.5\n'
+    )
+    skewed = parse_health(UP + beats, now=1009.5 + 3600, unit_clock=True)
+    assert skewed.silent_stubs == (("decode", "decode_0_0", 10.5),)
+    assert len(parse_health(UP + beats, now=1009.5 + 3600).silent_stubs) == 2
