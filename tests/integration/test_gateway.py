@@ -14,9 +14,11 @@ import asyncio
 import base64
 import io
 import json
+import socket
 import time
 import wave
 from collections.abc import Iterator
+from urllib.parse import urlsplit
 
 import numpy as np
 import openai
@@ -28,6 +30,7 @@ from tandem.gateway.app import Gateway, GatewaySettings, error_response
 from tandem.gateway.audio import AudioFormat, Framer, StreamFormat, pcm16, wav_header
 from tandem.gateway.client import TTSClient
 from tandem.gateway.errors import ClientCode
+from tandem.gateway.session import segments
 from tandem.gateway.stream import GatewayError, StreamRequest, new_stream_id, prompt_inputs
 from tests.support.gateway_process import gateway_process, http_get, http_post
 from tests.support.helpers import TINY_V, TINY_W, metric_value, metrics_text, prompt, wait_metric
@@ -276,3 +279,45 @@ def test_a_caller_who_hangs_up_cancels_the_stream(server, model, engine):
         outcome="cancelled",
     )
     wait_metric(server.metrics_url, "tandem_inflight_streams", lambda v: v == 0, model=engine)
+
+
+def test_a_caller_who_hangs_up_on_a_whole_wav_ends_its_session(gateway, server):
+    """A wav answered whole is built before any byte goes out: the gateway checks at each piece that
+    the caller is still there, and one who left ends the session: counted 499, the segments after
+    the hang-up never run, D holds none of its streams (cancelled, or finished within D's 0.5 s
+    poll: a tiny-model segment takes a fraction of a second)."""
+
+    def decode_streams() -> float:
+        m = metrics_text(server.metrics_url)
+        return sum(
+            metric_value(m, "tandem_streams_total", model="decode", outcome=o)
+            for o in ("finished", "cancelled", "failed")
+        )
+
+    text = " ".join(f"Sentence number {i} is here to make the input long." for i in range(60))
+    parts = len(segments(text))
+    wait_metric(server.metrics_url, "tandem_inflight_streams", lambda v: v == 0, model="decode")
+    before_gw = metric_value(
+        metrics_text(f"{gateway}/metrics"), "tandem_gateway_requests_total", status="499", model="tts"
+    )
+    before_d = decode_streams()
+    body = json.dumps({"model": "tts", "input": text, "voice": "tara", "response_format": "wav"}).encode()
+    host = urlsplit(gateway)
+    with socket.create_connection((host.hostname, host.port), timeout=10) as s:
+        s.sendall(
+            b"POST /v1/audio/speech HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + f"Content-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+        wait_metric(server.metrics_url, "tandem_inflight_streams", lambda v: v >= 1, model="decode")
+    # the socket is closed: the session ends at its next piece
+    wait_metric(
+        f"{gateway}/metrics",
+        "tandem_gateway_requests_total",
+        lambda v: v >= before_gw + 1,
+        status="499",
+        model="tts",
+    )
+    wait_metric(server.metrics_url, "tandem_inflight_streams", lambda v: v == 0, timeout_s=5, model="decode")
+    ran = decode_streams() - before_d
+    assert 1 <= ran < parts, (ran, parts)
