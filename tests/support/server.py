@@ -9,6 +9,7 @@ loads, unloads or reconfigures passes `api_lock()`'s headers.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import signal
 import socket
@@ -25,6 +26,7 @@ from tandem.serving.api_key import ApiLock, resolve
 from tandem.serving.repository import render
 
 REPO = Path(__file__).resolve().parents[2]
+_SERVERS = itertools.count()  # each TritonProcess its own /dev/shm prefix
 
 
 def free_port() -> int:
@@ -59,6 +61,7 @@ class TritonProcess:
         self.workdir = workdir
         self.repo = prepare_repository(workdir, overrides, groups, dims)
         self.extra_args = tuple(extra_args)
+        self.shm_prefix = f"tandem_test_{os.getpid()}_{next(_SERVERS)}_"
         self.launcher = tuple(launcher)
         self.grpc_port, self.http_port, self.metrics_port = free_port(), free_port(), free_port()
         self.log_path = workdir / "tritonserver.log"
@@ -83,10 +86,16 @@ class TritonProcess:
         run_dir.mkdir(mode=0o700, exist_ok=True)
         env["XDG_RUNTIME_DIR"] = str(run_dir)  # a private transfer control dir per server
         env["XDG_STATE_HOME"] = str(self.workdir / "state")  # its own voice store, kept across restarts
+        # A bare server's python-backend regions get a prefix of this process's own, so that `stop`
+        # removes what a killed server or stub leaves (tandem-unit names and removes its own).
+        own_prefix = (
+            () if self.launcher else (f"--backend-config=python,shm-region-prefix-name={self.shm_prefix}",)
+        )
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(
                 [
                     *(self.launcher or server),
+                    *own_prefix,
                     f"--model-repository={self.repo}",
                     f"--grpc-port={self.grpc_port}",
                     f"--http-port={self.http_port}",
@@ -142,3 +151,7 @@ class TritonProcess:
                     os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(10)
         process_tree.kill_all(tree)
+        if not self.launcher:  # what a killed server or stub left in /dev/shm
+            for region in Path("/dev/shm").glob(f"{self.shm_prefix}*"):
+                with contextlib.suppress(FileNotFoundError):
+                    region.unlink()
