@@ -373,7 +373,7 @@ class Gateway:
             yield tail
         finally:
             self.metrics.streams.labels(model=model).dec()
-            self.metrics.requests.labels(status=status, model=model).inc()
+            self.metrics.count(int(status), model)
             await pieces.aclose()
 
     async def health(self) -> JSONResponse:

@@ -31,7 +31,7 @@ log = logging.getLogger("tandem")
 def _stamp_first_audio(text: str, window: CodecWindow, metrics: MetricsSink | None) -> str:
     """The stream's first sounding chunk stamps `first_audio` into the stamps D sent with it (D sends
     them with that chunk and the last) and observes the unit's `tandem_first_audio_seconds`."""
-    if window.emit_from != 0 or window.emitted == 0:
+    if not window.first_sounding:
         return text
     stamps = json.loads(text) if text else {}
     stamps.setdefault("first_audio", now_ns())

@@ -86,6 +86,12 @@ class CodecWindow:
     def emitted(self) -> int:
         return self.emit_to - self.emit_from
 
+    @property
+    def first_sounding(self) -> bool:
+        """The stream's first window that sounds: it starts at frame 0 and emits frames (the one
+        whose audio stamps `first_audio`)."""
+        return self.emit_from == 0 and self.emitted > 0
+
     def as_array(self) -> np.ndarray:
         """(first_frame, emit_from, emit_to) as int64 [3], the `WINDOW` tensor D sends."""
         return np.array([self.first_frame, self.emit_from, self.emit_to], dtype=np.int64)

@@ -297,11 +297,6 @@ def _window(chunk: Chunk) -> CodecWindow:
     return chunk.window
 
 
-def _first_sounding(w: CodecWindow) -> bool:
-    """The stream's first window that sounds: it starts at frame 0 and emits frames."""
-    return w.emit_from == 0 and w.emitted > 0
-
-
 def _render_decode(req_id: int, chunk: Chunk) -> Reply:
     """D's chunk: the new rows and the codec window (frames with their context, and which of them this
     chunk sounds: backend/codec/base.py) the vocoder step decodes. The first sounding chunk carries the
@@ -313,7 +308,7 @@ def _render_decode(req_id: int, chunk: Chunk) -> Reply:
         rows=Array.of(chunk.rows),
         frames=Array.of(np.ascontiguousarray(w.frames, dtype=np.int64)),
         window=Array.of(w.as_array()),
-        timings=_timings_text(chunk) if chunk.final or _first_sounding(w) else "",
+        timings=_timings_text(chunk) if chunk.final or w.first_sounding else "",
     )
 
 
@@ -323,7 +318,7 @@ def _render_mono(req_id: int, chunk: Chunk, codec: Codec, metrics: MetricsSink) 
     observes `tandem_first_audio_seconds`."""
     w = _window(chunk)
     audio = codec.decode([w])[0]
-    if chunk.timings is not None and _first_sounding(w):
+    if chunk.timings is not None and w.first_sounding:
         chunk.timings.mark("first_audio")
         if (seconds := first_audio_s(chunk.timings.as_dict())) is not None:
             metrics.observe("tandem_first_audio_seconds", seconds)
