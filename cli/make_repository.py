@@ -7,7 +7,8 @@
     tandem-repo --out /srv/repo --checkpoint /models/orpheus-3b --dtype bfloat16 \\
         --prefill-gpus 0 --decode-gpus 1
 
-    # Orpheus (family detected from the checkpoint, or --family orpheus) with its SNAC 24 kHz codec:
+    # Orpheus (family detected from the checkpoint, or --family orpheus) with its SNAC 24 kHz codec;
+    # its streams sample under Orpheus' audio-token grammar, tokenizer or none:
     tandem-repo --out /srv/repo --checkpoint /models/orpheus-3b --codec /models/snac_24khz \
         --dtype bfloat16 --prefill-gpus 0 --decode-gpus 1 --vocoder-gpus 1
 
@@ -43,6 +44,9 @@ VOICE_USERS = ("frontend", "tts_mono", "voices")  # built-in voices and the stor
 FAMILY_VOICES = {"orpheus": "tara,leah,jess,leo,dan,mia,zac,zoe"}
 CHUNK_FRAMES_MAX = 16  # frames per chunk once grown (1.37 s of Orpheus audio)
 ORPHEUS_DEFAULT_ROWS = 1200  # a request's length when it names none (the OpenAI body never does)
+# The models that read the family: the text front end (its template), P and tts_mono (the grammar
+# they sample under and hand on to D).
+ORPHEUS_FAMILY_USERS = ("frontend", "prefill", "tts_mono")
 
 
 def _codec_parameters(args: argparse.Namespace, cfg: ModelConfig, params: dict[str, dict[str, str]]) -> str:
@@ -74,6 +78,13 @@ def _codec_parameters(args: argparse.Namespace, cfg: ModelConfig, params: dict[s
     if family == "orpheus":  # Orpheus' own engine asks for up to 1,200 tokens (14.6 s of audio) by default
         for m in ("prefill", "tts_mono"):  # the models that validate a request's length
             params.setdefault(m, {})["tandem.limits.default_new_rows"] = str(ORPHEUS_DEFAULT_ROWS)
+        # The family, written out rather than left to detection: without a tokenizer (a preset, a
+        # checkpoint that ships none) the text front end cannot detect it, and P and tts_mono would
+        # then sample over the whole vocabulary; with it they sample under Orpheus' audio-token
+        # grammar from the first generated token (the grammar is auto). D samples with the grammar
+        # P hands it in each stream's sampling parameters.
+        for m in ORPHEUS_FAMILY_USERS:
+            params.setdefault(m, {})["tandem.frontend.family"] = "orpheus"
     if args.codec:
         first = spec.rows_per_frame * (1 + spec.lookahead)
         for m in ("decode", "tts_mono", "vocoder"):  # the vocoder warms the windows they cut

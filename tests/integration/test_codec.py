@@ -5,8 +5,9 @@ noise off). What the client hears must be SNAC's offline decode of the stream's 
 `tts_mono` alike, and both publish the codec's clock.
 
 The LM's head is zero on every non-audio id and large on the audio ids, so a greedy stream is all
-audio tokens (in random slots: the layout's rule for misplaced tokens is exercised too). Few frames
-only: SNAC on a 2-core CPU is slower than real time.
+audio tokens; the checkpoint ships no tokenizer, and tandem-repo still writes the family, so P and
+tts_mono sample under Orpheus' grammar (each token in its slot). Few frames only: SNAC on a 2-core
+CPU is slower than real time.
 """
 
 from __future__ import annotations

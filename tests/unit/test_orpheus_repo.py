@@ -5,19 +5,24 @@ are whole frames; and the client's text request carries TEXT/VOICE instead of PR
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from tandem.backend.codec.snac import SNAC_24KHZ
+from tandem.backend.generation.grammar import Grammar
 from tandem.backend.model.checkpoint import save_checkpoint
 from tandem.backend.model.config import ModelConfig, preset
 from tandem.backend.model.decoder import Decoder
+from tandem.backend.settings import parse_settings
+from tandem.backend.text.defaults import load_generation_defaults
 from tandem.backend.text.families import detect_family
+from tandem.backend.text.frontend import model_config
 from tandem.cli.make_repository import main
 from tandem.gateway.client import build_inputs
-from tandem.serving.repository import model_parameter
+from tandem.serving.repository import get_parameter, model_parameter
 
 _ORPHEUS_LIKE = ModelConfig(
     name="orpheus-like",
@@ -151,3 +156,37 @@ def test_a_preset_keeps_the_checked_in_voices(tmp_path: Path) -> None:
     assert main(["--out", str(tmp_path / "repo"), "--preset", "tiny"]) == 0
     for model in ("frontend", "tts_mono", "voices"):
         assert model_parameter(tmp_path / "repo", model, "tandem.frontend.voices") == ORPHEUS_FT_VOICES
+
+
+def _served_grammar(repo: Path, model: str) -> Grammar:
+    """The grammar `model` of the rendered `repo` samples under: its every tandem.* parameter parsed
+    as the stub parses them, then the generation defaults the stub builds (no tokenizer here, so no
+    text front end, as in the served model)."""
+    text = (repo / model / "config.pbtxt").read_text()
+    keys = re.findall(r'parameters \{ key: "tandem\.([^"]+)"', text)
+    settings = parse_settings({k: str(get_parameter(text, f"tandem.{k}")) for k in keys})
+    return load_generation_defaults(settings, model_config(settings), None).grammar
+
+
+def test_an_orpheus_repository_samples_under_the_grammar_without_a_tokenizer(tmp_path: Path) -> None:
+    """Neither the `orpheus-3b-shape` preset nor a checkpoint without tokenizer.json lets the text
+    front end detect the family: tandem-repo writes it, so P and tts_mono (which hand the grammar to
+    D) sample audio ids from the first token; an explicit `--set ...grammar=off` still wins."""
+    snac = _codec_dir(tmp_path / "snac")
+    shape = tmp_path / "shape"
+    argv = ["--out", str(shape), "--preset", "orpheus-3b-shape", "--family", "orpheus", "--codec", str(snac)]
+    assert main(argv) == 0
+    ckpt = _checkpoint(tmp_path / "ckpt")
+    assert not (ckpt / "tokenizer.json").exists()
+    detected = tmp_path / "detected"
+    assert main(["--out", str(detected), "--checkpoint", str(ckpt), "--codec", str(snac)]) == 0
+    for repo in (shape, detected):
+        for model in ("prefill", "tts_mono"):
+            assert _served_grammar(repo, model) == Grammar.ORPHEUS, (repo.name, model)
+    off = tmp_path / "off"
+    assert main([*argv[:1], str(off), *argv[2:], "--set", "prefill:tandem.frontend.grammar=off"]) == 0
+    assert _served_grammar(off, "prefill") == Grammar.NONE
+    assert _served_grammar(off, "tts_mono") == Grammar.ORPHEUS
+    plain = tmp_path / "plain"
+    assert main(["--out", str(plain), "--preset", "tiny"]) == 0
+    assert _served_grammar(plain, "prefill") == Grammar.NONE  # the CPU default stays as it is
