@@ -1,29 +1,27 @@
-# Sourced by the device scripts (bench/device/run_capacity.sh, bench/device/run_fault_matrix.sh): make this checkout
-# runnable on a GPU machine where tandem is not installed. Triton comes from a carried tarball of the
-# nvidia-pytriton wheel's server, binary and libraries (plus tritonclient's gRPC client); the repo goes
-# on PYTHONPATH as the `tandem` namespace; the CUDA kernels are built into csrc/.
+# Sourced by the device scripts (bench/device/run_orpheus_unit.sh, run_capacity.sh, ...): make this
+# checkout runnable on a GPU machine where tandem is not installed. The carry (.carry/carry.tar.xz, built
+# on the CPU machine by bench/device/make_carry.sh) unpacks to /tmp/carry/site: tritonserver 2.51 and its
+# python backend, and the wheels the device image lacks (tritonclient, msgspec, snac, NumPy 1.x for the
+# stub, ...). A .pth in the interpreter's site-packages puts that folder and the `tandem` namespace first
+# on every Python's path, the stubs' and engine workers' included: Triton's stubs ignore PYTHONPATH.
+# The CUDA kernels are built into csrc/.
 #
 #   source bench/device/device_env.sh CARRY.tar.xz OUT      (CARRY "-": no Triton, e.g. for bench/device/run_gpu_checks.sh)
 carry=${1:?carry tarball or -}; out=${2:?output dir}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 mkdir -p /tmp/carry "$out"
-# Sourced again in the same machine (several scripts in one call), the carry, NumPy and the kernels
-# already in place are kept.
-if [ "$carry" != "-" ] && [ ! -d /tmp/carry/pytriton ]; then
+# Sourced again in the same machine (several scripts in one call), the carry and the kernels already
+# in place are kept.
+if [ "$carry" != "-" ] && [ ! -d /tmp/carry/site ]; then
   tar -C /tmp/carry -xJf "$carry"
-  # pytriton 0.7's python-backend stub is built against NumPy 1.x: with NumPy 2 its BYTES tensors are
-  # garbled and the stub aborts. Install a NumPy 1.x wheel carried beside the tarball, if there is one.
-  # tritonclient's grpc module imports rapidjson, which the device image lacks: carry its wheel too.
-  for whl in "$(dirname "$carry")"/numpy-1.*.whl "$(dirname "$carry")"/python_rapidjson-*.whl; do
-    [ -e "$whl" ] && python3 -m pip install -q --no-index --no-deps --force-reinstall "$whl"
-  done
 fi
-python3 -c "import numpy, torch; print('numpy', numpy.__version__, 'torch', torch.__version__)"
 mkdir -p /tmp/pkg/tandem
 for d in backend transfer csrc serving gateway cli bench; do ln -sfn "$PWD/$d" "/tmp/pkg/tandem/$d"; done
-export PYTHONPATH=/tmp/pkg:/tmp/carry:$PWD
-# Triton's python stubs ignore PYTHONPATH but read the interpreter's site-packages: a .pth puts tandem there.
-python3 -c 'import site; open(site.getsitepackages()[0] + "/tandem-run.pth", "w").write("/tmp/pkg\n")'
+export PYTHONPATH=/tmp/carry/site:/tmp/pkg:$PWD
+# First on the path, before site-packages: the carry's NumPy 1.x must win over the image's NumPy 2.
+python3 -c 'import site; open(site.getsitepackages()[0] + "/tandem-run.pth", "w").write(
+    "import sys; sys.path[:0] = [p for p in (\"/tmp/carry/site\", \"/tmp/pkg\") if p not in sys.path]\n")'
+python3 -c "import numpy, torch; print('numpy', numpy.__version__, 'torch', torch.__version__)"
 built=$(ls csrc/_cuda_kernels*.so 2>/dev/null | head -1 || true)  # none yet: ls fails, and set -e callers would exit
 if [ -z "$built" ] || [ -n "$(find csrc -newer "$built" \( -name '*.cu' -o -name '*.cuh' -o -name '*.cpp' -o -name '*.h' \))" ]; then
   python3 csrc/build_cuda.py > "$out/build_cuda.log" 2>&1 || { tail -20 "$out/build_cuda.log"; exit 1; }
