@@ -15,7 +15,8 @@ stream at g >= real time that leaves the listener at least (1 - lead_fraction * 
 lead, and every chunk adds its audio back, so the lead grows by (1 - rt / g) of the wall time
 (1.2x real time: a sixth of a second per second) and the chunks grow with it, up to `max_rows`.
 The first chunk is `first_rows` whatever the lead, and so is every chunk before one sounds (nobody
-is listening yet), so first audio is as early as a fixed schedule's.
+is listening yet), so first audio is as early as a fixed schedule's. A listener that ran dry waits
+for the next chunk and plays on from its arrival: its lead restarts there, it is not owed the stall.
 
 Sizes come from a ladder (the first rung, then x`growth` per rung, in whole codec frames, up to
 `max_rows`) rather than any row count, so a vocoder batch of many streams' chunks holds few window
@@ -101,6 +102,20 @@ class ChunkPolicy:
         if playing_since_s is None:
             return None
         return frames_sent * self.frame_seconds - (now_s - playing_since_s)
+
+    def playing_since(
+        self, frames_before: int, frames_after: int, playing_since_s: float | None, now_s: float
+    ) -> float | None:
+        """The listener's clock origin once a chunk leaves at `now_s`, its frames taking the frames
+        sent from `frames_before` to `frames_after`: `now_s` for the first that sounds; and a listener
+        that ran dry before it (lead < 0) waited for it, then plays on, so its clock slips by the wait
+        (as a player and `bench/capacity.py`'s stall count see it) and a late chunk does not keep the
+        stream's chunks small for ever."""
+        if playing_since_s is None:
+            return now_s if frames_after > 0 else None
+        lead = self.lead_s(frames_before, playing_since_s, now_s)
+        assert lead is not None
+        return playing_since_s - min(0.0, lead)
 
     def next_rows(self, chunk_index: int, lead_s: float | None) -> int:
         """Rows in chunk `chunk_index` (0-based), chosen when chunk `chunk_index - 1` left with the

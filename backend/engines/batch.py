@@ -320,9 +320,10 @@ class DecodeBatch:
             s.timings.mark("last_chunk")
         assert s.frames is not None
         s.frames.push(rows)  # the codec frames these rows complete, and the context they need
+        sent = s.frames.emitted
         window = s.frames.window(final=done)
-        if s.playing_since_s is None and window.emitted:  # a real-time listener starts playing here
-            s.playing_since_s = now
+        # a real-time listener starts playing with the first sounding chunk (and resumes after a stall)
+        s.playing_since_s = self.chunking.playing_since(sent, s.frames.emitted, s.playing_since_s, now)
         chunk = Chunk(rows=rows, first_row=s.emitted_rows, final=done, timings=s.timings, window=window)
         s.emitted_rows = len(s.generated)
         s.chunk_index += 1

@@ -71,9 +71,9 @@ def simulate(policy: ChunkPolicy, rows: int, rate: float, width: int = 1) -> tup
             assert lead is not None
             leads.append(lead)
         track.push(np.full((pending, width), 128266, dtype=np.int64))  # an Orpheus audio id
-        window = track.window(final=done)
-        if since is None and window.emitted:
-            since = now
+        sent = track.emitted
+        track.window(final=done)
+        since = policy.playing_since(sent, track.emitted, since, now)
         sizes.append(pending)
         pending = 0
         want = policy.next_rows(len(sizes), policy.lead_s(track.emitted, since, now))
@@ -116,6 +116,23 @@ def test_the_size_is_the_largest_rung_whose_audio_fits_the_lead_share() -> None:
         32,
         32,
     ]
+
+
+def test_the_listener_starts_with_the_first_sound_and_resumes_after_a_stall() -> None:
+    frame = 2048 / 24000
+    assert ORPHEUS.playing_since(0, 0, None, 3.0) is None  # nothing sounds yet
+    assert ORPHEUS.playing_since(0, 1, None, 3.0) == 3.0
+    assert ORPHEUS.playing_since(1, 3, 3.0, 3.05) == 3.0  # 85 ms sent, 50 ms played: no stall
+    slipped = ORPHEUS.playing_since(1, 3, 3.0, 3.5)  # ran dry at 3.085, this chunk came at 3.5
+    assert slipped == pytest.approx(3.5 - frame)
+    assert ORPHEUS.lead_s(3, slipped, 3.5) == pytest.approx(2 * frame)  # the new chunk's audio, no debt
+    # a stream that was late once, then runs at 1.5x, climbs the ladder again
+    since, sent, now = slipped, 3, 3.5
+    for _ in range(60):
+        now += 28 / (1.5 * ORPHEUS_RT)
+        since = ORPHEUS.playing_since(sent, sent + 4, since, now)
+        sent += 4
+    assert ORPHEUS.next_rows(9, ORPHEUS.lead_s(sent, since, now)) == 112
 
 
 def test_fraction_zero_is_the_fixed_schedule() -> None:
