@@ -114,7 +114,7 @@ def make_batch(
     metrics: MetricsSink,
     clock: Callable[[], float] = time.perf_counter,
 ) -> DecodeBatch:
-    """The running batch; `clock` times chunk emission (the listener's lead), steps and rates."""
+    """The running batch; `clock` times its chunks (the listener's lead, the rate after the first)."""
     b = settings.batch
     decoder.paged_attention = b.paged_attention
     return DecodeBatch(
