@@ -65,9 +65,15 @@ class BatchSettings:
     max_batch: int = 64  # 0: as many as the pool has pages for, up to MAX_BATCH (512)
     max_queue: int = 256
     admission_timeout_s: float = 5.0
+    # Chunk sizes (backend/codec/chunking.py): the first chunk, then the largest rung of a ladder
+    # (min_chunk_rows, x chunk_growth, ..., max_chunk_rows) whose audio is at most chunk_lead_fraction
+    # of the seconds a real-time listener has buffered; chunk_lead_fraction 0: the fixed schedule
+    # first * growth**i. min_chunk_rows 0: one codec frame.
     first_chunk_rows: int = 4
     chunk_growth: float = 2.0
     max_chunk_rows: int = 32
+    chunk_lead_fraction: float = 0.5
+    min_chunk_rows: int = 0
     # The rate floor in tok/s. Left out of the parameters (or 0): the codec's real time over the RTF
     # target `rate.rtf` (42 for the reference codec's 21 rows/s, 164.06 for Orpheus' 82.03), resolved
     # by `parse_settings`; a value > 0 overrides it. It always holds the floor in force.
@@ -266,6 +272,7 @@ def parse_settings(params: Mapping[str, str]) -> EngineSettings:
     settings = dataclasses.replace(base, **built, **top)
     _check_dtypes(settings)
     _check_capacity(settings)
+    _check_chunks(settings.batch)
     _check_transfer(settings.transfer)
     return _with_rate_floor(settings, explicit_floor)
 
@@ -298,6 +305,31 @@ def _check_capacity(settings: EngineSettings) -> None:
     if not 0.0 <= p.memory_fraction < 1.0:
         raise ValueError(
             f"parameter 'pool.memory_fraction': must be in [0, 1) (0: num_pages), got {p.memory_fraction}"
+        )
+
+
+def _check_chunks(b: BatchSettings) -> None:
+    """The chunk settings (`ChunkPolicy` checks them again, naming its own fields)."""
+    if b.first_chunk_rows < 1:
+        raise ValueError(f"parameter 'batch.first_chunk_rows': must be >= 1, got {b.first_chunk_rows}")
+    if not (math.isfinite(b.chunk_growth) and b.chunk_growth >= 1.0):
+        raise ValueError(
+            f"parameter 'batch.chunk_growth': must be a finite number >= 1, got {b.chunk_growth}"
+        )
+    if b.max_chunk_rows < b.first_chunk_rows:
+        raise ValueError(
+            f"parameter 'batch.max_chunk_rows': must be >= batch.first_chunk_rows ({b.first_chunk_rows}), "
+            f"got {b.max_chunk_rows}"
+        )
+    if not (math.isfinite(b.chunk_lead_fraction) and 0.0 <= b.chunk_lead_fraction <= 1.0):
+        raise ValueError(
+            "parameter 'batch.chunk_lead_fraction': must be in [0, 1] (0: fixed sizes), "
+            f"got {b.chunk_lead_fraction}"
+        )
+    if not 0 <= b.min_chunk_rows <= b.max_chunk_rows:
+        raise ValueError(
+            f"parameter 'batch.min_chunk_rows': must be in [0, batch.max_chunk_rows={b.max_chunk_rows}] "
+            f"(0: one codec frame), got {b.min_chunk_rows}"
         )
 
 

@@ -1,4 +1,4 @@
-"""Rows of codec ids -> PCM audio, and how a stream is cut into chunks.
+"""Rows of codec ids -> PCM audio: the CPU default's codec.
 
 The decode engine emits one row of `row_width` ids per step; the vocoder turns finished rows into
 audio in chunks as they arrive. The seam is `backend/codec/base.py` (`Codec`: windows of frames -> audio,
@@ -7,21 +7,22 @@ row and no context needed, so the streaming path, its tests and its benchmarks r
 weights. SNAC (backend/codec/snac.py) sits behind the same seam.
 
 Chunking contract: `synthesize` is a pure function of (rows, first_row). Audio for rows a..b-1
-followed by audio for rows b..c-1 is the audio for rows a..c-1, so chunk sizes (`ChunkPolicy`) are a
-latency/overhead trade-off only and never change what the client hears.
+followed by audio for rows b..c-1 is the audio for rows a..c-1, so chunk sizes (`ChunkPolicy`,
+backend/codec/chunking.py) are a latency/overhead trade-off only and never change what the client hears.
 """
 
 from __future__ import annotations
 
-import math
 import os
 import wave
-from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
 
-from tandem.backend.codec.base import CodecSpec, CodecWindow, Framing, RowLayout
+from tandem.backend.codec.base import CodecSpec, CodecWindow
+
+# re-exported: bench/decode_loop.py and older callers import it from here
+from tandem.backend.codec.chunking import ChunkPolicy as ChunkPolicy
 from tandem.backend.codec.config import VocoderConfig
 
 
@@ -152,70 +153,6 @@ class ReferenceVocoder:
         tone = np.sin(cycles * (2.0 * np.pi / sr))  # [N, W, spr]
         pcm = np.einsum("nw,nws->ns", amp, tone) * self._window
         return pcm.astype(np.float32).reshape(-1)
-
-
-@dataclass(frozen=True)
-class ChunkPolicy:
-    """How many rows go into each audio chunk of a stream.
-
-    The first chunk is small so the client hears audio quickly (time to first audio is one chunk of
-    decode steps plus one vocoder call); later chunks grow geometrically up to `max_rows`, because
-    every chunk costs a vocoder call and a response message whatever its size.
-    """
-
-    first_rows: int = 4
-    growth: float = 2.0
-    max_rows: int = 32
-    # How rows become codec frames and the context each chunk carries (backend/codec/base.py).
-    framing: Framing = field(default_factory=lambda: Framing(RowLayout()))
-
-    def __post_init__(self) -> None:
-        if self.first_rows < 1:
-            raise ValueError(f"first_rows must be >= 1, got {self.first_rows}")
-        if not (math.isfinite(self.growth) and self.growth >= 1.0):
-            raise ValueError(f"growth must be a finite number >= 1, got {self.growth}")
-        if self.max_rows < self.first_rows:
-            raise ValueError(f"max_rows ({self.max_rows}) must be >= first_rows ({self.first_rows})")
-
-    def next_size(self, chunk_index: int) -> int:
-        """Rows in chunk `chunk_index` (0-based): first_rows * growth**index, capped at max_rows."""
-        if chunk_index < 0:
-            raise ValueError(f"chunk_index must be >= 0, got {chunk_index}")
-        size = float(self.first_rows)
-        for _ in range(chunk_index):  # iterative, so huge indices cannot overflow a float power
-            size *= self.growth
-            if size >= self.max_rows:
-                return self.max_rows
-        return min(self.max_rows, max(1, round(size)))
-
-    def chunk_sizes(self, total_rows: int) -> list[int]:
-        """The chunk sizes for a stream of `total_rows` rows; the last chunk holds what is left."""
-        if total_rows < 0:
-            raise ValueError(f"total_rows must be >= 0, got {total_rows}")
-        sizes: list[int] = []
-        left = total_rows
-        while left > 0:
-            size = min(left, self.next_size(len(sizes)))
-            sizes.append(size)
-            left -= size
-        return sizes
-
-    def window_frames(self, rows_per_frame: int, chunks: int = 64) -> list[int]:
-        """The frame counts of the windows a stream's first `chunks` non-final chunks carry (as
-        `FrameTrack.window` cuts them), each once, in order of first appearance."""
-        lookback, lookahead = self.framing.lookback, self.framing.lookahead
-        out: list[int] = []
-        rows = emitted = 0
-        for i in range(chunks):
-            rows += self.next_size(i)
-            frames = rows // rows_per_frame
-            emit_to = max(emitted, frames - lookahead)
-            if emit_to > emitted:
-                n = frames - max(0, emitted - lookback)
-                if n not in out:
-                    out.append(n)
-                emitted = emit_to
-        return out
 
 
 def write_wav(path: str | os.PathLike[str], pcm: np.ndarray, sample_rate: int) -> None:

@@ -14,6 +14,9 @@ step already queued. Tokens equal a serial loop's: sampling depends on (seed, po
 
 At most one step is queued between calls; `drain()` waits for it; `step()` is `advance()` then
 `drain()`. On the CPU the forward runs inside `advance()`, in the same order.
+
+Chunks: a stream's rows leave once they fill the size its `ChunkPolicy` chose when the chunk before
+left, from the lead a real-time listener then had (backend/codec/chunking.py), read on `clock`.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from tandem.backend.codec.reference import ChunkPolicy
+from tandem.backend.codec.chunking import ChunkPolicy
 from tandem.backend.device import upload
 from tandem.backend.engines.stream import Chunk, Stream, StreamStatus
 from tandem.backend.errors import Cancelled, StreamFailed
@@ -80,6 +83,7 @@ class DecodeBatch:
         cuda_graphs: bool = False,
         max_batch: int = 64,
         graph_warmup_context: int = 0,
+        clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         self.decoder = decoder
         self._graphed = None
@@ -92,6 +96,7 @@ class DecodeBatch:
                 )
         self.pool = pool
         self.chunking = chunking
+        self._clock = clock  # chunk emission: the listener's lead and the rate after the first chunk
         self.metrics = metrics
         self.rate_floor = rate_floor_tok_s
         self.streams: list[Stream] = []
@@ -128,6 +133,7 @@ class DecodeBatch:
         stream.status = StreamStatus.RUNNING
         stream.generated.append(np.asarray(first_row, dtype=np.int64).reshape(-1))
         stream.frames = self.chunking.framing.track(stream.generated[0].shape[0])
+        stream.chunk_rows = self.chunking.next_rows(0, None)
         if stream.sampling.penalised:  # the repetition penalty's history starts with row 0
             stream.seen = self._no_history()
             mark_seen(stream.seen[None], upload(stream.generated[-1][None], self.pool.device))
@@ -297,12 +303,14 @@ class DecodeBatch:
                 self._leave(s)
 
     def _after_rows(self, s: Stream) -> None:
+        """Emit the rows pending since the last chunk once they fill the size chosen when it left (or
+        the stream is done), then choose the next chunk's size from the listener's lead now."""
         done = s.done_generating
         pending = len(s.generated) - s.emitted_rows
-        if not done and pending < self.chunking.next_size(s.chunk_index):
+        if not done and pending < s.chunk_rows:
             return
         rows = np.stack(s.generated[s.emitted_rows :])
-        now = time.perf_counter()
+        now = self._clock()
         if id(s) not in self._first_emit_s:
             self._first_emit_s[id(s)] = now
             self._first_rows[id(s)] = len(s.generated)
@@ -312,10 +320,15 @@ class DecodeBatch:
             s.timings.mark("last_chunk")
         assert s.frames is not None
         s.frames.push(rows)  # the codec frames these rows complete, and the context they need
+        sent = s.frames.emitted
         window = s.frames.window(final=done)
+        # a real-time listener starts playing with the first sounding chunk (and resumes after a stall)
+        s.playing_since_s = self.chunking.playing_since(sent, s.frames.emitted, s.playing_since_s, now)
         chunk = Chunk(rows=rows, first_row=s.emitted_rows, final=done, timings=s.timings, window=window)
         s.emitted_rows = len(s.generated)
         s.chunk_index += 1
+        lead = self.chunking.lead_s(s.frames.emitted, s.playing_since_s, now)
+        s.chunk_rows = self.chunking.next_rows(s.chunk_index, lead)
         s.sink.emit(chunk)
         if done:
             s.status = StreamStatus.FINISHED

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
@@ -16,7 +17,7 @@ import torch
 
 from tandem.backend.codec.base import Codec
 from tandem.backend.codec.builder import build_codec, codec_spec, framing
-from tandem.backend.codec.reference import ChunkPolicy
+from tandem.backend.codec.chunking import ChunkPolicy
 from tandem.backend.engines.batch import DecodeBatch
 from tandem.backend.kv.pool import KVPool
 from tandem.backend.metrics import MetricsSink
@@ -74,8 +75,18 @@ def make_pool(decoder: Decoder, settings: EngineSettings, storage: torch.Tensor 
 
 
 def chunk_policy(settings: EngineSettings) -> ChunkPolicy:
+    """D's and `tts_mono`'s chunk sizes (and the windows the vocoder warms): the batch settings on the
+    codec's framing and real-time clock."""
     b = settings.batch
-    return ChunkPolicy(b.first_chunk_rows, b.chunk_growth, b.max_chunk_rows, framing(settings))
+    return ChunkPolicy(
+        b.first_chunk_rows,
+        b.chunk_growth,
+        b.max_chunk_rows,
+        framing(settings),
+        lead_fraction=b.chunk_lead_fraction,
+        min_rows=b.min_chunk_rows,
+        rows_per_second=codec_spec(settings).rows_per_second,
+    )
 
 
 def make_codec(settings: EngineSettings, device: torch.device) -> Codec:
@@ -96,7 +107,14 @@ def make_codec(settings: EngineSettings, device: torch.device) -> Codec:
     return codec
 
 
-def make_batch(decoder: Decoder, pool: KVPool, settings: EngineSettings, metrics: MetricsSink) -> DecodeBatch:
+def make_batch(
+    decoder: Decoder,
+    pool: KVPool,
+    settings: EngineSettings,
+    metrics: MetricsSink,
+    clock: Callable[[], float] = time.perf_counter,
+) -> DecodeBatch:
+    """The running batch; `clock` times its chunks (the listener's lead, the rate after the first)."""
     b = settings.batch
     decoder.paged_attention = b.paged_attention
     return DecodeBatch(
@@ -108,6 +126,7 @@ def make_batch(decoder: Decoder, pool: KVPool, settings: EngineSettings, metrics
         cuda_graphs=b.cuda_graphs,
         max_batch=b.max_batch,
         graph_warmup_context=b.graph_warmup_context,
+        clock=clock,
     )
 
 

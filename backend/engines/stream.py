@@ -77,6 +77,8 @@ class Stream:
     generated: list[np.ndarray] = field(default_factory=list)  # one [W] row per generated position
     emitted_rows: int = 0
     chunk_index: int = 0
+    chunk_rows: int = 0  # rows the next chunk waits for, chosen when the previous one left
+    playing_since_s: float | None = None  # engine clock at the first sounding chunk (the listener's start)
     left: bool = False  # D: set once when the stream stopped counting as a member and gave pages back
     held_pages: list[int] | None = None  # D, direct mode: pages a failed transfer may still write
     seen: torch.Tensor | None = None  # Bool [W, V] on the pool's device: ids generated (repetition penalty)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
 
@@ -111,10 +111,14 @@ def wait_until(cond, timeout_s: float = 5.0) -> bool:
     return cond()
 
 
-def decode_batch(dec: Decoder, **batch: object) -> tuple[DecodeBatch, KVPool]:
+def decode_batch(
+    dec: Decoder, clock: Callable[[], float] = time.perf_counter, **batch: object
+) -> tuple[DecodeBatch, KVPool]:
+    """A running batch on a small pool; `clock` times its chunks (a fixed one makes chunk sizes, which
+    follow the listener's lead, depend on rows alone)."""
     s = EngineSettings(pool=PoolSettings(num_pages=256, page_size=16), batch=BatchSettings(**batch))  # type: ignore[arg-type]
     pool = make_pool(dec, s)
-    return make_batch(dec, pool, s, RecordingMetrics()), pool
+    return make_batch(dec, pool, s, RecordingMetrics(), clock), pool
 
 
 class Job:
