@@ -25,7 +25,7 @@ from tandem.backend.generation.sampling import (
 )
 from tandem.backend.generation.vocab_span import VocabSpan
 from tandem.backend.model.decoder import Decoder
-from tests.support.engines import Job, decode_batch
+from tests.support.engines import Job, ListSink, decode_batch
 from tests.support.text_models import orpheus_config
 
 V = 156940
@@ -212,3 +212,22 @@ def test_streams_through_p_and_the_batch_equal_the_whole_vocabulary_reference(
     for j in jobs:
         assert j.sink.error is None
         np.testing.assert_array_equal(j.sink.rows(), _reference(dec, j, n))
+
+
+def test_calibration_streams_sample_under_the_grammar_they_are_given() -> None:
+    """D times its start-up steps with streams under its own grammar (the steps it will run)."""
+    from tandem.backend.engines.decode import calibration
+
+    dec = Decoder.random(orpheus_config(), "cpu", seed=5)
+    batch, pool = decode_batch(dec)
+    free = pool.num_free_pages
+    sink = ListSink()
+    calibration.add_stream(batch, 1, 3, 16, 12, sink, np.random.default_rng(0), Grammar.ORPHEUS)
+    assert step_span([batch.streams[0].sampling], V) == SPAN
+    while len(batch):
+        batch.step()
+    rows = sink.rows()[1:, 0].tolist()  # row 0 stands for P's: random
+    assert len(rows) == 11
+    for i, t in enumerate(rows, start=1):
+        assert t in legal_ids(Grammar.ORPHEUS, torch.tensor([i]))[0].tolist(), (i, t)
+    assert pool.num_free_pages == free
