@@ -6,7 +6,9 @@ device, serial against pipelined, and how well the start-up seed predicts its st
         --batches 8,32,64,96 --context 1024,2048 --host-ms 0,3 --calibrate --out results/
 
 What runs: one `DecodeBatch` (what D and the monolithic engine build: CUDA graphs where available,
-paged attention, sampling with temperature 0.8 / top-p 0.95) over a pool of shuffled pages filled with
+paged attention, sampling with temperature 0.8 / top-p 0.95, under `--grammar`'s audio-token grammar:
+`orpheus` for the Orpheus preset, whose steps then compute the head's grammar span and sample over
+each row's 4,097 legal ids, as D's do) over a pool of shuffled pages filled with
 random KV. For each (batch B, context C, host work H, mode) it adds B streams whose prompts of C
 tokens are already in the pool and runs the loop to their end:
 
@@ -51,6 +53,7 @@ from tandem.backend.engines.batch import DecodeBatch, FinishedStep
 from tandem.backend.engines.decode import calibration
 from tandem.backend.engines.stream import Chunk
 from tandem.backend.errors import TandemError
+from tandem.backend.generation.grammar import GRAMMAR_NAMES, Grammar
 from tandem.backend.metrics import RecordingMetrics
 from tandem.backend.model.decoder import Decoder
 from tandem.backend.scheduling.step_model import StepTimeModel
@@ -105,6 +108,7 @@ def run_loop(
     mode: str,
     seed: int,
     probes: int = 0,
+    grammar: Grammar = Grammar.NONE,
 ) -> dict[str, Any]:
     """B streams of `context` tokens through `batch` to their end in `mode`; the figures of the steps
     after `warmup`. Periods are wall time between consecutive finished steps as the loop saw them.
@@ -116,7 +120,7 @@ def run_loop(
     sinks = [_Sink() for _ in range(b)]
     rng = np.random.default_rng(seed)
     for i in range(b):
-        calibration.add_stream(batch, seed + i, seed + i, context, rows, sinks[i], rng)
+        calibration.add_stream(batch, seed + i, seed + i, context, rows, sinks[i], rng, grammar)
     probe_turns = (
         sorted(rng.choice(range(warmup + 1, warmup + steps - 4), size=probes, replace=False))
         if probes
@@ -131,7 +135,7 @@ def run_loop(
         for item in [p for p in pending if p[0] <= now]:
             pending.remove(item)
             probe = 10_000 + len(joined)
-            calibration.add_stream(batch, probe, probe, context, 4, item[1], rng)
+            calibration.add_stream(batch, probe, probe, context, 4, item[1], rng, grammar)
             joined.append(item)
 
     finishes: list[tuple[float, FinishedStep]] = []
@@ -184,14 +188,16 @@ def run_loop(
     }
 
 
-def calibrate(batch: DecodeBatch, max_batch: int, max_context: int, steps: int) -> dict[str, Any]:
+def calibrate(
+    batch: DecodeBatch, max_batch: int, max_context: int, steps: int, grammar: Grammar = Grammar.NONE
+) -> dict[str, Any]:
     """What D does at start-up (`DecodeEngine._calibrate`): time the plan, fit the seeded model."""
     pool = batch.pool
     plan = calibration.points(
         max_batch, max_context, pool.num_free_pages * pool.page_size, steps, pool.page_size
     )
     t0 = time.perf_counter()
-    timed = calibration.time_steps(batch, plan, steps)
+    timed = calibration.time_steps(batch, plan, steps, grammar=grammar)
     took = time.perf_counter() - t0
     model = StepTimeModel()
     model.seed([(f.batch, f.context, f.seconds) for f in timed])
@@ -300,6 +306,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--calibrate", action="store_true", help="seed D's step model as at start-up and compare")
     ap.add_argument("--calibrate-steps", type=int, default=4)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--grammar",
+        choices=sorted(GRAMMAR_NAMES),
+        default="off",
+        help="the audio-token grammar the streams sample under (orpheus: an Orpheus-vocabulary preset)",
+    )
     ap.add_argument("--out", type=Path, default=Path("."), help="directory for <name>.json and <name>.png")
     ap.add_argument("--name", help="file stem (default: decode-loop-<preset>-<device type>)")
     ap.add_argument("--replot", type=Path, help="only redraw the PNG of an existing result JSON")
@@ -338,7 +350,8 @@ def main(argv: list[str] | None = None) -> int:
     )  # room for the probes: a batch over max_batch would run the eager step
     setup_s = time.perf_counter() - t0
 
-    cal = calibrate(batch, max_b, max_ctx, args.calibrate_steps) if args.calibrate else None
+    grammar = GRAMMAR_NAMES[args.grammar]
+    cal = calibrate(batch, max_b, max_ctx, args.calibrate_steps, grammar) if args.calibrate else None
     if cal is not None:  # the calibration zeroed the pool: random KV again for the timed runs
         gen = torch.Generator(device=device).manual_seed(args.seed + 1)
         for layer in range(pool.kv.shape[0]):
@@ -348,7 +361,9 @@ def main(argv: list[str] | None = None) -> int:
         for b in args.batches:
             for h in args.host_ms:
                 for mode in modes:
-                    r = run_loop(batch, b, ctx, args.steps, args.warmup, h, mode, args.seed, args.probes)
+                    r = run_loop(
+                        batch, b, ctx, args.steps, args.warmup, h, mode, args.seed, args.probes, grammar
+                    )
                     if cal is not None:
                         ctxs = r["step_contexts"]
                         r["predicted_ms"] = cal["model"].predict(b, int(np.median(ctxs))) * 1e3
@@ -369,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
         "paged_attention": dec.paged_attention,
         "page_size": args.page_size,
         "page_order": "shuffled",
-        "sampling": {"temperature": 0.8, "top_p": 0.95},
+        "sampling": {"temperature": 0.8, "top_p": 0.95, "grammar": args.grammar},
         "steps": args.steps,
         "warmup": args.warmup,
         "setup_s": setup_s,

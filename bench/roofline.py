@@ -183,9 +183,9 @@ def bench_forward(
         slot_tables = [t[: pos + 1] for t in tables]
         positions = torch.full((batch,), pos, dtype=torch.long)
         calls.append(_event_ms(partial(decode, rows, slot_tables, positions)))
-        graph = None if graphed is None else graphed.replay_of(batch, pos + 1)
-        if graph is not None:
-            replays.append(_event_ms(graph.replay))
+        replay = None if graphed is None else graphed.replay_of(batch, pos + 1)  # the graph, then the head
+        if replay is not None:
+            replays.append(_event_ms(replay))
     for pages in owned:
         pool.free(pages)
     call = benchutil.summary([t / 1e3 for t in calls[warmup:]])

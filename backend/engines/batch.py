@@ -34,7 +34,7 @@ from tandem.backend.codec.chunking import ChunkPolicy
 from tandem.backend.device import upload
 from tandem.backend.engines.stream import Chunk, Stream, StreamStatus
 from tandem.backend.errors import Cancelled, StreamFailed
-from tandem.backend.generation.sampling import mark_seen, sample_on_device
+from tandem.backend.generation.sampling import mark_seen, sample_on_device, step_span
 from tandem.backend.kv.pool import KVPool
 from tandem.backend.metrics import MetricsSink
 from tandem.backend.model.cuda_graphs import GraphedDecode
@@ -187,12 +187,14 @@ class DecodeBatch:
         rows = self._input_rows(active, prev, ahead)
         tables = [s.slots[: p + 1] for s, p in zip(active, positions, strict=True)]
         pos = upload(np.asarray(positions, dtype=np.int64), device)
+        params = [s.sampling for s in active]
+        span = step_span(params, self.decoder.cfg.vocab_size)  # grammar-bound: the head's legal rows only
         if self._graphed is not None:
-            logits = self._graphed.decode(rows, tables, pos)
+            logits = self._graphed.decode(rows, tables, pos, span)
         else:
-            logits = self.decoder.decode(rows, self.pool, tables, pos)
+            logits = self.decoder.decode(rows, self.pool, tables, pos, span)
         seen = self._seen(active)
-        rows_dev = sample_on_device(logits, [s.sampling for s in active], [p + 1 for p in positions], seen)
+        rows_dev = sample_on_device(logits, params, [p + 1 for p in positions], seen, span)
         if seen is not None:  # the next step's history, ordered on the device after this step's rows
             mark_seen(seen, rows_dev)
             for s, row in zip(active, seen, strict=True):

@@ -6,6 +6,11 @@ It is a pure function of (grammar, audio position), so P, D and the monolithic e
 Orpheus (SNAC 24 kHz, seven ids per frame): the i-th audio token (i = 0 first generated) is
 `128266 + (i mod 7) * 4096 + code`, code in [0, 4096); end-of-speech is 128258. At position i only
 slot `i mod 7`'s 4,096 ids and end-of-speech may be sampled.
+
+Two views of the same rule: `allowed` (a mask over the whole vocabulary: the reference) and
+`legal_ids` (each row's legal ids, in ascending order: what the sampler works on, so a row's
+penalty, sort and draw span 4,097 columns, not 156,940), plus `span`, the contiguous range of ids that
+holds every id a grammar may emit (the rows of the output head a step under it needs).
 """
 
 from __future__ import annotations
@@ -13,6 +18,8 @@ from __future__ import annotations
 from enum import IntEnum
 
 import torch
+
+from tandem.backend.generation.vocab_span import VocabSpan
 
 ORPHEUS_AUDIO_BASE = 128266
 ORPHEUS_CODES = 4096  # ids per slot (one SNAC codebook)
@@ -56,6 +63,42 @@ def allowed(grammar: Grammar, audio_positions: torch.Tensor, vocab_size: int) ->
         lo = ORPHEUS_AUDIO_BASE + (audio_positions % ORPHEUS_SLOTS)[:, None] * ORPHEUS_CODES
         return ((ids >= lo) & (ids < lo + ORPHEUS_CODES)) | (ids == ORPHEUS_END_OF_SPEECH)
     raise ValueError(f"unknown grammar {grammar!r}")
+
+
+def span(grammar: Grammar, vocab_size: int) -> VocabSpan:
+    """The contiguous ids that hold every id `grammar` may emit (the whole vocabulary for NONE).
+
+    Orpheus: end-of-speech (128258) up to the last slot's last id, 28,680 ids: the 7 x 4,096 audio
+    ids, end-of-speech and the 7 special ids between them (computed, never sampled). Raises
+    ValueError when the grammar's ids do not fit the vocabulary."""
+    check_vocab(grammar, vocab_size)
+    if grammar == Grammar.NONE:
+        return VocabSpan.whole(vocab_size)
+    if grammar == Grammar.ORPHEUS:
+        last = ORPHEUS_AUDIO_BASE + ORPHEUS_SLOTS * ORPHEUS_CODES
+        return VocabSpan(ORPHEUS_END_OF_SPEECH, last, vocab_size)
+    raise ValueError(f"unknown grammar {grammar!r}")
+
+
+def legal_width(grammar: Grammar) -> int:
+    """How many ids a row under `grammar` may sample at any position (Orpheus: 4,097)."""
+    if grammar == Grammar.ORPHEUS:
+        return ORPHEUS_CODES + 1
+    raise ValueError(f"grammar {grammar!r} does not restrict the vocabulary")
+
+
+def legal_ids(grammar: Grammar, audio_positions: torch.Tensor) -> torch.Tensor:
+    """int64 [N, legal_width(grammar)] on `audio_positions`' device: row n's legal ids at audio
+    position audio_positions[n] (int64 [N]), ascending, so a stable sort over them breaks ties
+    toward the lower id as one over the whole vocabulary does. Orpheus: end-of-speech, then slot
+    (i mod 7)'s 4,096 ids. The ids `allowed` marks True, nothing else; nothing waits for the device."""
+    if grammar == Grammar.ORPHEUS:
+        dev = audio_positions.device
+        lo = ORPHEUS_AUDIO_BASE + (audio_positions % ORPHEUS_SLOTS)[:, None] * ORPHEUS_CODES
+        codes = torch.arange(ORPHEUS_CODES, dtype=torch.long, device=dev)[None, :]
+        eos = torch.full((audio_positions.shape[0], 1), ORPHEUS_END_OF_SPEECH, dtype=torch.long, device=dev)
+        return torch.cat([eos, lo + codes], dim=1)
+    raise ValueError(f"grammar {grammar!r} does not restrict the vocabulary")
 
 
 def stop_ids(grammar: Grammar) -> tuple[int, ...]:

@@ -1,7 +1,7 @@
 """The decoder's attention dispatch: per forward, which kernel each layer's attention runs and how the
 new rows' K/V reach the paged pool.
 
-`Decoder.prefill_many` and `Decoder.decode_padded` build one `LayerAttention` per forward
+`Decoder.prefill_many` and `Decoder.decode_hidden` build one `LayerAttention` per forward
 (`for_prefill`, `for_decode`) and the layer loop calls, for every layer i, one of:
 - `unfused(i, q, k, v)`: q [N, nh, hd], k/v [N, kvh, hd], qk-norm and RoPE already applied;
 - `fused(i, qkv, cos, sin)` (None where the forward has no fused form): the QKV projection's output

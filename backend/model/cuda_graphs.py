@@ -4,18 +4,25 @@ Graphs are captured lazily per bucket (batch rounded up to a power of two, or to
 the largest power of two under it; context rounded up to `context_step`), over static input buffers.
 Unused batch rows point at a scratch slot the graph owns (one pool page reserved at construction).
 
+A graph holds the layers only (`Decoder.decode_hidden`); the output head runs after the replay, over
+the bucket's hidden states, for the ids the step's streams need (`VocabSpan`: a grammar-bound step
+reads the head's rows of its grammar's ids alone), so one capture serves every span and no span
+needs a capture of its own. The head is one GEMM queued behind the replay on the same stream: no host
+sync, and its input is the graph's static output, read before the next replay can write it.
+
 Owner: the engine thread that calls `decode` (D or the monolithic engine); not thread-safe.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from tandem.backend.device import upload
+from tandem.backend.generation.vocab_span import VocabSpan
 from tandem.backend.kv.pool import KVPool
 from tandem.backend.model.decoder import Decoder
 
@@ -44,7 +51,7 @@ class _Graph:
     padded: torch.Tensor
     lengths: torch.Tensor
     positions: torch.Tensor
-    logits: torch.Tensor
+    hidden: torch.Tensor  # [bb, H]: the final-normed hidden states the replay writes
 
 
 class GraphedDecode:
@@ -88,33 +95,49 @@ class GraphedDecode:
         self._stream.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(self._stream):
             for _ in range(2):
-                self.decoder.decode_padded(rows, self.pool, padded, lengths, positions)
+                self.decoder.decode_hidden(rows, self.pool, padded, lengths, positions)
         torch.cuda.current_stream(dev).wait_stream(self._stream)
         graph = torch.cuda.CUDAGraph()
         # thread_local: D's other threads (admission, the receiver's checksum) keep using CUDA on their
         # own streams while this thread captures; "global" would make their calls fail the capture.
         with torch.cuda.graph(graph, pool=self._mempool, capture_error_mode="thread_local"):
-            logits = self.decoder.decode_padded(rows, self.pool, padded, lengths, positions)
+            hidden = self.decoder.decode_hidden(rows, self.pool, padded, lengths, positions)
         log.info("captured decode graph for batch %d, context %d", bb, s)
-        return _Graph(graph, rows, padded, lengths, positions, logits)
+        return _Graph(graph, rows, padded, lengths, positions, hidden)
 
-    def replay_of(self, b: int, longest: int) -> torch.cuda.CUDAGraph | None:
-        """The captured graph a `decode` of `b` streams whose longest slot table has `longest` entries
-        replays (None when not captured yet). For benchmarks that time the device step alone: a replay
+    def replay_of(
+        self, b: int, longest: int, span: VocabSpan | None = None
+    ) -> Callable[[], torch.Tensor] | None:
+        """The device step a `decode` of `b` streams whose longest slot table has `longest` entries
+        runs: the captured graph's replay, then the head over `span` (None: the whole vocabulary);
+        None when that bucket is not captured yet. For benchmarks that time the device step alone: it
         reruns the last `decode`'s inputs (its KV write lands on the same slots again)."""
         g = self._graphs.get(self._bucket(b, longest))
-        return None if g is None else g.graph
+        if g is None:
+            return None
+        graph, hidden = g.graph, g.hidden
+
+        def step() -> torch.Tensor:
+            graph.replay()
+            return self.decoder.head_logits(hidden, span)
+
+        return step
 
     @torch.inference_mode()
     def decode(
-        self, rows: torch.Tensor, slot_tables: Sequence[torch.Tensor], positions: torch.Tensor
+        self,
+        rows: torch.Tensor,
+        slot_tables: Sequence[torch.Tensor],
+        positions: torch.Tensor,
+        span: VocabSpan | None = None,
     ) -> torch.Tensor:
-        """Same contract as `Decoder.decode` (returns a fresh float32 [B, W, V] the caller owns)."""
+        """Same contract as `Decoder.decode` (returns fresh float32 logits [B, W, n] of `span`'s ids
+        the caller owns)."""
         b = rows.shape[0]
         longest = max(int(t.numel()) for t in slot_tables)
         bb, s = self._bucket(b, longest)
         if b > self.max_batch or self.failed is not None:
-            return self.decoder.decode(rows, self.pool, slot_tables, positions)
+            return self.decoder.decode(rows, self.pool, slot_tables, positions, span)
         g = self._graphs.get((bb, s))
         if g is None:
             try:
@@ -125,7 +148,7 @@ class GraphedDecode:
                     "capturing the decode graph for batch %d, context %d failed; decoding eagerly", bb, s
                 )
                 torch.cuda.synchronize(self.pool.device)
-                return self.decoder.decode(rows, self.pool, slot_tables, positions)
+                return self.decoder.decode(rows, self.pool, slot_tables, positions, span)
         dev = self.pool.device
         g.rows.zero_()
         g.rows[:b].copy_(rows if rows.device == dev else upload(rows, dev))
@@ -137,4 +160,7 @@ class GraphedDecode:
         g.positions.zero_()
         g.positions[:b].copy_(positions if positions.device == dev else upload(positions, dev))
         g.graph.replay()
-        return g.logits[:b].clone()
+        # Over the whole bucket, as the head ran when it was inside the graph: the GEMM's shape (and
+        # so its kernel and rounding) is the bucket's, whatever b is; the padding rows cost nothing
+        # in a GEMM that streams its weight rows.
+        return self.decoder.head_logits(g.hidden, span)[:b]

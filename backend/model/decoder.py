@@ -21,6 +21,7 @@ from torch import nn
 from torch.nn.attention import sdpa_kernel
 
 from tandem.backend.device import upload
+from tandem.backend.generation.vocab_span import VocabSpan
 from tandem.backend.kv.layout import KVLayout
 from tandem.backend.kv.pool import KVPool
 from tandem.backend.model import attention, fp8
@@ -170,11 +171,24 @@ class Decoder(nn.Module):
         ids = rows.to(self.device, torch.long) + self._col_offsets
         return self.model.embed_tokens(ids).sum(dim=1)
 
-    def _logits(self, h: torch.Tensor) -> torch.Tensor:
-        # The matmul runs in the model dtype (fp32 accumulate, as HF does); keeping an fp32 copy of a
-        # 152k-row head would cost 1.5 GB. The result is returned as float32.
+    @torch.inference_mode()
+    def head_logits(self, h: torch.Tensor, span: VocabSpan | None = None) -> torch.Tensor:
+        """The output head over final-normed hidden states h [N, H] -> a fresh float32 [N, W, n]: the
+        logits of ids span.lo .. span.hi - 1 (span None: the whole vocabulary, n = V).
+
+        A span reads only the head's rows of its ids (a contiguous row slice of the [W*V, H] weight
+        when W = 1; with W > 1 the whole head is computed and sliced). The matmul runs in the model
+        dtype (fp32 accumulate, as HF does: an fp32 copy of a 152k-row head would cost 1.5 GB); with
+        FP8 weights the head stays in it too (`quantize_fp8`)."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return linear(h, weight).float().view(h.shape[0], self.cfg.row_width, self.cfg.vocab_size)
+        n, w, v = h.shape[0], self.cfg.row_width, self.cfg.vocab_size
+        if span is not None and span.vocab_size != v:
+            raise ValueError(f"{span} is not of this model's vocabulary of {v} ids")
+        if span is None or span.is_whole:
+            return linear(h, weight).float().view(n, w, v)
+        if w == 1:
+            return linear(h, weight[span.lo : span.hi]).float().view(n, 1, span.width)
+        return linear(h, weight).float().view(n, w, v)[:, :, span.lo : span.hi]
 
     def _fused_on(self, x: torch.Tensor) -> bool:
         return self.fused and triton_ops.available(x)
@@ -288,25 +302,30 @@ class Decoder(nn.Module):
             )
             return o[0].transpose(0, 1).reshape(t, -1)
 
-        return self._logits(self._run(x, torch.arange(t, device=x.device), attend))
+        return self.head_logits(self._run(x, torch.arange(t, device=x.device), attend))
 
     @torch.inference_mode()
-    def prefill(self, rows: torch.Tensor, pool: KVPool, slots: torch.Tensor, start: int) -> torch.Tensor:
-        """Run prompt rows [T, W] at positions start..start+T-1; return float32 logits [W, V] of the last one.
+    def prefill(
+        self, rows: torch.Tensor, pool: KVPool, slots: torch.Tensor, start: int, span: VocabSpan | None = None
+    ) -> torch.Tensor:
+        """Run prompt rows [T, W] at positions start..start+T-1; return float32 logits [W, n] of the last one
+        (the ids of `span`, `head_logits`; None: the whole vocabulary).
 
         Called by the prefill (and monolithic) engine. `slots` LongTensor[start+T] gives the pool slot of
         every position 0..start+T-1; positions < start must already hold KV (e.g. prefix-cache pages).
         Writes the KV of the T new positions into `pool` at `slots[start:]` (pages the caller owns and that
         nobody else reads as cached content). The caller owns the returned logits.
         """
-        return self.prefill_many(pool, [PrefillItem(rows, slots, start)])[0]
+        return self.prefill_many(pool, [PrefillItem(rows, slots, start)], span)[0]
 
     @torch.inference_mode()
-    def prefill_many(self, pool: KVPool, items: Sequence[PrefillItem]) -> torch.Tensor:
-        """`prefill` for several unrelated prompts in one forward; returns float32 logits [n, W, V], row i
-        the last position of item i. The linear layers run once over all rows, attention once per prompt,
-        each prompt over itself only, so results do not depend on the other items. Items' slots must not
-        overlap."""
+    def prefill_many(
+        self, pool: KVPool, items: Sequence[PrefillItem], span: VocabSpan | None = None
+    ) -> torch.Tensor:
+        """`prefill` for several unrelated prompts in one forward; returns float32 logits [n, W, width] of
+        `span`'s ids (None: the whole vocabulary), row i the last position of item i. The linear layers
+        run once over all rows, attention once per prompt, each prompt over itself only, so results do
+        not depend on the other items. Items' slots must not overlap."""
         self._check_pool(pool)
         if not items:
             raise ValueError("prefill_many needs at least one item")
@@ -333,13 +352,19 @@ class Decoder(nn.Module):
         with sdpa_kernel(PREFILL_BACKENDS):
             h = self._forward_layers(x, positions, att)
         last = torch.tensor([p.offset + p.rows - 1 for p in parts], device=h.device)
-        return self._logits(h.index_select(0, last))
+        return self.head_logits(h.index_select(0, last), span)
 
     @torch.inference_mode()
     def decode(
-        self, rows: torch.Tensor, pool: KVPool, slot_tables: Sequence[torch.Tensor], positions: torch.Tensor
+        self,
+        rows: torch.Tensor,
+        pool: KVPool,
+        slot_tables: Sequence[torch.Tensor],
+        positions: torch.Tensor,
+        span: VocabSpan | None = None,
     ) -> torch.Tensor:
-        """One step for B sequences; returns float32 logits [B, W, V] the caller owns.
+        """One step for B sequences; returns float32 logits [B, W, n] of `span`'s ids (None: the whole
+        vocabulary, `head_logits`) the caller owns.
 
         Called by the decode (and monolithic) engine. rows [B, W] holds one new row per sequence,
         positions [B] the number of tokens already in the pool for each (= the new row's position), and
@@ -355,10 +380,11 @@ class Decoder(nn.Module):
         dev = pool.device
         lengths = upload(torch.tensor(lengths_host, dtype=torch.long), dev)
         padded = torch.nn.utils.rnn.pad_sequence([t.to(dev) for t in slot_tables], batch_first=True)
-        return self.decode_padded(rows.to(dev), pool, padded, lengths, positions.to(dev, torch.long))
+        h = self.decode_hidden(rows.to(dev), pool, padded, lengths, positions.to(dev, torch.long))
+        return self.head_logits(h, span)
 
     @torch.inference_mode()
-    def decode_padded(
+    def decode_hidden(
         self,
         rows: torch.Tensor,
         pool: KVPool,
@@ -366,12 +392,14 @@ class Decoder(nn.Module):
         lengths: torch.Tensor,
         positions: torch.Tensor,
     ) -> torch.Tensor:
-        """`decode` with every input a device tensor of static shape: what a CUDA graph captures.
+        """One step's layers with every input a device tensor of static shape: what a CUDA graph
+        captures (the head runs after it, over whichever ids the step's streams need).
 
         padded LongTensor[B, S] holds each sequence's slots (its new row's slot at index lengths[i]-1;
         entries past it are ignored), lengths LongTensor[B], positions LongTensor[B], rows [B, W].
         No host synchronisation and no shape that depends on values, so one capture per (B, S) replays
-        for any batch that fits. Writes the new rows' KV into the pool; returns float32 [B, W, V].
+        for any batch that fits. Writes the new rows' KV into the pool; returns the final-normed hidden
+        states [B, H] in the model dtype.
         """
         att = attention.for_decode(
             pool,
@@ -383,4 +411,4 @@ class Decoder(nn.Module):
             self.paged_attention,
             self._rope_kv_write,
         )
-        return self._logits(self._forward_layers(self._embed(rows), positions, att))
+        return self._forward_layers(self._embed(rows), positions, att)

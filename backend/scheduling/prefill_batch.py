@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from tandem.backend.errors import PoolExhausted, StreamFailed, TandemError
-from tandem.backend.generation.sampling import SamplingParams, sample
+from tandem.backend.generation.sampling import SamplingParams, sample, step_span
 from tandem.backend.kv.pool import KVPool
 from tandem.backend.kv.prefix_cache import PrefixAllocation, PrefixCache
 from tandem.backend.metrics import MetricsSink
@@ -109,12 +109,10 @@ class PrefillBatch(Generic[R]):
             items.append(PrefillItem(rows, table[: req.prompt.shape[0]], alloc.cached_tokens))
         for req, _ in self.members:
             req.timings.mark("forward_start")
-        logits = decoder.prefill_many(pool, items)
-        firsts = sample(
-            logits,
-            [req.sampling for req, _ in self.members],
-            [req.prompt.shape[0] for req, _ in self.members],
-        ).numpy()
+        params = [req.sampling for req, _ in self.members]
+        span = step_span(params, decoder.cfg.vocab_size)  # grammar-bound: the head's legal rows only
+        logits = decoder.prefill_many(pool, items, span)
+        firsts = sample(logits, params, [req.prompt.shape[0] for req, _ in self.members], span=span).numpy()
         for req, alloc in self.members:
             req.timings.mark("forward_end")
             self.metrics.observe(

@@ -179,7 +179,7 @@ def test_a_calibration_that_leaves_the_pool_changed_stops_d_from_starting(decode
     on: D's start raises, and closing it afterwards is clean."""
     from tandem.backend.engines.decode import calibration
 
-    def leaky(batch, plan, steps, seed=0):
+    def leaky(batch, plan, steps, seed=0, grammar=None):
         batch.pool.allocate(1)
         raise RuntimeError("calibration bug")
 

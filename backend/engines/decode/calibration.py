@@ -20,6 +20,7 @@ import torch
 from tandem.backend.engines.batch import DecodeBatch, FinishedStep
 from tandem.backend.engines.stream import Chunk, ChunkSink, Stream
 from tandem.backend.errors import TandemError
+from tandem.backend.generation.grammar import Grammar
 from tandem.backend.generation.sampling import SamplingParams
 from tandem.backend.metrics import RecordingMetrics
 from tandem.backend.timing import Timings
@@ -61,16 +62,20 @@ def add_stream(
     rows: int,
     sink: ChunkSink,
     rng: np.random.Generator,
+    grammar: Grammar = Grammar.NONE,
 ) -> None:
     """Adds a synthetic stream to `batch`: `context` tokens of prompt already in its pages (whatever
-    the pool holds there), `rows` rows to generate with temperature 0.8 / top-p 0.95 from a random
-    first row; its pages go back to the pool when it leaves. Also used by tandem-bench-decode-loop."""
+    the pool holds there), `rows` rows to generate with temperature 0.8 / top-p 0.95 under `grammar`
+    from a random first row; its pages go back to the pool when it leaves. Also used by
+    tandem-bench-decode-loop."""
     pool, dec = batch.pool, batch.decoder
     pages = pool.allocate(pool.pages_for(context + rows))
     stream = Stream(
         stream_id=stream_id,
         prompt_len=context,
-        sampling=SamplingParams(temperature=0.8, top_p=0.95, seed=seed),
+        sampling=SamplingParams(
+            temperature=0.8, top_p=0.95, seed=seed, grammar=grammar, grammar_start=context
+        ),
         max_new_rows=rows,
         sink=sink,
         timings=Timings(),
@@ -95,9 +100,13 @@ def points(max_batch: int, max_context: int, pool_tokens: int, steps: int, page_
     return out
 
 
-def time_steps(batch: DecodeBatch, plan: list[Point], steps: int, seed: int = 0) -> list[FinishedStep]:
+def time_steps(
+    batch: DecodeBatch, plan: list[Point], steps: int, seed: int = 0, grammar: Grammar = Grammar.NONE
+) -> list[FinishedStep]:
     """Runs every point of `plan` through `batch` (which must be empty): `steps` timed steps each after
-    WARMUP_STEPS untimed ones; returns the timed steps. Every page taken comes back."""
+    WARMUP_STEPS untimed ones; returns the timed steps. Every page taken comes back. The streams
+    sample under `grammar`, the one D's streams sample under (a grammar's step computes fewer of the
+    head's rows and samples over fewer ids: timing it without would overstate every step)."""
     if len(batch):
         raise RuntimeError("calibration needs an empty batch")
     pool = batch.pool
@@ -111,7 +120,7 @@ def time_steps(batch: DecodeBatch, plan: list[Point], steps: int, seed: int = 0)
     try:
         for pt in plan:
             for i in range(pt.batch):
-                add_stream(batch, -(i + 1), i, pt.context, rows, _DropSink(), rng)
+                add_stream(batch, -(i + 1), i, pt.context, rows, _DropSink(), rng, grammar)
             finished = []
             while len(batch):
                 done = batch.advance()

@@ -48,6 +48,7 @@ from tandem.backend.model.decoder import Decoder
 from tandem.backend.scheduling.decode_policy import DecodePolicy
 from tandem.backend.scheduling.step_model import StepTimeModel
 from tandem.backend.settings import EngineSettings
+from tandem.backend.text.defaults import resolve_grammar
 from tandem.transfer import TransferReceiver
 
 __all__ = ["DecodeEngine", "DecodeRequest"]
@@ -127,7 +128,8 @@ class DecodeEngine:
         t0 = time.perf_counter()
         free = self.pool.num_free_pages
         try:
-            steps = calibration.time_steps(self.batch, plan, b.calibrate_steps)
+            grammar = resolve_grammar(self.settings, None)  # what P hands D's streams (settings alone)
+            steps = calibration.time_steps(self.batch, plan, b.calibrate_steps, grammar=grammar)
         except Exception:
             if self.pool.num_free_pages != free or len(self.batch):
                 raise  # the pool is not as it was: refuse to start rather than serve on it
