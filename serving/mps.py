@@ -40,7 +40,8 @@ from pathlib import Path
 CONTROL = "nvidia-cuda-mps-control"
 PIPE_ENV = "CUDA_MPS_PIPE_DIRECTORY"
 LOG_ENV = "CUDA_MPS_LOG_DIRECTORY"
-QUIT_WAIT_S = 10.0  # `quit` waits for the MPS server's clients; ours are gone by then
+QUIT_WAIT_S = 10.0
+START_WAIT_S = 5.0  # `quit` waits for the MPS server's clients; ours are gone by then
 _GROUP = re.compile(r"\{\s*kind:\s*KIND_GPU\s*(?:count:\s*(\d+)\s*)?gpus:\s*\[([^\]]*)\]")
 _GROUPS = re.compile(r"instance_group\s*\[(.*?)\]\s*$", re.MULTILINE | re.DOTALL)
 
@@ -133,8 +134,15 @@ class MpsDaemon:
         self.log.mkdir(parents=True, mode=0o700)
         try:
             started = self._control(None, 30.0)
-            # The daemon forks and returns at once; a query through its pipe proves it serves.
-            answer = self._control("get_server_list", 30.0) if started.returncode == 0 else started
+            answer = started
+            # The daemon forks and returns; a query through its pipe proves it serves (retried for
+            # START_WAIT_S: the forked daemon may not have opened its pipe yet).
+            deadline = time.monotonic() + START_WAIT_S
+            while started.returncode == 0:
+                answer = self._control("get_server_list", 30.0)
+                if answer.returncode == 0 or time.monotonic() > deadline:
+                    break
+                time.sleep(0.2)
         except (OSError, subprocess.TimeoutExpired) as exc:
             self._remove()
             raise MpsError(f"{self.binary} -d could not run: {exc}") from exc

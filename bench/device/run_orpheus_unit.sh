@@ -34,6 +34,16 @@ work=$(mktemp -d /tmp/orpheus-unit.XXXX)
 res=$work/res && mkdir -p "$res"
 left() { echo $((budget - ($(date +%s) - t0))); }
 
+# pack: OUT gets the summary, the bench's JSON and plot, the metrics, and one tarball of the rest.
+pack() {
+  for f in bench/bench.json bench/bench.png metrics.txt summary.txt; do
+    [ -e "$res/$f" ] && cp "$res/$f" "$dest/"
+  done
+  tar -C "$res" -czf "$dest/run.tar.gz" --exclude=bench.png .
+}
+unit=""
+trap '[ -n "$unit" ] && { kill -TERM $unit 2>/dev/null; wait $unit 2>/dev/null; }; pack; rm -rf "$work"' EXIT
+
 if [ "$carry" = cpu ]; then
   base=${TANDEM_PORT_BASE:-18500}; grpc=$((base + 1)); http=$base; metrics=$((base + 2))
   export XDG_RUNTIME_DIR=$work/run && mkdir -p -m 0700 "$XDG_RUNTIME_DIR"
@@ -70,16 +80,6 @@ else
   codec_args=(--device cuda --streams 1,16,64,128,256); codec_s=60
   nvidia-smi --query-gpu=name,memory.used,clocks.sm,clocks.mem --format=csv > "$res/gpu.csv" || true
 fi
-
-# pack: OUT gets the summary, the bench's JSON and plot, the metrics, and one tarball of the rest.
-pack() {
-  for f in bench/bench.json bench/bench.png metrics.txt summary.txt; do
-    [ -e "$res/$f" ] && cp "$res/$f" "$dest/"
-  done
-  tar -C "$res" -czf "$dest/run.tar.gz" --exclude=bench.png .
-}
-unit=""
-trap '[ -n "$unit" ] && { kill -TERM $unit 2>/dev/null; wait $unit 2>/dev/null; }; pack; rm -rf "$work"' EXIT
 
 python3 -m tandem.bench.codec --write-random "$work/snac" --noise > "$res/snac.log"
 python3 -m tandem.cli.make_repository --out "$work/repo" "${source_args[@]}" --codec "$work/snac" \
