@@ -5,7 +5,11 @@ starts its next request when the previous one ends) for `--requests` requests. P
 - rate: rows/s after the first response (the player's clock starts there);
 - stalls: audio plays at `rows_per_second` from the first response on; a response that arrives
   after the buffer ran dry is a stall (the listener hears it);
-- TTFA: client send -> first response with audio.
+- TTFA: client send -> first response with audio;
+- silent lead: the responses that carried rows but no audio before the first that did (0 expected: a
+  stream whose first chunk does not sound measures the sampler, not the server; an Orpheus stream
+  sampled without its grammar emits an audio id one token in five on random weights). A level
+  reports their sum and the streams that had any.
 A level passes when no stream stalled, none failed, and every stream kept the floor. Capacity is
 the largest passing C; per GPU it is divided by the GPUs the configuration uses (`--gpus`). That rule
 does not see time spent waiting to start (D's rate floor queues newcomers rather than let playing
@@ -47,6 +51,7 @@ TABLE_HEADERS = [
     "err",
     "stalls",
     "<floor",
+    "silent",
     "ttfa p50 ms",
     "ttfa p95 ms",
     "later p95 ms",
@@ -104,6 +109,14 @@ def stalls(result: StreamResult, rows_per_second: float) -> tuple[int, float]:
     return count, stalled
 
 
+def silent_lead(result: StreamResult) -> int:
+    """Responses before the first that carried audio samples (all of them when none did)."""
+    for i, samples in enumerate(result.response_samples):
+        if samples > 0:
+            return i
+    return len(result.response_samples)
+
+
 def stream_record(r: StreamResult, rows_per_second: float, floor: float) -> dict[str, Any]:
     n_stalls, stalled_s = stalls(r, rows_per_second)
     stamps = dict(r.timings)
@@ -117,6 +130,7 @@ def stream_record(r: StreamResult, rows_per_second: float, floor: float) -> dict
         "rate_tok_s": rate,
         "stalls": n_stalls,
         "stalled_s": stalled_s,
+        "silent_lead": silent_lead(r),
         "below_floor": bool(np.isfinite(rate) and rate < floor),
         "waterfall_ms": dict(waterfall(stamps, FIRST_AUDIO_STAGES)),
     }
@@ -188,6 +202,8 @@ def run_level(
         "stalls": sum(r["stalls"] for r in ok),
         "streams_stalled": sum(1 for r in ok if r["stalls"]),
         "streams_below_floor": sum(1 for r in ok if r["below_floor"]),
+        "silent_lead_responses": sum(r["silent_lead"] for r in ok),
+        "streams_silent_lead": sum(1 for r in ok if r["silent_lead"]),
         "ttfa_ms": {q: float(np.percentile(ttfa, p)) for q, p in (("p50", 50), ("p95", 95), ("p99", 99))}
         if ttfa
         else {},
@@ -404,6 +420,7 @@ def main(argv: list[str] | None = None) -> int:
                     lv["errors"],
                     lv["stalls"],
                     lv["streams_below_floor"],
+                    lv["silent_lead_responses"],
                     t.get("p50", float("nan")),
                     t.get("p95", float("nan")),
                     lv["ttfa_ms_later"].get("p95", float("nan")),

@@ -31,7 +31,7 @@ from tandem.backend.codec.builder import codec_spec, layout
 from tandem.backend.model.checkpoint import config_from_hf
 from tandem.backend.model.config import ModelConfig, preset
 from tandem.backend.settings import parse_settings
-from tandem.backend.text.families import FAMILIES, detect_family
+from tandem.backend.text.families import FAMILIES, PRESET_FAMILIES, detect_family
 from tandem.serving.repository import gpu_group, render, tensor_dims
 
 SOURCE = Path(__file__).resolve().parent.parent / "model_repository"
@@ -52,7 +52,12 @@ ORPHEUS_FAMILY_USERS = ("frontend", "prefill", "tts_mono")
 def _codec_parameters(args: argparse.Namespace, cfg: ModelConfig, params: dict[str, dict[str, str]]) -> str:
     """Codec settings for every codec user, published rates, frame-aligned chunks; returns a summary.
     Exits with a message naming the problem for a family without its codec or a bad codec directory."""
-    family = args.family or (detect_family(Path(args.checkpoint)) if args.checkpoint else None)
+    if args.family:
+        family: str | None = args.family
+    elif args.checkpoint:
+        family = detect_family(Path(args.checkpoint))
+    else:
+        family = PRESET_FAMILIES.get(args.preset or "")
     if family and not args.codec:
         need = FAMILIES[family]
         raise SystemExit(f"tandem-repo: the {family} family needs its codec: --codec DIR ({need})")
@@ -112,7 +117,10 @@ def main(argv: list[str] | None = None) -> int:
     src.add_argument("--checkpoint", default=None)
     ap.add_argument("--codec", help="SNAC directory (config.json + pytorch_model.bin) for the vocoder seam")
     ap.add_argument(
-        "--family", choices=sorted(FAMILIES), help="the model family; default: detected from --checkpoint"
+        "--family",
+        choices=sorted(FAMILIES),
+        help="the model family; default: detected from --checkpoint, or the preset's "
+        "(orpheus-3b-shape: orpheus)",
     )
     ap.add_argument("--vocoder-gpus", help="one vocoder instance per listed GPU (the codec decodes there)")
     ap.add_argument(

@@ -31,6 +31,8 @@ own"): a dead or stalled engine never needs this supervisor. What is left here i
   the server and for as long as it runs. A proxy that exits takes every P and D registration with it
   (D's arena, P's staging: they are not re-made), so the supervisor starts a new proxy and then
   restarts the server, whose P and D register again; every stream of the unit fails meanwhile.
+* with `--mps auto|on` (serving/mps.py), runs the unit's CUDA MPS control daemon where engines share a
+  GPU, for as long as it runs, and gives tritonserver its pipe and log directories;
 * sends the unit's API key (`serving/api_key.py`) on its own calls to the server: the launcher locks
   Triton's model-repository API (and the other control APIs) with it, so the `prefill` load needs it.
 
@@ -60,7 +62,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import FrameType
 
-from tandem.serving import process_tree
+from tandem.serving import mps, process_tree
 from tandem.serving.api_key import UNIT_PARAMETER, ApiKeyError, resolve, unit_dir, unit_of
 from tandem.serving.health import HealthUnavailable, UnitHealth, fetch_health
 from tandem.serving.launcher import LauncherError, build_command
@@ -221,6 +223,7 @@ class Supervisor:
         self.down_since: float | None = None  # some engine down since (monotonic)
         self.proxy: subprocess.Popen[str] | None = None
         self.proxy_starts = 0
+        self.mps: mps.MpsDaemon | None = None  # the unit's MPS daemon (serving/mps.py), set by run()
         self.metrics_url = metrics_url(self.args)
         self.unit = unit_of(self.args)
         model_dir = find_model_dir(self.args, self.model)
@@ -337,6 +340,7 @@ class Supervisor:
         except LauncherError as exc:
             log(f"launcher: {exc}")
             raise GiveUp(2) from exc
+        env = mps.server_env(env, self.mps)
         env[STATE_ENV] = str(self.state_path)
         self.remove_regions()  # a server of this unit killed before (we hold the unit's lock)
         self.started_at = time.time()
@@ -574,6 +578,7 @@ class Supervisor:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self.on_signal)
         try:
+            self.mps = mps.open_daemon(self.opts.mps, self.repos, self.dir, log)
             if self.opts.proxy:
                 self.start_proxy()
                 if self.stopping:  # a signal came while the proxy started: no server to start
@@ -613,8 +618,13 @@ class Supervisor:
             if self.proc is not None and self.proc.poll() is None:  # e.g. a proxy that will not start
                 self.stop_server(self.opts.stop_timeout)
             return give_up.status
+        except mps.MpsError as exc:
+            log(f"cannot share the GPU without time-slicing: {exc}")
+            return 2
         finally:
             self.stop_proxy()
+            if self.mps is not None:  # after the server and its engines, the daemon's clients
+                self.mps.stop()
 
 
 def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -658,6 +668,13 @@ def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     )
     parser.add_argument(
         "--proxy", action="store_true", help="run the unit's tandem-proxy sidecar (the proxy KV path)"
+    )
+    parser.add_argument(
+        "--mps",
+        type=mps.parse_mode,
+        default=mps.MpsMode.AUTO,
+        help="CUDA MPS for engines sharing a GPU (serving/mps.py): off, auto (on where they share one "
+        "and nvidia-cuda-mps-control exists), on (refuse to start without it)",
     )
     argv = list(argv)
     if "--" in argv:

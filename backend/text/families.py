@@ -1,7 +1,8 @@
 """Model families `tandem-repo` knows, and how it recognises one from a checkpoint directory.
 
 A family fixes the codec the LM drives and how its tokens carry the codes (backend/codec/builder.py).
-Recognised from the checkpoint's files, never its directory name:
+Recognised from the checkpoint's files, never its directory name, or implied by a preset of the
+family's shape (`PRESET_FAMILIES`: random weights with no tokenizer, so nothing else could tell):
 - orpheus: a Llama with the Llama-3 text vocabulary plus 7 x 4096 audio tokens (156,940 ids), whose
   tokenizer, when shipped, names id 128266 `<custom_token_10>`.
 """
@@ -14,6 +15,9 @@ from pathlib import Path
 from tandem.backend.codec.orpheus import AUDIO_BASE, CODEBOOK, SLOTS
 
 FAMILIES = {"orpheus": "SNAC 24 kHz: the hubertsiuzdak/snac_24khz directory"}
+# The presets (backend/model/config.py) that stand for a family's model: a repository of one is that
+# family's (its codec, its grammar), as a checkpoint of it would be.
+PRESET_FAMILIES = {"orpheus-3b-shape": "orpheus"}
 _ORPHEUS_VOCAB = 156940
 
 

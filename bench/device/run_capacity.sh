@@ -18,6 +18,7 @@ python3 -m tandem.cli.make_repository --out /tmp/repo --preset qwen3-4b-shape --
   --set "tts_mono:tandem.batch.max_queue=1024" --set "decode:tandem.batch.max_queue=1024" \
   --set "tts_mono:tandem.batch.graph_warmup_context=2560" --set "decode:tandem.batch.graph_warmup_context=2560" \
   $(for kv in ${CAPACITY_SET:-}; do printf -- '--set %s ' "$kv"; done)
+rm -rf /tmp/repo/voices  # reference registration needs PyAV, which the carry leaves out
 serve_repository /tmp/repo "$out"
 nvidia-smi --query-gpu=index,name,memory.used --format=csv > "$out/gpus.csv"
 python3 -m tandem.bench.capacity --url localhost:8001 --models tts,tts_mono --gpus tts=2,tts_mono=2 --out "$out" "$@"

@@ -17,6 +17,7 @@ python3 -m tandem.cli.make_repository --out /tmp/repo --preset qwen3-4b-shape --
   --set "decode:tandem.batch.graph_warmup_context=2560" \
   $(for kv in ${CAPACITY_SET:-}; do printf -- '--set %s ' "$kv"; done) > "$out/repo.log"
 rm -rf /tmp/repo/tts_mono  # the monolithic baseline needs its own GPUs: not here
+rm -rf /tmp/repo/voices  # reference registration needs PyAV, which the carry leaves out
 serve_repository /tmp/repo "$out"
 grep -E "seeded|captured [0-9]+ decode graphs|decode: transfer path" "$out/server.log" | cut -c1-300 || true
 python3 -m tandem.bench.capacity --url localhost:8001 --models tts --out "$out" "$@" > "$out/bench.log" 2>&1

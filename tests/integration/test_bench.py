@@ -24,6 +24,7 @@ def test_bench_smoke_produces_consistent_figures(server, tmp_path):
         for lv in levels:
             assert lv["streams"] == len(lv["records"]) == 4
             assert lv["streams_stalled"] <= lv["streams"] and lv["stalls"] >= lv["streams_stalled"]
+            assert lv["silent_lead_responses"] == lv["streams_silent_lead"] == 0  # every first chunk sounds
             for r in lv["records"]:
                 assert r["error"] is None and r["rows"] > 0
                 assert r["ttfa_ms"] > 0

@@ -76,7 +76,7 @@ def orpheus_server(tmp_path_factory: pytest.TempPathFactory, snac_dir: Path) -> 
     )
     proc = TritonProcess(work / "server")
     proc.repo = repo  # serve what tandem-repo rendered
-    proc.start(timeout_s=300)
+    proc.start(timeout_s=600)  # as the other Orpheus servers: SNAC warm-up on a loaded 2-core box
     yield proc
     proc.stop()
 

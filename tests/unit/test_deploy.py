@@ -271,8 +271,13 @@ def test_keda_scales_on_one_query_that_counts_draining_units_as_full():
     for name in re.findall(r"(tandem_\w+)", query):
         assert name in BY_NAME, name
     assert set(re.findall(r'namespace="([^"]+)"', query)) == {_kustomization()["namespace"]}
-    # the capacity measured for the unit unit.yaml renders (Orpheus, P + D + SNAC on one H200)
-    bench = json.loads((ROOT / "docs" / "benchmarks" / "orpheus-unit-1gpu-h200-caa70d2.json").read_text())
+    # the capacity measured for the unit unit.yaml renders (Orpheus, P + D + SNAC on one H200), from
+    # the bench JSON keda.yaml names
+    measured = re.search(
+        r"^# measured: (docs/benchmarks/\S+\.json)$", (DEPLOY / "keda.yaml").read_text(), re.M
+    )
+    assert measured, "keda.yaml names the bench JSON its target derives from"
+    bench = json.loads((ROOT / measured.group(1)).read_text())
     capacity = bench["models"]["tts"]["capacity"]
     target = int(t["metadata"]["threshold"])
     assert 0.5 * capacity <= target <= 0.6 * capacity

@@ -109,6 +109,8 @@ def test_a_family_without_its_codec_or_with_a_bad_one_is_refused(tmp_path: Path)
         main(["--out", str(tmp_path / "a"), "--checkpoint", str(ckpt)])
     with pytest.raises(SystemExit, match="needs its codec"):
         main(["--out", str(tmp_path / "b"), "--preset", "tiny", "--family", "orpheus"])
+    with pytest.raises(SystemExit, match="the orpheus family needs its codec"):
+        main(["--out", str(tmp_path / "b2"), "--preset", "orpheus-3b-shape"])
     with pytest.raises(SystemExit, match=r"codec\.path"):
         main(["--out", str(tmp_path / "c"), "--checkpoint", str(ckpt), "--codec", str(tmp_path / "none")])
     bad = _codec_dir(tmp_path / "snac")
@@ -180,7 +182,9 @@ def test_an_orpheus_repository_samples_under_the_grammar_without_a_tokenizer(tmp
     assert not (ckpt / "tokenizer.json").exists()
     detected = tmp_path / "detected"
     assert main(["--out", str(detected), "--checkpoint", str(ckpt), "--codec", str(snac)]) == 0
-    for repo in (shape, detected):
+    preset_alone = tmp_path / "preset"  # the Orpheus shape is an Orpheus model: no --family needed
+    assert main(["--out", str(preset_alone), "--preset", "orpheus-3b-shape", "--codec", str(snac)]) == 0
+    for repo in (shape, detected, preset_alone):
         for model in ("prefill", "tts_mono"):
             assert _served_grammar(repo, model) == Grammar.ORPHEUS, (repo.name, model)
     off = tmp_path / "off"
