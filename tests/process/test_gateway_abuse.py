@@ -20,8 +20,8 @@ from typing import Any
 import pytest
 
 from tandem.bench.http_abuse import IdleHolder, RssSampler, big_bodies, first_byte, parse_status
+from tandem.gateway.connection_guard import FD_RESERVE, ServerLimits, effective
 from tandem.gateway.limits import SPEECH_BODY_BYTES
-from tandem.gateway.serve import FD_RESERVE, ServerLimits, effective
 from tandem.gateway.voices import UPLOAD_CEILING
 from tests.support.gateway_process import GatewayProc, gateway_alone
 
