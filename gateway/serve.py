@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 from typing import Any, ClassVar
 
 import h11
@@ -69,6 +70,7 @@ from tandem.gateway.http_errors import raw_response
 from tandem.gateway.logs import configure
 
 log = logging.getLogger("tandem.gateway")
+SWITCH_INTERVAL_S = 0.001
 
 
 class _LingeringTransport(asyncio.Transport):
@@ -329,6 +331,9 @@ def serve(app: FastAPI, host: str, port: int, limits: ServerLimits | None = None
     """Run `app` (the gateway's, `app.state.gateway.metrics` counted) until SIGINT/SIGTERM, the
     process's logging set up by `gateway/logs.py`."""
     summary = configure()
+    # The text thread (gateway/sentences.py) holds the GIL in slices of this: the loop waits at most
+    # one slice for it per wake-up (Python's default, 5 ms, made a bystander's request wait longer).
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     fd_limit = raise_fd_limit()
     lim = effective(limits or ServerLimits(), fd_limit, open_files())
     metrics = getattr(getattr(app.state, "gateway", None), "metrics", None)
