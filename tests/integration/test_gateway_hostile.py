@@ -8,7 +8,8 @@ each case reproduces a finding against the gateway and checks its bound.
   the unit refuses, so the engines generate nothing beside it);
 - a frame of 100k-deep JSON and a 10 MB `type` get an `error` frame naming the limit (no echo) and
   the socket stays open; turns past 16 on one socket are refused;
-- an SSE client that never reads is cut at the write timeout, its session's streams ended.
+- an SSE client and a WebSocket client that never read are cut at the write timeout, their
+  sessions' streams ended.
 
 The gateway runs with a per-address cap of 24 and a write timeout of 3 s; bystanders connect from
 127.0.0.2, so the caps of 127.0.0.1 do not touch them."""
@@ -237,4 +238,32 @@ def test_an_sse_client_that_never_reads_is_cut_at_the_write_timeout(gateway: str
         print(f"cut {time.monotonic() - t0:.1f} s after its request (write timeout {WRITE_TIMEOUT_S:g} s)")
         _until(lambda: _metric(gateway, "tandem_gateway_streams") == 0, 60, "its streams go on")
     finally:
+        sock.close()
+
+
+def test_a_websocket_client_that_never_reads_is_cut_at_the_write_timeout(gateway: str) -> None:
+    cut = _metric(gateway, "tandem_gateway_connections_cut_total", reason="write_timeout")
+    url = urllib.parse.urlsplit(gateway)
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect((url.hostname, url.port))
+    ws = _ws(gateway, sock=sock)
+    try:
+        ws.send(json.dumps({"type": "config", "model": "tts", "voice": "tara", "response_format": "pcm"}))
+        ws.send(json.dumps({"type": "text", "text": "This sentence is spoken and never heard. " * 150}))
+        ws.send(json.dumps({"type": "flush"}))
+        t0 = time.monotonic()
+        _until(
+            lambda: _metric(gateway, "tandem_gateway_connections_cut_total", reason="write_timeout") > cut,
+            240,
+            "a WebSocket that reads nothing was not cut",
+        )
+        print(
+            f"WebSocket cut {time.monotonic() - t0:.1f} s after its turn"
+            f" (write timeout {WRITE_TIMEOUT_S:g} s)",
+        )
+        _until(lambda: _metric(gateway, "tandem_gateway_streams") == 0, 60, "its streams go on")
+    finally:
+        with contextlib.suppress(Exception):
+            ws.close()
         sock.close()
