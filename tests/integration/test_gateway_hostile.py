@@ -16,6 +16,7 @@ The gateway runs with a per-address cap of 24 and a write timeout of 3 s; bystan
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import http.client
 import json
@@ -29,7 +30,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from websockets.exceptions import InvalidStatus
 from websockets.sync.client import ClientConnection, connect
 
 from tests.support.gateway_process import gateway_process
@@ -74,6 +74,22 @@ def _ws(base: str, **kw: object) -> ClientConnection:
     return connect(base.replace("http://", "ws://") + PATH, open_timeout=60, max_size=None, **kw)  # type: ignore[arg-type]
 
 
+def _upgrade_answer(base: str) -> bytes:
+    """What the gateway answers one WebSocket upgrade request, read to its close."""
+    url = urllib.parse.urlsplit(base)
+    with socket.create_connection((url.hostname, url.port), timeout=30) as sock:
+        key = base64.b64encode(os.urandom(16)).decode()
+        sock.sendall(
+            f"GET {PATH} HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+            f"Sec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n\r\n".encode()
+        )
+        data = b""
+        with contextlib.suppress(OSError):
+            while chunk := sock.recv(4096):
+                data += chunk
+    return data
+
+
 def _configured(base: str, voice: str = "tara") -> ClientConnection:
     ws = _ws(base)
     ws.send(json.dumps({"type": "config", "model": "tts", "voice": voice, "response_format": "pcm"}))
@@ -116,10 +132,8 @@ def test_websockets_count_under_the_per_address_cap(gateway: str) -> None:
             30,
             "the upgraded sockets are not counted",
         )
-        with pytest.raises(InvalidStatus) as e:
-            _ws(gateway)
-        assert e.value.response.status_code == 503
-        assert b"cap per client is 24" in e.value.response.body  # type: ignore[operator]
+        answer = _upgrade_answer(gateway)  # raw: the 503 may come before a client library's handshake
+        assert answer.startswith(b"HTTP/1.1 503") and b"cap per client is 24" in answer, answer
         assert _get(gateway, "/v1/models")[0] == 200  # another address is not touched
     finally:
         for ws in held:
