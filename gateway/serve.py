@@ -39,8 +39,7 @@ already holds at start (Triton's channel, the interpreter's, its libraries') plu
 (what it opens later: uploads spooled to disk, logs, the decode children's pipes) (`effective`);
 the result is logged once. Before the clamp a client could run the process out of descriptors
 between accept and refusal. Should descriptors run out anyway, accept backs off
-(`gateway/accept_loop.py`). Before the clamp a client could run the process out of descriptors between
-accept and refusal.
+(`gateway/accept_loop.py`).
 Each refusal and cut is counted (`tandem_gateway_connections_cut_total{reason}`) and logged
 through `gateway/logs.py`, which summarises repeats.
 """

@@ -108,9 +108,13 @@ class FrameError(Exception):
         self.param = param
 
 
-def _quote(value: object) -> str:
-    text = repr(value)
+def _cut(text: str) -> str:
+    """`text` as an error may quote it: at most `QUOTE_CHARS` characters of it."""
     return text if len(text) <= QUOTE_CHARS else f"{text[:QUOTE_CHARS]}... ({len(text)} characters)"
+
+
+def _quote(value: object) -> str:
+    return _cut(repr(value))
 
 
 def _depth(raw: str) -> int:
@@ -150,8 +154,8 @@ def parse_frame(raw: str) -> Any:
                 f"type {_quote(data['type'])} is not one of config, text, flush, cancel, close", "type"
             )
         param = loc[0] if loc else None
-        kind = _quote(data.get("type"))
-        return _raise(f"{kind} frame: {_quote('.'.join(loc) or 'frame')}: {first.get('msg')}", param)
+        kind, where = _cut(str(data.get("type"))), _cut(".".join(loc) or "frame")
+        return _raise(f"{kind} frame: {where}: {first.get('msg')}", param and _cut(param))
 
 
 def _raise(message: str, param: str | None) -> Any:
