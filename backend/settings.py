@@ -154,7 +154,8 @@ class VoiceSettings:
     `dir` "" is `$XDG_STATE_HOME/tandem/voices` (`~/.local/state/tandem/voices` without it): state
     that survives a reboot, unlike `$XDG_RUNTIME_DIR`. A reference is `min_seconds`..`max_seconds`
     long, its file at most `max_file_bytes`, its transcript 1..`max_transcript_bytes` UTF-8 bytes;
-    `max_pending` registrations wait for the encoder at most (one more is UNAVAILABLE)."""
+    `max_pending` registrations wait for the encoder at most (one more is UNAVAILABLE); the store
+    holds at most `max_voices` (one more registration is UNAVAILABLE until one is deleted)."""
 
     dir: str = ""
     max_file_bytes: int = 16 * 2**20
@@ -162,6 +163,7 @@ class VoiceSettings:
     max_seconds: float = 30.0
     max_transcript_bytes: int = 1024
     max_pending: int = 4
+    max_voices: int = 256
 
 
 @dataclass(frozen=True)

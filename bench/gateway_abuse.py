@@ -14,6 +14,10 @@ is decided before a request reaches Triton) and measures:
 - `bodies`: eight concurrent 100 MB bodies, sent while reading (Content-Length and chunked to the
   speech route, Content-Length to the voices route): each answer's status and time, the bytes sent
   by then, and the gateway's RSS growth (peak VmRSS over the run minus before).
+- `websockets`: one client (127.0.0.2) opens `--websockets` connections that upgrade to the
+  stream-input WebSocket and holds them: how many upgraded (the cap per client counts them), how
+  many were refused, the gauge of open connections, a bystander's latency meanwhile, and the
+  gateway's RSS before, while held and after they closed.
 - `log_lines`: the gateway's log, lines in all and refusal lines (summarised repeats).
 
 Prints a table and writes JSON (commit, machine, every sample) to `--out`.
@@ -34,7 +38,7 @@ from typing import Any
 
 import torch
 
-from tandem.bench.http_abuse import IdleHolder, RssSampler, big_bodies, first_byte
+from tandem.bench.http_abuse import IdleHolder, RssSampler, big_bodies, first_byte, rss_bytes, websocket_flood
 from tandem.bench.util import format_table, provenance, quantile, write_json
 
 HOST = "127.0.0.1"
@@ -67,6 +71,14 @@ def _start(triton: str, log: Path, extra: list[str]) -> tuple[subprocess.Popen[b
     raise RuntimeError(f"gateway did not start:\n{log.read_text()}")
 
 
+def _gauge(port: int, name: str) -> float:
+    with urllib.request.urlopen(f"http://{HOST}:{port}/metrics", timeout=10) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[1])
+    return float("nan")
+
+
 def _stats(samples: list[tuple[float, int]]) -> dict[str, Any]:
     ms = [t * 1e3 for t, _ in samples]
     statuses: dict[str, int] = {}
@@ -94,6 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--idle", type=int, default=20_000, help="idle connections one client holds")
     ap.add_argument("--hold", type=float, default=15.0, help="seconds the client holds them")
     ap.add_argument("--body-mb", type=int, default=100, help="size of each huge body, MB")
+    ap.add_argument("--websockets", type=int, default=2000, help="WebSockets one client opens")
     ap.add_argument("--gateway-arg", action="append", default=[], help="more tandem-gateway flags")
     ap.add_argument("--out", type=Path, default=Path("docs/benchmarks/gateway-abuse-cpu.json"))
     args = ap.parse_args(argv)
@@ -143,6 +156,29 @@ def main(argv: list[str] | None = None) -> int:
                 "rss_growth_mib": rss.growth / 2**20,
             }
         result["bodies"] = bodies
+
+        rss_before = rss_bytes(proc.pid)
+        held, statuses = websocket_flood(
+            HOST, port, args.websockets, "127.0.0.2", "/v1/audio/speech/stream-input"
+        )
+        try:
+            during = [first_byte(HOST, port) for _ in range(50)]
+            gauge = _gauge(port, "tandem_gateway_connections")
+            rss_held = rss_bytes(proc.pid)
+        finally:
+            for sock in held:
+                sock.close()
+        time.sleep(3.0)  # the gateway sees the closes
+        result["websockets"] = {
+            "asked": args.websockets,
+            "statuses": statuses,
+            "connections_gauge_while_held": gauge,
+            "connections_gauge_after": _gauge(port, "tandem_gateway_connections"),
+            "bystander_held": _stats(during),
+            "rss_before_mib": rss_before / 2**20,
+            "rss_held_mib": rss_held / 2**20,
+            "rss_after_mib": rss_bytes(proc.pid) / 2**20,
+        }
     finally:
         proc.terminate()
         proc.wait(15)
@@ -171,6 +207,13 @@ def main(argv: list[str] | None = None) -> int:
             [name, sorted(set(b["statuses"])), max(b["answer_s"]) * 1e3, sent_mb, b["rss_growth_mib"]]
         )
     print(format_table(["8 x 100 MB", "statuses", "max answer ms", "max sent MB", "RSS growth MiB"], rows))
+    ws = result["websockets"]
+    print(
+        f"{ws['asked']} WebSockets from one address: {ws['statuses']}; connections gauge"
+        f" {ws['connections_gauge_while_held']:.0f} held, {ws['connections_gauge_after']:.0f} after;"
+        f" bystander max {ws['bystander_held'].get('max_ms', 0):.1f} ms; RSS {ws['rss_before_mib']:.1f} ->"
+        f" {ws['rss_held_mib']:.1f} held -> {ws['rss_after_mib']:.1f} MiB after"
+    )
     print(f"gateway log: {result['log_lines']}")
     write_json(args.out, result)
     print(f"wrote {args.out}")

@@ -12,8 +12,10 @@
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import json
+import os
 import resource
 import select
 import socket
@@ -284,6 +286,36 @@ def rss_bytes(pid: int) -> int:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) * 1024
     raise RuntimeError(f"no VmRSS for pid {pid}")
+
+
+def websocket_flood(
+    host: str, port: int, n: int, src: str, path: str
+) -> tuple[list[socket.socket], dict[int, int]]:
+    """Open `n` connections from `src` and ask each to upgrade to a WebSocket on `path`; returns the
+    sockets still open (the upgraded ones, held by the caller) and the count of each status."""
+    held: list[socket.socket] = []
+    statuses: dict[int, int] = {}
+    for _ in range(n):
+        try:
+            s = _connect(host, port, src)
+        except OSError:
+            statuses[0] = statuses.get(0, 0) + 1
+            continue
+        key = base64.b64encode(os.urandom(16)).decode()
+        s.sendall(
+            f"GET {path} HTTP/1.1\r\nHost: gateway\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+            f"Sec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n\r\n".encode()
+        )
+        try:
+            status = parse_status(s.recv(64))
+        except OSError:
+            status = 0
+        statuses[status] = statuses.get(status, 0) + 1
+        if status == 101:
+            held.append(s)
+        else:
+            s.close()
+    return held, statuses
 
 
 class RssSampler:

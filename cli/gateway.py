@@ -70,6 +70,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--body-timeout", type=float, default=d.body_timeout_s, help="seconds a request's body may take"
     )
+    ap.add_argument(
+        "--write-timeout",
+        type=float,
+        default=d.write_timeout_s,
+        help="seconds a client may read nothing while a response or WebSocket waits to send, then cut",
+    )
     args = ap.parse_args(argv)
     host = args.triton.rsplit(":", 1)[0]
     settings = GatewaySettings(
@@ -86,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         max_per_client=args.max_connections_per_client,
         header_timeout_s=args.header_timeout,
         body_timeout_s=args.body_timeout,
+        write_timeout_s=args.write_timeout,
     )
     serve(create_app(settings), args.host, args.port, limits)
     return 0

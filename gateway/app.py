@@ -12,8 +12,12 @@ Routes (FastAPI on uvicorn; `cli/gateway.py` starts it):
   A `wav` asked for without `stream_format` is the exception: it is answered whole, its header with
   the real length (what the OpenAI SDK's non-streaming `create` and Python's `wave` expect).
   `X-Tandem-Stream-Id` is the first segment's stream id (Triton `sequence_id`; the next segments'
-  follow it, +1 each); `X-Sample-Rate` the PCM rate. A caller who hangs up cancels every stream of
-  the session (the gRPC calls are cancelled; Triton tells the engines).
+  follow it, +1 each, but for a segment tried again); `X-Sample-Rate` the PCM rate. A caller who
+  hangs up cancels every stream of the session (the gRPC calls are cancelled; Triton tells the
+  engines). Once the first audio is out the response is the session's: a later segment the unit
+  sheds is tried again (`SpeechSession`), and a segment that still fails aborts the response — a
+  chunked body ends without its last chunk, an SSE stream with an `error` event — so no cut body
+  reads as complete.
 - `WS /v1/audio/speech/stream-input`: text in pieces, audio out, turn by turn (`gateway/ws.py`).
 - `GET /v1/models`, `GET /v1/models/{id}`: the served models, OpenAI's list format.
 - `GET /health`: 200 when Triton answers and the unit is ready by `serving.health` (every
@@ -51,7 +55,8 @@ from tandem.gateway.http_errors import error_body
 from tandem.gateway.http_errors import install as install_http_errors
 from tandem.gateway.limits import SPEECH_BODY_BYTES, ContentLengthLimit, Utf8Str, route_limit
 from tandem.gateway.metrics import NO_MODEL, GatewayMetrics
-from tandem.gateway.session import SentenceQueue, SpeechSession
+from tandem.gateway.sentences import TEXT_EXECUTOR, SentenceQueue
+from tandem.gateway.session import SpeechSession
 from tandem.gateway.stream import (
     DECODE,
     LOST_POLL_S,
@@ -67,6 +72,7 @@ from tandem.gateway.stream import (
     stream_audio,
     text_inputs,
 )
+from tandem.gateway.voice_users import VoiceUsers
 from tandem.gateway.voices import install as install_voice_routes
 from tandem.gateway.ws import install as install_ws_route
 from tandem.serving.health import HealthUnavailable, UnitHealth, fetch_health
@@ -138,6 +144,7 @@ class Gateway:
         self._health: tuple[float, UnitHealth | None] = (-1.0, None)  # (when read, what it said)
         self._health_lock = asyncio.Lock()
         self._cancels: set[asyncio.Task[None]] = set()  # CANCELs to D in flight (kept from the GC)
+        self.voice_users = VoiceUsers()  # a voice's deletion waits for the sessions speaking with it
 
     async def start(self) -> None:
         self.client = aio.InferenceServerClient(self.settings.triton_url, channel_args=CHANNEL_ARGS)
@@ -244,14 +251,21 @@ class Gateway:
         self, model: SpeechModel, voice: str, seed: int | None
     ) -> tuple[int, SpeechSession[AudioPiece]]:
         """A speech session speaking with `voice` and `seed` on `model`; its first stream id (the
-        next segments' ids follow it)."""
+        next segments' ids follow it; a segment tried again after a shed gets a fresh one). The
+        caller closes the session (`SpeechSession.close`) when it is over: until then a deletion of
+        its voice waits (`gateway/voice_users.py`)."""
         base = (new_stream_id() >> 1) + 1  # non-zero, with room for a session's consecutive ids below 2**63
+        opened: set[int] = set()
 
         def open_segment(text: str, index: int) -> AsyncGenerator[AudioPiece, None]:
-            req = StreamRequest(model.name, text_inputs(model, text, voice, seed), base + index)
+            stream_id = base + index if index not in opened else (new_stream_id() >> 1) + 1
+            opened.add(index)
+            req = StreamRequest(model.name, text_inputs(model, text, voice, seed), stream_id)
             return self.stream(req)
 
-        return base, SpeechSession(open_segment)
+        release = self.voice_users.hold(voice)
+        session = SpeechSession(open_segment, retryable=_shed, on_close=release)
+        return base, session
 
     def label(self, model: str) -> str:
         """`model` as the metrics' label: a name this gateway serves, else NO_MODEL."""
@@ -262,22 +276,21 @@ class Gateway:
         model = self.model(body.model)
         check_speech(body.speed, body.instructions)
         text = SentenceQueue()
-        text.feed(body.input)
-        text.flush()
+        # Segmentation is CPU work: off the event loop (gateway/sentences.py).
+        await asyncio.get_running_loop().run_in_executor(TEXT_EXECUTOR, _whole, text, body.input)
         if text.done:
             raise refuse(ClientCode.INVALID_ARG, "input is empty", "input")
         first_id, session = self.session(model, body.voice_name, body.seed)
+        pieces = _spoken(session, text)
         if body.response_format == "wav" and "stream_format" not in body.model_fields_set:
-            return await self.respond_whole_wav(
-                session.speak(text), model, body.speed, received, first_id, request
-            )
+            return await self.respond_whole_wav(pieces, model, body.speed, received, first_id, request)
         framer = Framer(
             AudioFormat(body.response_format),
             StreamFormat(body.stream_format),
             model.sample_rate,
             speed=body.speed,
         )
-        return await self.respond_pieces(session.speak(text), framer, received, first_id, model.name)
+        return await self.respond_pieces(pieces, framer, received, first_id, model.name)
 
     async def respond(self, req: StreamRequest, framer: Framer, received: float) -> Response:
         """One stream's response (`respond_pieces`)."""
@@ -394,6 +407,29 @@ class Gateway:
             reasons.append("the served models' configs are not read yet")
         ok = not reasons
         return JSONResponse({"status": "ok" if ok else "unavailable", "reasons": reasons}, 200 if ok else 503)
+
+
+def _whole(text: SentenceQueue, whole: str) -> None:
+    text.feed(whole)
+    text.flush()
+
+
+def _shed(exc: Exception) -> bool:
+    """A segment's error that trying it again may cure: the unit had no room for it (UNAVAILABLE)."""
+    return isinstance(exc, GatewayError) and exc.error.code is ClientCode.UNAVAILABLE
+
+
+async def _spoken(
+    session: SpeechSession[AudioPiece], text: SentenceQueue
+) -> AsyncGenerator[AudioPiece, None]:
+    """`session.speak(text)`, the session closed when it ends however it ends."""
+    pieces = session.speak(text)
+    try:
+        async for piece in pieces:
+            yield piece
+    finally:
+        await pieces.aclose()
+        session.close()
 
 
 def check_speech(speed: float, instructions: str | None) -> None:

@@ -23,11 +23,23 @@ backlog. What it lacks, `GuardedH11Protocol` (a subclass of uvicorn's `H11Protoc
   write side instead and drains the same way, so a client that sends its whole body before reading
   gets the answer, not a reset.
 
+- **A WebSocket keeps its slot.** An upgraded connection stays counted under both caps until it
+  closes (`GuardedWebSocket`): before, the upgrade gave the slot back, and 1,000 sockets of one
+  address were held while the gauge read 1. A socket past either cap is refused (503) when its
+  connection is accepted, before any upgrade.
+- **A write timeout**: a response (HTTP, SSE) or a WebSocket whose client stops reading fills the
+  socket's buffers and pauses the writer; paused for `write_timeout_s` the connection is aborted
+  (`reason="write_timeout"`), its app ends as on a hang-up (before, an SSE client that never read
+  was still connected after 300 s with 2.8 MB queued).
+
 The file-descriptor soft limit is raised to the hard limit at start and the cap (and the listen
 backlog, which is also how many sockets asyncio accepts before any is refused) clamped so that
-admitted, lingering and just-accepted connections stay `FD_RESERVE` below it (`effective`); the
-result is logged once. Before the clamp a client could run the process out of descriptors between
-accept and refusal.
+admitted, lingering and just-accepted connections stay below it by the descriptors the process
+already holds at start (Triton's channel, the interpreter's, its libraries') plus `FD_RESERVE`
+(what it opens later: uploads spooled to disk, logs, the decode children's pipes) (`effective`);
+the result is logged once. Before the clamp a client could run the process out of descriptors
+between accept and refusal. Should descriptors run out anyway, accept backs off
+(`gateway/accept_loop.py`).
 Each refusal and cut is counted (`tandem_gateway_connections_cut_total{reason}`) and logged
 through `gateway/logs.py`, which summarises repeats.
 """
@@ -35,10 +47,8 @@ through `gateway/logs.py`, which summarises repeats.
 from __future__ import annotations
 
 import asyncio
-import collections
 import logging
-import resource
-from dataclasses import dataclass, replace
+import sys
 from typing import Any, ClassVar
 
 import h11
@@ -46,97 +56,20 @@ import uvicorn
 from fastapi import FastAPI
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from tandem.gateway.connection_guard import (
+    ConnectionGuard,
+    GuardedWebSocket,
+    ServerLimits,
+    WriteTimer,
+    effective,
+    open_files,
+    raise_fd_limit,
+)
 from tandem.gateway.http_errors import raw_response
 from tandem.gateway.logs import configure
-from tandem.gateway.metrics import GatewayMetrics
 
 log = logging.getLogger("tandem.gateway")
-
-FD_RESERVE = 64  # the gateway's own files: its gRPC channel, logs, uploads spooled to disk
-
-
-@dataclass(frozen=True)
-class ServerLimits:
-    max_connections: int = 4096
-    max_per_client: int = 512  # behind a proxy every client has its address: raise it to the cap
-    header_timeout_s: float = 10.0
-    body_timeout_s: float = 60.0
-    drain_s: float = 2.0
-    keep_alive_s: int = 5
-    max_header_bytes: int = 16 * 1024
-    refused_linger_s: float = 1.0
-    linger_cap: int = 256
-    backlog: int = 2048  # uvicorn's default listen backlog
-
-
-def raise_fd_limit() -> int:
-    """Raise RLIMIT_NOFILE's soft limit to its hard limit; returns the soft limit now."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if hard != resource.RLIM_INFINITY and soft < hard:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-        soft = hard
-    return soft
-
-
-def effective(limits: ServerLimits, fd_limit: int) -> ServerLimits:
-    """`limits` with the caps clamped to what `fd_limit` descriptors hold: admitted connections,
-    lingering refusals, and one accept batch (asyncio accepts up to `backlog` sockets per wake-up
-    before any of them is refused), `FD_RESERVE` left for the gateway's own files."""
-    room = max(16, fd_limit - FD_RESERVE)
-    backlog = max(4, min(limits.backlog, room // 4))
-    linger = max(1, min(limits.linger_cap, room // 8))
-    cap = max(1, min(limits.max_connections, room - backlog - linger))
-    per_client = min(limits.max_per_client, cap)
-    return replace(limits, max_connections=cap, max_per_client=per_client, linger_cap=linger, backlog=backlog)
-
-
-_CUT_LOG = {
-    "cap": "gateway: refused a connection from %s: %s",
-    "client_cap": "gateway: refused a connection from %s (per client): %s",
-    "header_timeout": "gateway: closed a connection from %s: %s",
-    "body_timeout": "gateway: closed a connection from %s (body): %s",
-    "drain": "gateway: closed a connection from %s (refused body): %s",
-}
-
-
-class ConnectionGuard:
-    """The open-connection counts one server shares across its connections, and their metrics."""
-
-    def __init__(self, limits: ServerLimits, metrics: GatewayMetrics | None = None) -> None:
-        self.limits = limits
-        self.metrics = metrics
-        self.open = 0
-        self.lingering = 0
-        self.per_client: collections.Counter[str] = collections.Counter()
-
-    def admit(self, host: str) -> tuple[str, str] | None:
-        """None when a connection from `host` may open (counted), else (reason, why)."""
-        lim = self.limits
-        if self.open >= lim.max_connections:
-            return "cap", f"{self.open} connections are open, the cap is {lim.max_connections}"
-        if self.per_client[host] >= lim.max_per_client:
-            return (
-                "client_cap",
-                f"{host} holds {self.per_client[host]}, the cap per client is {lim.max_per_client}",
-            )
-        self.open += 1
-        self.per_client[host] += 1
-        if self.metrics is not None:
-            self.metrics.connections.set(self.open)
-        return None
-
-    def release(self, host: str) -> None:
-        self.open -= 1
-        self.per_client[host] -= 1
-        if self.per_client[host] <= 0:
-            del self.per_client[host]
-        if self.metrics is not None:
-            self.metrics.connections.set(self.open)
-
-    def cut(self, reason: str, host: str, why: str) -> None:
-        if self.metrics is not None:
-            self.metrics.cut.labels(reason=reason).inc()
-        log.warning(_CUT_LOG[reason], host, why)  # one template per reason: summarised per reason
+SWITCH_INTERVAL_S = 0.001
 
 
 class _LingeringTransport(asyncio.Transport):
@@ -223,6 +156,7 @@ class GuardedH11Protocol(H11Protocol):
         self._timer: asyncio.TimerHandle | None = None
         self._linger_timer: asyncio.TimerHandle | None = None
         self._wrapped: _LingeringTransport | None = None
+        self._write_timer = WriteTimer()
 
     # -- the cap ------------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -271,6 +205,7 @@ class GuardedH11Protocol(H11Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel()
+        self._write_timer.cancel()
         if self._linger_timer is not None:
             self._linger_timer.cancel()
             self._linger_timer = None
@@ -289,8 +224,24 @@ class GuardedH11Protocol(H11Protocol):
 
     def handle_websocket_upgrade(self, event: h11.Request) -> None:
         self._cancel()
-        self._release()  # the websocket protocol takes the connection over
+        self._write_timer.cancel()
         super().handle_websocket_upgrade(event)
+        # The websocket protocol takes the connection over, and its slot with it.
+        ws = self.transport.get_protocol()
+        if self._admitted and isinstance(ws, GuardedWebSocket) and self._wrapped is not None:
+            self._admitted = False
+            ws.hold(self.guard, self._host, self._wrapped.inner)
+        else:
+            self._release()
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self._wrapped is not None:
+            self._write_timer.arm(self.loop, self._wrapped.inner, self.guard, self._host)
+
+    def resume_writing(self) -> None:
+        self._write_timer.cancel()
+        super().resume_writing()
 
     # -- the timeouts -------------------------------------------------------------------------
     def data_received(self, data: bytes) -> None:
@@ -375,12 +326,15 @@ class GuardedH11Protocol(H11Protocol):
             self._timer = None
 
 
-def serve(app: FastAPI, host: str, port: int, limits: ServerLimits = ServerLimits()) -> None:
+def serve(app: FastAPI, host: str, port: int, limits: ServerLimits | None = None) -> None:
     """Run `app` (the gateway's, `app.state.gateway.metrics` counted) until SIGINT/SIGTERM, the
     process's logging set up by `gateway/logs.py`."""
     summary = configure()
+    # The text thread (gateway/sentences.py) holds the GIL in slices of this: the loop waits at most
+    # one slice for it per wake-up (Python's default, 5 ms, made a bystander's request wait longer).
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     fd_limit = raise_fd_limit()
-    lim = effective(limits, fd_limit)
+    lim = effective(limits or ServerLimits(), fd_limit, open_files())
     metrics = getattr(getattr(app.state, "gateway", None), "metrics", None)
     guard = ConnectionGuard(lim, metrics)
     protocol = type("GatewayProtocol", (GuardedH11Protocol,), {"guard": guard})
@@ -389,19 +343,22 @@ def serve(app: FastAPI, host: str, port: int, limits: ServerLimits = ServerLimit
         host=host,
         port=port,
         http=protocol,
+        ws=GuardedWebSocket,
+        loop="tandem.gateway.accept_loop:GatewayLoop",
         log_config=None,  # gateway/logs.py configured the root logger
         timeout_keep_alive=lim.keep_alive_s,
         backlog=lim.backlog,
         h11_max_incomplete_event_size=lim.max_header_bytes,
     )
     log.info(
-        "gateway: at most %d connections (%d per client address; open-files limit %d), request head within"
-        " %g s, body within %g s",
+        "gateway: at most %d connections, WebSockets included (%d per client address; open-files limit"
+        " %d), request head within %g s, body within %g s, a stalled reader cut after %g s",
         lim.max_connections,
         lim.max_per_client,
         fd_limit,
         lim.header_timeout_s,
         lim.body_timeout_s,
+        lim.write_timeout_s,
     )
     try:
         uvicorn.Server(config).run()

@@ -5,149 +5,44 @@ Who calls: `POST /v1/audio/speech` (`app.py`, the whole text at once), the WebSo
 (`ws.py`, text in pieces, one turn after another) and `TTSClient.speak` (`client.py`, gRPC, sync).
 Nothing here speaks gRPC: the caller passes how one segment's stream is opened.
 
-Segments (`SentenceQueue`):
-- sentences by pysbd's English rules (`clean=False`: the text is kept as sent, abbreviations such as
-  "Dr." and "p.m." do not end a sentence); fed in pieces, a sentence is complete once pysbd starts
-  another after it, or at `flush`;
-- one segment is as many whole sentences as fit in `max_chars` (`SEGMENT_CHARS`, 300: what one
-  Orpheus stream speaks well, ~20 s of speech, within one stream's default length; Baseten's Orpheus
-  example chunks at ~300 too), except a turn's first segment, which is its first sentence alone
-  so the first audio waits on one sentence's prefill, not a paragraph's;
-- a sentence longer than `max_chars` is split at the last clause mark (`,;:` or a dash) before the
-  limit, else the last space, else at the limit (never a piece under half of it but the last).
-Segments are stripped of surrounding whitespace and joined with one space; blank ones are dropped.
+Segments: `gateway/sentences.py` (`SentenceQueue`: pysbd sentences merged or cut to 300 characters,
+in bounded time per character).
 
-Pipelining (`SpeechSession.speak`): at most `window` (2) streams in flight per session; segment i+1's
-stream starts once segment i's first audio has arrived (and a slot is free), so playback never waits
-on a prefill, the first segment's prefill shares the engines with no other of the session, and no
-more than two streams of one session hold the engines at once. Audio comes out in segment
-order. A segment's error is raised at its place in the order (the audio before it is whole) and
-cancels every other stream of the session; closing the generator (the caller left, a WebSocket
-`cancel`) cancels every stream of the session, each by closing its async iterator (for the gateway's
-`stream_audio`: the gRPC call is cancelled).
+Pipelining (`SpeechSession.speak`): at most `window` (2) streams in flight per session; segment
+i+1's stream starts once segment i's first audio has arrived (and a slot is free), so playback never
+waits on a prefill, the first segment's prefill shares the engines with no other of the session, and
+no more than two streams of one session hold the engines at once. Audio comes out in segment order.
+A later segment the unit sheds before its first audio is tried again (`SpeechSession`), so an
+admitted session is not cut by a busy unit; a segment's error is raised at its place in the order
+(the audio before it is whole) and cancels every other stream of the session; closing the generator
+(the caller left, a WebSocket `cancel`) cancels every stream of the session, each by closing its
+async iterator (for the gateway's `stream_audio`: the gRPC call is cancelled).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import re
+import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Generic, TypeVar
 
-import pysbd
+from tandem.gateway.sentences import (  # noqa: F401  (re-exported: the session's text side)
+    SEGMENT_CHARS,
+    BufferFull,
+    SentenceQueue,
+    segments,
+    split_long,
+)
 
-SEGMENT_CHARS = 300  # one segment's most characters (module docstring)
 WINDOW = 2  # streams in flight per session
-_CLAUSE = re.compile(r"[,;:\u2013\u2014](?=\s)|\s[-\u2013\u2014]\s")
+SEGMENT_PATIENCE_S = 60.0  # how long a later segment the unit sheds is tried again
+RETRY_FIRST_S, RETRY_MAX_S = 0.05, 1.0  # the wait between its tries, doubling
 
 P = TypeVar("P")
 R = TypeVar("R")
 H = TypeVar("H")
-
-
-class BufferFull(ValueError):
-    """More unspoken text than the session holds (`SentenceQueue.max_pending_chars`)."""
-
-
-def split_long(sentence: str, max_chars: int) -> list[str]:
-    """`sentence` in pieces of at most `max_chars`: cut after the last clause mark, else the last
-    space, in the second half of the limit; else at the limit."""
-    out: list[str] = []
-    rest = sentence
-    while len(rest) > max_chars:
-        window = rest[: max_chars + 1]
-        cut = 0
-        for m in _CLAUSE.finditer(window):
-            if max_chars // 2 <= m.end() <= max_chars:
-                cut = m.end()
-        if not cut:
-            space = window.rfind(" ", max_chars // 2)
-            cut = space if space > 0 else max_chars
-        out.append(rest[:cut])
-        rest = rest[cut:]
-    out.append(rest)
-    return out
-
-
-class SentenceQueue:
-    """Text in, in any pieces; segments out (module docstring). Not thread-safe; one per turn."""
-
-    def __init__(self, max_chars: int = SEGMENT_CHARS, max_pending_chars: int | None = None) -> None:
-        if max_chars < 2:
-            raise ValueError(f"max_chars = {max_chars}: at least 2")
-        self.max_chars = max_chars
-        self.max_pending_chars = max_pending_chars
-        self._segmenter = pysbd.Segmenter(language="en", clean=False)
-        self._buffer = ""  # text not yet known to end a sentence
-        self._sentences: deque[str] = deque()  # complete sentences, none longer than max_chars
-        self.first = True  # the next segment is the turn's first (spoken alone)
-        self.flushed = False
-
-    @property
-    def pending_chars(self) -> int:
-        """Characters fed and not yet taken."""
-        return len(self._buffer) + sum(len(s) for s in self._sentences)
-
-    def feed(self, text: str) -> None:
-        """Add a piece of text; raises BufferFull (and keeps nothing of it) past `max_pending_chars`."""
-        if self.max_pending_chars is not None and self.pending_chars + len(text) > self.max_pending_chars:
-            raise BufferFull(
-                f"{self.pending_chars + len(text)} characters would wait unspoken; the limit is "
-                f"{self.max_pending_chars}"
-            )
-        self.flushed = False
-        self._buffer += text
-        parts = self._segmenter.segment(self._buffer) if self._buffer.strip() else []
-        if len(parts) > 1:
-            self._push(parts[:-1])
-            self._buffer = parts[-1]
-        if len(self._buffer) > self.max_chars:  # a sentence that will not fit: speak its head now
-            *heads, self._buffer = split_long(self._buffer, self.max_chars)
-            self._push(heads)
-
-    def flush(self) -> None:
-        """The text so far is complete: what is buffered becomes segments."""
-        if self._buffer.strip():
-            self._push(self._segmenter.segment(self._buffer))
-        self._buffer = ""
-        self.flushed = True
-
-    def _push(self, sentences: Iterable[str]) -> None:
-        for s in sentences:
-            self._sentences.extend(split_long(s, self.max_chars))
-
-    def take(self) -> str | None:
-        """The next segment, or None when no complete sentence waits."""
-        while self._sentences:
-            segment = self._sentences.popleft().strip()
-            while not self.first and self._sentences:  # pysbd may drop a boundary's space: one between
-                nxt = self._sentences[0].strip()
-                if len(segment) + 1 + len(nxt) > self.max_chars:
-                    break
-                segment = f"{segment} {nxt}" if segment and nxt else segment or nxt
-                self._sentences.popleft()
-            if segment:
-                self.first = False
-                return segment
-        return None
-
-    @property
-    def done(self) -> bool:
-        """Flushed and everything taken."""
-        return self.flushed and not self._sentences and not self._buffer.strip()
-
-
-def segments(text: str, max_chars: int = SEGMENT_CHARS) -> list[str]:
-    """A whole text's segments, in order."""
-    q = SentenceQueue(max_chars)
-    q.feed(text)
-    q.flush()
-    out = []
-    while (s := q.take()) is not None:
-        out.append(s)
-    return out
 
 
 _END = object()
@@ -193,13 +88,38 @@ class SpeechSession(Generic[P]):
 
     `open_stream` returns the segment's audio pieces as an async iterator (the gateway's
     `stream_audio`), raising its error. Several turns may use one session one after another
-    (`speak` per turn); `in_flight` counts its open streams."""
+    (`speak` per turn); `in_flight` counts its open streams.
 
-    def __init__(self, open_stream: Callable[[str, int], AsyncIterator[P]], window: int = WINDOW) -> None:
+    A session whose first stream was admitted keeps its later segments: one of them that fails
+    before its first audio with an error `retryable` says yes to (the unit shed it: no capacity
+    within the admission wait, a full queue) is opened again (`open_stream` with the same index),
+    after `RETRY_FIRST_S` doubling to `RETRY_MAX_S`, for up to `patience_s` — a wait without the
+    engines' admission deadline, holding nothing on them meanwhile. Only then is its error raised
+    (and the caller's response aborted, never ended as if complete). `close()` runs `on_close`
+    once (the gateway's hold on the session's voice)."""
+
+    def __init__(
+        self,
+        open_stream: Callable[[str, int], AsyncIterator[P]],
+        window: int = WINDOW,
+        retryable: Callable[[Exception], bool] | None = None,
+        patience_s: float = SEGMENT_PATIENCE_S,
+        on_close: Callable[[], None] | None = None,
+    ) -> None:
         self.open_stream = open_stream
         self.window = window
+        self.retryable = retryable
+        self.patience_s = patience_s
+        self._on_close = on_close
         self.started = 0  # streams opened by this session, over all its turns
         self.in_flight = 0
+        self.retries = 0  # segments opened again after a shed, over all its turns
+
+    def close(self) -> None:
+        """The session is over (its caller left or was answered); idempotent."""
+        on_close, self._on_close = self._on_close, None
+        if on_close is not None:
+            on_close()
 
     async def speak(self, text: SentenceQueue, more: asyncio.Event | None = None) -> AsyncIterator[P]:
         """Yields the pieces of every segment `text` gives, in order, until `text` is done.
@@ -245,18 +165,34 @@ class SpeechSession(Generic[P]):
                 await seg.cancel()
 
     async def _counted(self, segment: str, index: int) -> AsyncIterator[P]:
-        """`open_stream`'s pieces; its errors, the opening's included, raised in the segment's task."""
+        """`open_stream`'s pieces; its errors, the opening's included, raised in the segment's task;
+        a later segment shed before its first audio is opened again (class docstring)."""
         self.in_flight += 1
-        pieces: AsyncIterator[P] | None = None
+        deadline = time.monotonic() + self.patience_s
+        delay = RETRY_FIRST_S
         try:
-            pieces = self.open_stream(segment, index)
-            async for piece in pieces:
-                yield piece
+            while True:
+                pieces: AsyncIterator[P] | None = None
+                spoke = False
+                try:
+                    pieces = self.open_stream(segment, index)
+                    async for piece in pieces:
+                        spoke = True
+                        yield piece
+                    return
+                except Exception as exc:
+                    patient = index > 0 and not spoke and self.retryable is not None
+                    if not (patient and self.retryable(exc)) or time.monotonic() + delay > deadline:  # type: ignore[misc]
+                        raise
+                finally:
+                    aclose = getattr(pieces, "aclose", None)
+                    if aclose is not None:
+                        await aclose()
+                self.retries += 1
+                await asyncio.sleep(delay)
+                delay = min(2 * delay, RETRY_MAX_S)
         finally:
             self.in_flight -= 1
-            aclose = getattr(pieces, "aclose", None)
-            if aclose is not None:
-                await aclose()
 
 
 def run_pipelined(

@@ -6,7 +6,9 @@
   with the codec's own encoder (seconds per second of audio on a CPU), so the answer takes that long.
 - `GET /v1/voices`: OpenAI-style list of the model's built-in voices (`builtin` true) and the
   registered ones (`builtin` false).
-- `DELETE /v1/voices/{name}`: 200 `{"id", "object": "voice", "deleted": true}`.
+- `DELETE /v1/voices/{name}`: 200 `{"id", "object": "voice", "deleted": true}`. A voice that
+  sessions of this gateway speak with is gone for new sessions at once and deleted on the unit when
+  the last of them ends (`gateway/voice_users.py`), so a response speaking with it is not cut.
 
 Every error is the gateway's OpenAI error JSON (`app.error_response`), `param` the form field:
 400 INVALID_ARG (a field missing or malformed, not audio, too short or long, a built-in name),
@@ -23,6 +25,8 @@ before the model's limit is known (`gateway/limits.py`); the file itself is chec
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,6 +48,8 @@ FORM_PARAMS = {"NAME": "name", "TRANSCRIPT": "transcript", "AUDIO": "file", "ACT
 CALL_TIMEOUT_S = 30.0
 
 router = APIRouter()
+log = logging.getLogger("tandem.gateway")
+_LATER: set[asyncio.Task[None]] = set()  # deferred deletions in flight (kept from the GC)
 
 
 @dataclass(frozen=True)
@@ -126,6 +132,7 @@ def _capped(receive: Receive, limit: int) -> Receive:
 @router.post("/v1/voices", status_code=201, max_body_size=UPLOAD_CEILING)
 async def register(request: Request) -> JSONResponse:
     limits = await _limits(request)
+    users = request.app.state.gateway.voice_users
     length = request.headers.get("content-length", "")
     body_limit = limits.max_file_bytes + FORM_SLACK
     if length.isdigit() and int(length) > body_limit:
@@ -164,6 +171,12 @@ async def register(request: Request) -> JSONResponse:
             )
     finally:
         await form.close()
+    if users.deleting(name):
+        raise refuse(
+            ClientCode.ALREADY_EXISTS,
+            f"name: {name!r} is being deleted once the requests speaking with it end; retry then",
+            "name",
+        )
     result = await _call(request, voice_inputs("register", name, transcript, data), REGISTER_TIMEOUT_S)
     return JSONResponse(_card(result), status_code=201)
 
@@ -176,5 +189,31 @@ async def list_voices(request: Request) -> dict[str, Any]:
 
 @router.delete("/v1/voices/{name}")
 async def delete(request: Request, name: str) -> dict[str, Any]:
+    gateway = request.app.state.gateway
+    users = gateway.voice_users
+    if users.deleting(name):
+        raise refuse(ClientCode.NOT_FOUND, f"name: {name!r} is not a registered voice (deleted)", "name")
+    if users.sessions[name] > 0:
+        listed = await _call(request, voice_inputs("list"), CALL_TIMEOUT_S)
+        registered = {v["name"] for v in listed["voices"] if not v.get("builtin")}
+        if name in registered:  # else the unit's own refusal below (a built-in or unknown name)
+            users.defer_delete(name, lambda: _delete_later(gateway, name))
+            return {"id": name, "object": "voice", "deleted": True}
     await _call(request, voice_inputs("delete", name), CALL_TIMEOUT_S)
     return {"id": name, "object": "voice", "deleted": True}
+
+
+def _delete_later(gateway: Any, name: str) -> None:
+    """The deletion the last session speaking with `name` leaves behind, in the background."""
+    client = gateway.client
+
+    async def run() -> None:
+        try:
+            await client.infer(MODEL, voice_inputs("delete", name), client_timeout=CALL_TIMEOUT_S)
+            log.info("gateway: voice %r deleted once its last session ended", name)
+        except Exception as exc:  # the unit is gone or the voice was deleted past this gateway
+            log.warning("gateway: voice %r: the deferred deletion failed: %s", name, exc)
+
+    task = asyncio.get_running_loop().create_task(run())
+    _LATER.add(task)
+    task.add_done_callback(_LATER.discard)

@@ -12,9 +12,15 @@ A turn is the text between one flush and the next; its speech session (`gateway/
 each complete sentence as soon as it is buffered and, after `flush`, the rest. Turns speak one after
 another. Limits: a turn holds at most `GatewaySettings.ws_max_pending_chars` unspoken characters (a
 `text` past it is refused with an `error`, param `text`, and dropped; the turn goes on); a socket
-that sends no frame for `ws_idle_timeout_s` while nothing is speaking gets an `UNAVAILABLE` error
-and is closed. Every refusal is one `error` frame on that socket only; the socket stays open.
-A client that leaves (or `close`) cancels every stream of its socket.
+holds at most `MAX_TURNS` unfinished turns (a frame that would open one more is refused, param
+`type`); a frame is at most `MAX_FRAME_CHARS` characters and `MAX_DEPTH` levels of JSON nesting,
+both checked before it is parsed (the `error` names the limit and echoes no field: a value quoted in
+an error is cut to `QUOTE_CHARS`); a socket that sends no frame for `ws_idle_timeout_s` while
+nothing is speaking gets an `UNAVAILABLE` error and is closed; a client that does not read what is
+sent is cut by the HTTP server's write timeout (`gateway/serve.py`). Every refusal is one `error`
+frame on that socket only; the socket stays open. A client that leaves (or `close`) cancels every
+stream of its socket. Segmentation of the text runs on `sentences.TEXT_EXECUTOR`, off the event
+loop.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import re
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal, Protocol
@@ -33,11 +40,18 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 from tandem.gateway.audio import AudioFormat, Framer, StreamFormat
 from tandem.gateway.encode import CODECS
 from tandem.gateway.errors import ClientCode
-from tandem.gateway.session import BufferFull, SentenceQueue, SpeechSession
+from tandem.gateway.sentences import TEXT_EXECUTOR, BufferFull, SentenceQueue
+from tandem.gateway.session import SpeechSession
 from tandem.gateway.stream import AudioPiece, GatewayError, SpeechModel
 
 log = logging.getLogger("tandem.gateway.ws")
 PATH = "/v1/audio/speech/stream-input"
+MAX_FRAME_CHARS = 64 * 1024  # a text frame carries at most ws_max_pending_chars (8,192), escaped
+MAX_DEPTH = 2  # every frame is a flat object; one level of slack for a value a client wraps
+MAX_TURNS = 16  # unfinished turns per socket: each holds its text until it speaks
+QUOTE_CHARS = 40  # the most of a client's value an error quotes
+_STRINGS = re.compile(r'"(?:[^"\\]|\\.)*"')
+_BRACKETS = re.compile(r"[\[\]{}]")
 
 
 class _Frame(BaseModel):
@@ -94,8 +108,32 @@ class FrameError(Exception):
         self.param = param
 
 
+def _cut(text: str) -> str:
+    """`text` as an error may quote it: at most `QUOTE_CHARS` characters of it."""
+    return text if len(text) <= QUOTE_CHARS else f"{text[:QUOTE_CHARS]}... ({len(text)} characters)"
+
+
+def _quote(value: object) -> str:
+    return _cut(repr(value))
+
+
+def _depth(raw: str) -> int:
+    """How deep `raw`'s arrays and objects nest (strings skipped); linear in its length."""
+    depth = deepest = 0
+    for bracket in _BRACKETS.findall(_STRINGS.sub("", raw)):
+        depth += 1 if bracket in "[{" else -1
+        deepest = max(deepest, depth)
+    return deepest
+
+
 def parse_frame(raw: str) -> Any:
-    """One client frame; raises FrameError naming what is wrong (`param`: the field)."""
+    """One client frame; raises FrameError naming what is wrong (`param`: the field). Size and
+    nesting are checked before the JSON is parsed (a 100k-deep frame would end the parser in a
+    RecursionError)."""
+    if len(raw) > MAX_FRAME_CHARS:
+        raise FrameError(f"frame is {len(raw)} characters; the limit is {MAX_FRAME_CHARS}", None)
+    if (depth := _depth(raw)) > MAX_DEPTH:
+        raise FrameError(f"frame nests {depth} levels of JSON; the limit is {MAX_DEPTH}", None)
     try:
         data = json.loads(raw)
     except ValueError as exc:
@@ -112,9 +150,12 @@ def parse_frame(raw: str) -> Any:
         if loc and loc[0] == data.get("type"):  # the union's tag leads the location
             loc = loc[1:]
         if first.get("type") == "union_tag_invalid":
-            return _raise(f"type {data['type']!r} is not one of config, text, flush, cancel, close", "type")
+            return _raise(
+                f"type {_quote(data['type'])} is not one of config, text, flush, cancel, close", "type"
+            )
         param = loc[0] if loc else None
-        return _raise(f"{data.get('type')} frame: {'.'.join(loc) or 'frame'}: {first.get('msg')}", param)
+        kind, where = _cut(str(data.get("type"))), _cut(".".join(loc) or "frame")
+        return _raise(f"{kind} frame: {where}: {first.get('msg')}", param and _cut(param))
 
 
 def _raise(message: str, param: str | None) -> Any:
@@ -198,6 +239,8 @@ class Connection:
                 if t.task is not None:
                     with contextlib.suppress(asyncio.CancelledError):
                         await t.task
+            if self.session is not None:
+                self.session.close()
 
     def _busy(self) -> bool:
         """A stream is open, or a flushed turn waits to speak."""
@@ -221,10 +264,18 @@ class Connection:
                 ClientCode.INVALID_ARG, f"{frame.type} before config: send a config frame first", "type"
             )
             return True
+        if isinstance(frame, (TextFrame, FlushFrame)) and self.open is None and len(self.turns) >= MAX_TURNS:
+            await self.error(
+                ClientCode.INVALID_ARG,
+                f"{len(self.turns)} turns are unfinished; the limit is {MAX_TURNS}: wait for turn_done",
+                "type",
+            )
+            return True
+        loop = asyncio.get_running_loop()
         if isinstance(frame, TextFrame):
             turn = self._open_turn()
             try:
-                turn.text.feed(frame.text)
+                await loop.run_in_executor(TEXT_EXECUTOR, turn.text.feed, frame.text)
             except BufferFull as exc:
                 await self.error(
                     ClientCode.INVALID_ARG, f"text refused: {exc}; flush and wait for turn_done", "text"
@@ -232,7 +283,7 @@ class Connection:
             turn.more.set()
         elif isinstance(frame, FlushFrame):
             turn = self._open_turn()
-            turn.text.flush()
+            await loop.run_in_executor(TEXT_EXECUTOR, turn.text.flush)
             turn.more.set()
             self.open = None
         elif isinstance(frame, CancelFrame):
@@ -245,11 +296,11 @@ class Connection:
             return
         try:
             model = self.speaker.model(frame.model)
+            _, self.session = self.speaker.session(model, frame.voice, frame.seed)
         except GatewayError as exc:
             await self.error(exc.error.code, str(exc.error), exc.param)
             return
         self.config, self.model = frame, model
-        _, self.session = self.speaker.session(model, frame.voice, frame.seed)
         rate = CODECS[frame.response_format].rate if frame.response_format in CODECS else None
         await self.send_json(
             {"type": "ready", "sample_rate": rate or model.sample_rate, "format": frame.response_format}

@@ -10,11 +10,11 @@ through other processes, which see the new voice on their next request (`store.p
 
 Threads: the worker's reader thread calls `submit`: `list` and `delete` are answered at once (file
 system operations of microseconds); a `register` is checked (the name free, not pending, the queue
-not full) and queued. The registrar's own thread (`tandem-voices`) takes one registration at a
-time: decode (`audio.py`) -> the codec's encoder -> `VoiceStore.add` (atomic) -> answer. `_pending`
-(names queued or encoding) is shared under `_lock`. `loop_age_s` is the running registration's age:
-the stub's stall watchdog reads it, so the `voices` model's `tandem.worker.stall_timeout_s` must
-exceed the longest encode (its config sets 300 s).
+not full) and queued. The registrar's own thread (`tandem-voices`) takes one registration at a time:
+decode (`audio.py`, in a child process of its own: `decoder_process.py`) -> the codec's encoder ->
+`VoiceStore.add` (atomic) -> answer. `_pending` (names queued or encoding) is shared under `_lock`.
+`loop_age_s` is the running registration's age: the stub's stall watchdog reads it, so the `voices`
+model's `tandem.worker.stall_timeout_s` must exceed the longest encode (its config sets 300 s).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from typing import Protocol
 from tandem.backend.codec.base import Encoder
 from tandem.backend.errors import AlreadyExists, Overloaded, TandemError
 from tandem.backend.settings import VoiceSettings
-from tandem.backend.voices.audio import decode_reference
+from tandem.backend.voices.decoder_process import decode_isolated
 from tandem.backend.voices.request import Action, VoiceRequest
 from tandem.backend.voices.store import VoiceRecord, VoiceStore
 
@@ -119,6 +119,13 @@ class VoiceRegistrar:
         with self._lock:
             if name in self._pending or self.store.get(name) is not None:
                 raise AlreadyExists(f"NAME {name!r} is already a registered voice")
+            # No owner is known here (one API key for the unit): the store's own size is the bound.
+            held = len(self.store.names()) + len(self._pending)
+            if held >= self.settings.max_voices:
+                raise Overloaded(
+                    f"voices: {held} voices are registered or being registered, the limit is "
+                    f"{self.settings.max_voices}; delete one first"
+                )
             try:
                 self._queue.put_nowait(job)
             except queue.Full:
@@ -152,7 +159,7 @@ class VoiceRegistrar:
         the audio, AlreadyExists for a name taken meanwhile)."""
         t0 = time.monotonic()
         s, spec = self.settings, self.encoder.spec
-        ref = decode_reference(req.audio, spec.sample_rate, s.min_seconds, s.max_seconds)
+        ref = decode_isolated(req.audio, spec.sample_rate, s.min_seconds, s.max_seconds)
         t1 = time.monotonic()
         frames = self.encoder.encode(ref.pcm, self.frame_width)
         t2 = time.monotonic()

@@ -10,9 +10,13 @@ same stub processes, memory (PSS of the process tree) near where it was.
 
 from __future__ import annotations
 
+import http.client
+import json
+import os
 import re
 import threading
 import time
+import urllib.parse
 from collections.abc import Callable, Iterator
 
 import numpy as np
@@ -24,6 +28,7 @@ from tandem.gateway.client import StreamResult, TTSClient, next_stream_id
 from tests.support import abusers
 from tests.support.abusers import Vanishing, one_shot, opening, sequence_batching, set_sequence_bounds
 from tests.support.faults import Background
+from tests.support.gateway_process import gateway_process
 from tests.support.helpers import TINY_W, metric_value, metrics_text, prompt, wait_metric
 from tests.support.server import REPO, TritonProcess
 from tests.support.vitals import Vitals, read, settle
@@ -447,4 +452,56 @@ def test_an_open_sequence_holds_one_slot_for_at_most_the_idle_timeout(unit, mode
     finally:
         conn.close()
         time.sleep(max(0.0, opened_at[-1] + IDLE_S + 0.5 - time.monotonic()))  # every slot is back
+    idle(unit)
+
+
+def test_gateway_responses_under_a_flood_are_whole_or_refused(unit, tmp_path):
+    """Through `tandem-gateway`: 24 concurrent multi-segment requests against admission bounds of 8
+    (`TANDEM_FLOOD_REQUESTS` and `TANDEM_FLOOD_CHARS` scale it: 50 and 4,096 is the finding's run)
+    (the finding: 17 of 50 answered 200 with bodies cut short, a later segment shed after the
+    response had started). Every response is now either refused before its audio (503) or 200 with
+    the whole audio — as long as the same request alone — and never a body that ends cleanly short:
+    a later segment the unit sheds is tried again, and one that still fails aborts the body."""
+    requests = int(os.environ.get("TANDEM_FLOOD_REQUESTS", "24"))
+    chars = int(os.environ.get("TANDEM_FLOOD_CHARS", "1200"))
+    text = " ".join(f"Sentence {i} of a long answer is read out here." for i in range(chars // 48 + 1))[
+        :chars
+    ]
+
+    def speak(base: str, out: list[tuple[int, int, bool]]) -> None:
+        url = urllib.parse.urlsplit(base)
+        conn = http.client.HTTPConnection(url.hostname, url.port, timeout=600)
+        body = {"model": "tts", "input": text, "voice": "tara", "response_format": "pcm", "seed": 1}
+        try:
+            conn.request("POST", "/v1/audio/speech", json.dumps(body), {"Content-Type": "application/json"})
+            resp = conn.getresponse()
+            try:
+                data = resp.read()
+                out.append((resp.status, len(data), True))
+            except http.client.IncompleteRead as e:
+                out.append((resp.status, len(e.partial), False))
+        finally:
+            conn.close()
+
+    with gateway_process(unit, tmp_path, timeout_s=300) as base:
+        alone: list[tuple[int, int, bool]] = []
+        speak(base, alone)
+        assert alone[0][0] == 200 and alone[0][2], alone
+        whole = alone[0][1]
+        got: list[tuple[int, int, bool]] = []
+        threads = [threading.Thread(target=speak, args=(base, got)) for _ in range(requests)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(900)
+    statuses = sorted({s for s, _, _ in got})
+    counts = {
+        "whole": sum(s == 200 and ok and n == whole for s, n, ok in got),
+        "aborted": sum(s == 200 and not ok for s, _, ok in got),
+        "refused": sum(s == 503 for s, _, _ in got),
+    }
+    print(f"{requests} concurrent {len(text)}-character requests: {counts}, statuses {statuses}")
+    assert len(got) == requests and set(statuses) <= {200, 503}
+    assert not [g for g in got if g[0] == 200 and g[2] and g[1] != whole], got  # none cut short as if whole
+    assert counts["whole"] >= 1
     idle(unit)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import http.client
 import json
+import time
 import urllib.parse
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,11 +28,13 @@ from tests.support.helpers import metric_value, metrics_text, wait_metric
 from tests.support.server import TritonProcess
 from tests.support.voice_audio import (
     encoded_bytes,
+    flac_layout,
     http_call,
     multipart,
     register_http,
     speech_like,
     wav_bytes,
+    wav_channels,
 )
 
 MAX_FILE = 1_000_000  # tandem.voices.max_file_bytes here, so an over-size file stays cheap
@@ -242,6 +245,84 @@ def test_bad_voice_requests_over_http(unit: Unit) -> None:
     with pytest.raises(openai.BadRequestError) as e:
         sdk.audio.speech.create(model="tts", input="Hello there.", voice="alloy")
     assert e.value.body["param"] == "voice" and "tara, leah" in e.value.body["message"]  # type: ignore[index]
+
+
+def test_uploads_of_many_channels_do_not_take_the_voices_engine_down(unit: Unit) -> None:
+    """8+ channels used to segfault the `voices` worker (one 9 KB upload); now up to 8 channels are
+    mixed to mono and more are refused naming `file`, on the same worker, which never restarted."""
+    text = metrics_text(unit.server.metrics_url)
+    restarts = metric_value(text, "tandem_engine_restarts_total", model="voices")
+    for name, data in (("ch8", wav_channels(8)), ("fl71", flac_layout("7.1"))):
+        status, body = register_http(unit.base, name, TRANSCRIPT, data)
+        assert status == 201 and body["duration_s"] == pytest.approx(2.0, abs=0.01), body
+    for channels in (16, 64):
+        data = wav_channels(
+            channels, seconds=0.5, rate=8000
+        )  # under the 1 MB limit: the channels are refused first
+        status, body = register_http(unit.base, f"ch{channels}", TRANSCRIPT, data)
+        assert status == 400 and body["error"]["param"] == "file", body
+        assert f"AUDIO has {channels} channels; a reference has 1 to 8" in body["error"]["message"]
+    status, body = register_http(unit.base, "TARA", TRANSCRIPT, wav_channels(1))
+    assert status == 400 and "'TARA' is a built-in voice" in body["error"]["message"], body
+    text = metrics_text(unit.server.metrics_url)
+    assert metric_value(text, "tandem_engine_restarts_total", model="voices") == restarts
+    assert metric_value(text, "tandem_engine_up", model="voices") == 1.0
+    for name in ("ch8", "fl71"):
+        assert http_call("DELETE", f"{unit.base}/v1/voices/{name}")[0] == 200
+
+
+LONG_TEXT = " ".join(f"This is sentence number {i} of a long text, read aloud slowly." for i in range(60))
+
+
+def _speech_body(base: str, voice: str) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
+    url = urllib.parse.urlsplit(base)
+    conn = http.client.HTTPConnection(url.hostname, url.port, timeout=300)
+    body = {"model": "tts", "input": LONG_TEXT, "voice": voice, "response_format": "pcm", "seed": 3}
+    conn.request("POST", "/v1/audio/speech", json.dumps(body), {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200, resp.read()
+    return conn, resp
+
+
+def test_a_voice_deleted_while_it_speaks_finishes_that_response(unit: Unit) -> None:
+    """Deleting through the gateway waits for its sessions: the response speaking with the voice
+    is whole (the same length as one before the deletion), new requests are refused at once, and
+    the voice is gone from the unit once the response ended."""
+    status, body = register_http(unit.base, "gone", TRANSCRIPT, wav_bytes(speech_like(2.0, 16000), 16000))
+    assert status == 201, body
+    conn, resp = _speech_body(unit.base, "gone")
+    whole = resp.read()
+    conn.close()
+    conn, resp = _speech_body(unit.base, "gone")
+    head = resp.read(4096)
+    status, body = http_call("DELETE", f"{unit.base}/v1/voices/gone")
+    assert status == 200 and body["deleted"] is True, body
+    sdk = openai.OpenAI(base_url=f"{unit.base}/v1", api_key="unused", max_retries=0)
+    with pytest.raises(openai.BadRequestError) as e:
+        sdk.audio.speech.create(model="tts", input="Hello there.", voice="gone")
+    assert e.value.body["param"] == "voice" and "deleted" in e.value.body["message"]  # type: ignore[index]
+    assert register_http(unit.base, "gone", TRANSCRIPT, wav_bytes(speech_like(2.0, 16000), 16000))[0] == 409
+    rest = resp.read()
+    conn.close()
+    assert len(head + rest) == len(whole) > 4096
+    deadline = time.monotonic() + 30
+    while "gone" in {v["id"] for v in http_call("GET", f"{unit.base}/v1/voices")[1]["data"]}:
+        assert time.monotonic() < deadline, "the deferred deletion did not happen"
+        time.sleep(0.2)
+
+
+def test_a_response_cut_by_a_failed_segment_is_not_complete(unit: Unit) -> None:
+    """A voice deleted past the gateway (gRPC) fails the response's later segments: the body ends
+    without its last chunk, so the client sees it cut, never a clean 200."""
+    status, body = register_http(unit.base, "cut", TRANSCRIPT, wav_bytes(speech_like(2.0, 16000), 16000))
+    assert status == 201, body
+    conn, resp = _speech_body(unit.base, "cut")
+    resp.read(4096)
+    with VoiceClient(unit.server.url) as vc:
+        vc.delete("cut")
+    with pytest.raises(http.client.IncompleteRead):
+        resp.read()
+    conn.close()
 
 
 def test_the_voice_survives_a_restart_then_is_deleted(unit: Unit) -> None:

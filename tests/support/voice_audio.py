@@ -8,6 +8,7 @@ import io
 import json
 import urllib.error
 import urllib.request
+import wave
 from typing import Any
 
 import av
@@ -15,7 +16,16 @@ import numpy as np
 
 from tandem.bench.reference_audio import speech_like, wav_bytes
 
-__all__ = ["encoded_bytes", "http_call", "multipart", "register_http", "speech_like", "wav_bytes"]
+__all__ = [
+    "encoded_bytes",
+    "flac_layout",
+    "http_call",
+    "multipart",
+    "register_http",
+    "speech_like",
+    "wav_bytes",
+    "wav_channels",
+]
 
 
 def encoded_bytes(pcm: np.ndarray, rate: int, container: str = "flac", codec: str = "flac") -> bytes:
@@ -74,3 +84,30 @@ def register_http(
         fields["transcript"] = transcript
     body, ctype = multipart(fields, file)
     return http_call("POST", f"{base}/v1/voices", body, ctype, timeout)
+
+
+def wav_channels(channels: int, seconds: float = 2.0, rate: int = 16000) -> bytes:
+    """A WAV of `channels` identical channels of speech-like audio."""
+    pcm = np.rint(speech_like(seconds, rate) * 32767).astype(np.int16)
+    buf = io.BytesIO()
+    with wave.open(buf, "wb") as w:
+        w.setnchannels(channels)
+        w.setsampwidth(2)
+        w.setframerate(rate)
+        w.writeframes(np.repeat(pcm.reshape(-1, 1), channels, axis=1).tobytes())
+    return buf.getvalue()
+
+
+def flac_layout(layout: str, seconds: float = 2.0, rate: int = 16000) -> bytes:
+    """A FLAC of `layout` (every channel the same speech-like audio), through PyAV."""
+    channels = av.AudioLayout(layout).nb_channels
+    pcm = np.rint(speech_like(seconds, rate) * 32767).astype(np.int16)
+    buf = io.BytesIO()
+    with av.open(buf, mode="w", format="flac") as out:
+        stream = out.add_stream("flac", rate=rate, layout=layout)
+        data = np.repeat(pcm.reshape(-1, 1), channels, axis=1).reshape(1, -1)
+        frame = av.AudioFrame.from_ndarray(data, format="s16", layout=layout)
+        frame.sample_rate = rate
+        for packet in [*stream.encode(frame), *stream.encode(None)]:
+            out.mux(packet)
+    return buf.getvalue()

@@ -9,9 +9,9 @@ import logging
 from starlette.types import Scope
 
 from tandem.gateway.app import GatewaySettings, create_app
+from tandem.gateway.connection_guard import FD_RESERVE, ServerLimits, effective
 from tandem.gateway.limits import SPEECH_BODY_BYTES, route_limit
 from tandem.gateway.logs import RepeatSummary
-from tandem.gateway.serve import FD_RESERVE, ServerLimits, effective
 from tandem.gateway.voices import UPLOAD_CEILING
 
 
