@@ -118,7 +118,9 @@ fi
 python3 -c "import urllib.request as u; print(u.urlopen('http://localhost:$metrics/metrics').read().decode())" \
   | grep '^tandem_' > "$res/metrics.txt" || true
 {
-  grep -E "^\||^model|capacity" "$res/bench.log" || tail -20 "$res/bench.log"
+  # each level's row once (printed as the level ends, again in the final table), then the capacity
+  grep -E "^\|" "$res/bench.log" | awk '!seen[$0]++' || true
+  grep -E "^tts: (capacity|with TTFA)" "$res/bench.log" || tail -20 "$res/bench.log"
   grep -E "C=1 waterfall" "$res/bench.log" || true
   echo "D's step model (a fixed, b per stream, c per token), as D logged it when its rate floor held:"
   grep -oE "rate floor holds admission at [0-9]+ streams.*" "$res/unit.log" | tail -5 || echo "  (never held)"
