@@ -5,9 +5,12 @@ before it crosses. Options (JSON, `tandem.faults.options`):
 - `delay_every`, `delay_s`: every Nth copy sleeps that long (D's deadline passes while the write is
   still pending);
 - `corrupt_every`: every Nth copy has one staged byte flipped after its checksum (D must catch it);
-- `control_file`: an absolute path; while it exists, its JSON object overrides those three (a test
-  switches faults on a running server by writing it elsewhere and renaming it over). Each change
-  restarts the copy count.
+- `hold`: while true, every copy that reaches the hook waits (re-reading the control file every
+  5 ms) until it is false again: a copy held for as long as the test needs, released by the test
+  (a timed `delay_s` is a guess at how slow the box is; a hold is not). Meant for the control file;
+- `control_file`: an absolute path; while it exists, its JSON object overrides those four (a test
+  switches faults on a running server by writing it elsewhere and renaming it over; removing it
+  releases a hold). Each change restarts the copy count.
 Runs on the sender's copy workers; the counter is shared, so "every Nth" counts copies in the order
 they reach the hook. This file is loaded by path inside P's worker: it imports nothing of the tests.
 """
@@ -25,7 +28,8 @@ from typing import Any
 import torch
 
 log = logging.getLogger("tandem")
-KEYS = ("delay_every", "delay_s", "corrupt_every")
+KEYS = ("delay_every", "delay_s", "corrupt_every", "hold")
+HOLD_POLL_S = 0.005
 
 
 class CopyFaults:
@@ -69,6 +73,14 @@ class CopyFaults:
             f = self._current()
             self._n += 1
             n = self._n
+        if f["hold"]:
+            log.warning("fault injection: holding copy %d (%s) until the control file releases it", n, tid)
+            while True:
+                time.sleep(HOLD_POLL_S)
+                with self._lock:
+                    if not self._current()["hold"]:
+                        break
+            log.warning("fault injection: copy %d (%s) released", n, tid)
         if f["corrupt_every"] and n % int(f["corrupt_every"]) == 0:
             flat = staging.reshape(-1).view(torch.uint8)
             flat[flat.numel() // 2] ^= 0xFF

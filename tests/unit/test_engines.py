@@ -232,13 +232,34 @@ def _admits_inside_a_step(p: PrefillEngine, d: DecodeEngine, monkeypatch) -> Non
     assert d.receiver.stats().verify_ok == 2
 
 
-def test_d_fault_while_polling_transfers_fails_both_and_leaks_nothing(pd, monkeypatch):
+def test_d_fault_while_polling_transfers_fails_both_and_leaks_nothing(decoder, tmp_path, monkeypatch):
     """A fault raised while D handles its waiting transfers (after one of them already joined the
     batch): every client is told, the engine thread survives, no page is freed twice or leaked, and
-    D serves the next stream."""
+    D serves the next stream. Rate admission is off: on a loaded 2-core box the calibrated step model
+    rightly holds the second stream in admission, which is not what this checks."""
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    # The gate is in D's engine loop from its first iteration (patched before it starts): no stream
+    # can be taken before both transfers are in flight, however late the test's thread runs.
+    gate = threading.Event()
+    real_take = DecodeEngine._take_admitted
+
+    def take(self: DecodeEngine, block_s: float = 0.0) -> None:
+        gate.wait()  # both transfers are in flight before the engine looks at either
+        real_take(self, block_s)
+
+    monkeypatch.setattr(DecodeEngine, "_take_admitted", take)
+    with started_pd(decoder, engine_settings(tmp_path, rate_admission=False)) as (p, d):
+        try:
+            _fault_while_polling_transfers(p, d, gate, monkeypatch)
+        finally:
+            gate.set()  # before D's close, which waits for its engine thread
+
+
+def _fault_while_polling_transfers(
+    p: PrefillEngine, d: DecodeEngine, gate: threading.Event, monkeypatch
+) -> None:
     from tandem.transfer import TransferState
 
-    p, d = pd
     free = d.pool.num_free_pages
 
     ha, hb = prefill_handoff(p, 1, 200), prefill_handoff(p, 2, 200)
@@ -255,19 +276,13 @@ def test_d_fault_while_polling_transfers_fails_both_and_leaks_nothing(pd, monkey
             raise RuntimeError("injected: device error while handling the second transfer")
         return state
 
-    gate = threading.Event()
-    real_take = d._take_admitted
-
-    def take(block_s: float = 0.0) -> None:
-        gate.wait()  # both transfers are in flight before the engine looks at either
-        real_take(block_s)
-
     monkeypatch.setattr(d.receiver, "poll", poll)
-    monkeypatch.setattr(d, "_take_admitted", take)
     sa, sb = ListSink(), ListSink()
     d.submit(DecodeRequest(1, ha, sa, Timings(ha.timings)))
     d.submit(DecodeRequest(2, hb, sb, Timings(hb.timings)))
-    time.sleep(0.3)
+    # Both admitted (PULLs sent) before the engine looks at either: a fixed sleep was not enough on
+    # a loaded box, where the first stream then ran to its end before the second was polled.
+    assert wait_until(lambda: d.admission.admitted.qsize() == 2, 30), "both streams were not admitted"
     gate.set()
     assert sa.done.wait(10) and sb.done.wait(10)
     assert "injected" in str(sa.error) and "injected" in str(sb.error)
@@ -282,35 +297,45 @@ def test_d_fault_while_polling_transfers_fails_both_and_leaks_nothing(pd, monkey
 
 
 def test_closing_d_tells_waiting_and_running_clients(decoder, tmp_path, monkeypatch):
-    """close() while one stream runs and another waits for a (delayed) copy: both clients get
-    "decode is shutting down" at once instead of hanging."""
+    """close() while one stream runs and another waits for a copy that P's fault hook holds: both
+    clients get "decode is shutting down" at once instead of hanging.
+
+    The state is made, not waited for: the first stream runs before the hold is switched on, so the
+    held copy is the second stream's, and it stays held (D's transfer deadline is beyond the test)
+    until the test releases it after close. Rate admission is off: on a loaded 2-core box the
+    calibrated step model rightly holds the second stream in admission, which is not what this checks."""
     from tandem.backend.settings import FaultSettings
     from tests.support.fault_hooks import HOOK_FILE
 
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
-    s = engine_settings(tmp_path)
-    delay = json.dumps({"delay_every": 2, "delay_s": 5.0})  # the 2nd copy waits 5 s
-    slow_p = replace(s, faults=FaultSettings(hook=HOOK_FILE, options=delay))
-    p = PrefillEngine(decoder, slow_p, RecordingMetrics(), "p0", on_fatal=lambda r: None)
+    s = engine_settings(tmp_path, rate_admission=False)
+    s = replace(s, transfer=replace(s.transfer, deadline_s=60.0))
+    control = tmp_path / "faults.json"
+    hook = FaultSettings(hook=HOOK_FILE, options=json.dumps({"control_file": str(control)}))
+    p = PrefillEngine(decoder, replace(s, faults=hook), RecordingMetrics(), "p0", on_fatal=lambda r: None)
     d = DecodeEngine(decoder, s, RecordingMetrics())
     p.start()
     d.start()
     try:
-        sinks = []
-        for i in (1, 2):
-            h = prefill_handoff(p, i, 2000)
-            sinks.append(ListSink())
-            d.submit(DecodeRequest(i, h, sinks[-1], Timings(h.timings)))
-        deadline = time.monotonic() + 10
-        while not (sinks[0].chunks and d.transfers.waiting) and time.monotonic() < deadline:
-            time.sleep(0.005)
-        assert sinks[0].chunks and d.transfers.waiting, "want one running and one waiting stream"
+        sinks = [ListSink(), ListSink()]
+        h = prefill_handoff(p, 1, 2000)
+        d.submit(DecodeRequest(1, h, sinks[0], Timings(h.timings)))
+        assert wait_until(lambda: bool(sinks[0].chunks), 30), "stream 1 never started"
+        tmp = tmp_path / "faults.tmp"  # renamed over: the hook never reads a half-written file
+        tmp.write_text(json.dumps({"hold": 1}))
+        tmp.replace(control)  # every copy from now on waits: stream 2's
+        h = prefill_handoff(p, 2, 2000)
+        d.submit(DecodeRequest(2, h, sinks[1], Timings(h.timings)))
+        assert wait_until(lambda: any(w.stream.stream_id == 2 for w in d.transfers.waiting), 30)
+        running = not sinks[0].done.is_set() and not sinks[1].done.is_set()
+        assert running, "want one running and one waiting stream"
         t0 = time.monotonic()
         d.close()
         assert time.monotonic() - t0 < 4.0
         for sink in sinks:
             assert sink.done.is_set() and "shutting down" in str(sink.error), sink.error
     finally:
+        control.unlink(missing_ok=True)  # releases the held copy, or P's close would wait on it
         d.close()
         p.close()
 
