@@ -84,6 +84,7 @@ class Healing:
     dead: list[int]
     seen_at: float  # monotonic
     thread: threading.Thread | None = None
+    started: bool = False
     done: bool = False
     ok: bool = False
     new_pids: list[int] = field(default_factory=list)
@@ -157,8 +158,19 @@ class StubHealer:
                 f"{model}: its stub (pid {', '.join(map(str, pids))}) died; reloading the model "
                 "(a load carrying its config: a new stub)"
             )
-            self.start(model, pids)
+            self.start(model, pids, now=False)
         return list(deaths)
+
+    def start_pending(self) -> None:
+        """Start the reloads `scan` found (after the supervisor marked the server not ready: a mark
+        sent while a load runs waits for it)."""
+        with self._lock:
+            pending = [h for h in self.healing.values() if not h.started]
+            for h in pending:
+                h.started = True
+        for h in pending:
+            assert h.thread is not None
+            h.thread.start()
 
     def _remove_region(self, stub: process_tree.Stub) -> None:
         region = stub.region
@@ -168,9 +180,10 @@ class StubHealer:
             os.unlink(f"/dev/shm/{region}")
             self.log(f"removed the dead stub's shared-memory region /dev/shm/{region}")
 
-    def start(self, model: str, dead: list[int]) -> None:
-        """Reload `model` on a thread of its own, unless its reload already runs (a second death of
-        a model being reloaded is that reload's business: it retires every stub it replaces)."""
+    def start(self, model: str, dead: list[int], now: bool = True) -> None:
+        """Reload `model` on a thread of its own (`now` False: at the next `start_pending`), unless
+        its reload already runs (a second death of a model being reloaded is that reload's business:
+        it retires every stub it replaces)."""
         with self._lock:
             current = self.healing.get(model)
             if current is not None and not current.done:
@@ -178,7 +191,9 @@ class StubHealer:
                 return
             h = self.healing[model] = Healing(model, list(dead), time.monotonic())
             h.thread = threading.Thread(target=self._reload, args=(h,), name=f"reload-{model}", daemon=True)
-        h.thread.start()
+            h.started = now
+        if now:
+            h.thread.start()
 
     def _alive(self) -> bool:
         return self.server is not None and self.server.poll() is None and not self.stopping.is_set()

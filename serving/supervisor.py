@@ -16,7 +16,8 @@ duty (each in a module of its own where it is more than a few lines):
   same unit fails at start, naming the setting to change;
 * dead stubs (`serving/stub_healing.py`): watched by pid every `--poll-interval`; a dead one's region
   is removed and its model reloaded by a load carrying its config (a new stub), counted once the new
-  stub serves (`tandem_model_reloads`);
+  stub serves (`tandem_model_reloads`); a speech model still not back `--engine-down-grace` later
+  gets the server restarted;
 * readiness (`serving/readiness.py`): while a stub or an engine that speech (`tts`, `tts_mono`) needs
   is down, the server's `/v2/health/ready` and gRPC `ServerReady` say not ready (a model of the
   unit's own that cannot load); `voices` is its own failure domain and never does;
@@ -402,7 +403,9 @@ class Supervisor:
         goes and its model is reloaded (once the server has answered: its models loaded)."""
         assert self.proc is not None
         self.tree = list({*self.tree, *process_tree.descendants(self.proc.pid)})
-        self.healer.scan(self.answered)
+        if self.healer.scan(self.answered):
+            self.update_readiness(self.health)  # not ready first: a mark sent while a load runs waits for it
+        self.healer.start_pending()
         pids = frozenset(self.healer.stubs)
         if pids != self.stub_pids:
             self.private_regions()
@@ -499,7 +502,15 @@ class Supervisor:
                     self.healer.start(model, [])
         else:
             self.voices_down_since = None
-        if health.engines_up or any(m not in VOICES_MODELS for m in healing):
+        speech_healing = {m: h for m, h in healing.items() if m not in VOICES_MODELS}
+        stuck = [m for m, h in speech_healing.items() if now - h.seen_at >= self.opts.engine_down_grace]
+        if stuck:  # reloads have not brought a dead stub's model back: the server itself, as a last resort
+            self.restart_server(
+                f"{', '.join(stuck)}: its stub died {now - speech_healing[stuck[0]].seen_at:.0f} s ago and "
+                "reloads did not bring it back"
+            )
+            return
+        if health.engines_up or speech_healing:
             self.down_since = None  # all up, or a stub reload under way (its own retries)
             return
         self.down_since = self.down_since or now

@@ -70,7 +70,7 @@ class FakeApi:
     def load(self, model: str, parameters: dict[str, Any] | None = None, timeout_s: float = 0) -> None:
         self.calls.append(("load", model, dict(parameters or {})))
         config = json.loads((parameters or {}).get("config", "{}"))
-        if model == MARK_MODEL and config.get("backend") != "python":
+        if model == MARK_MODEL and config.get("platform") != "ensemble":
             raise ControlError(f"POST load: 400 load failed for model '{model}': no backend", 400)
         if self.on_load is not None:
             self.on_load(model, config)
@@ -82,20 +82,26 @@ class FakeApi:
         return dict(self.states)
 
     def config(self, model: str, timeout_s: float = 0) -> dict[str, Any]:
-        return {"name": model, "backend": "python", "parameters": {"tandem.device": {"string_value": "cpu"}}}
+        io = {
+            "input": [{"name": "TEXT", "data_type": "TYPE_STRING", "dims": [1]}],
+            "output": [{"name": "ROWS"}],
+        }
+        params = {"parameters": {"tandem.device": {"string_value": "cpu"}}}
+        return {"name": model, "backend": "python", "max_batch_size": 0, **io, **params}
 
 
 def test_the_mark_fails_a_load_and_clearing_loads_it_then_the_next_mark_unloads_first(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     api, said = FakeApi(), []
+    api.states = {"frontend": ("READY", ""), "decode": ("READY", ""), "tts": ("READY", "")}
     mark = ReadinessMark(api, said.append)  # type: ignore[arg-type]
     clock = [100.0]
     monkeypatch.setattr("tandem.serving.readiness.time.monotonic", lambda: clock[0])
     mark.update(["decode: its stub died (reloading)"])
     assert mark.marked and [c[:2] for c in api.calls] == [("load", MARK_MODEL)]
     config = json.loads(api.calls[0][2]["config"])  # type: ignore[index]
-    assert config["backend"] != "python" and any(k.startswith("file:") for k in api.calls[0][2])  # type: ignore[union-attr]
+    assert "platform" not in config and any(k.startswith("file:") for k in api.calls[0][2])  # type: ignore[union-attr]
     mark.update(["decode decode_0_0: engine down"])  # still down: no second load
     assert len(api.calls) == 1
     mark.update([])  # well, but not for CLEAR_AFTER_S yet
@@ -103,8 +109,11 @@ def test_the_mark_fails_a_load_and_clearing_loads_it_then_the_next_mark_unloads_
     clock[0] += CLEAR_AFTER_S
     mark.update([])
     assert not mark.marked and mark.loaded
-    assert api.calls[1][0] == "load" and json.loads(api.calls[1][2]["config"])["backend"] == "python"  # type: ignore[index]
-    assert "file:1/model.py" in api.calls[1][2]  # type: ignore[operator]
+    clear = json.loads(api.calls[1][2]["config"])  # type: ignore[index]
+    assert api.calls[1][0] == "load" and clear["platform"] == "ensemble"  # no process of its own
+    step = clear["ensemble_scheduling"]["step"][0]
+    assert step["model_name"] == "frontend" and step["input_map"] == {"TEXT": "TEXT"}
+    assert step["output_map"] == {"ROWS": "ROWS"} and clear["input"][0]["name"] == "TEXT"
     mark.update(["prefill: its stub died (reloading)"])
     assert [c[:2] for c in api.calls[2:]] == [("unload", MARK_MODEL), ("load", MARK_MODEL)]
     assert mark.marked and any("server marked not ready" in s for s in said)
@@ -118,6 +127,7 @@ def test_a_server_that_cannot_be_marked_is_said_once_and_left_alone() -> None:
         raise ControlError("POST load: 503 explicit model load / unload is not allowed", 503)
 
     api.load = refuse  # type: ignore[method-assign]
+    api.states = {"frontend": ("READY", "")}
     mark = ReadinessMark(api, said.append)  # type: ignore[arg-type]
     mark.update(["decode down"])
     mark.update(["decode down"])
@@ -152,7 +162,10 @@ def test_a_reload_carries_the_running_config_with_a_new_value_and_counts_once_a_
     api.on_load = new_stub
     del stubs[11]  # decode's stub died
     assert healer.scan(answered=True) == ["decode"]
+    assert "decode" in healer.down  # down (the supervisor marks the server) before the reload starts
     healing = healer.healing["decode"]
+    assert not healing.started
+    healer.start_pending()
     assert healing.thread is not None
     healing.thread.join(5)
     assert healing.ok and healing.new_pids == [21]
@@ -194,6 +207,7 @@ def test_a_load_that_starts_no_new_stub_is_not_counted_and_is_tried_again(
     healer.scan(answered=True)
     del stubs[11]
     healer.scan(answered=True)
+    healer.start_pending()
     assert "vocoder" in healer.down
     h = healer.healing["vocoder"]
     assert h.thread is not None
