@@ -151,6 +151,7 @@ class StubHealth:
         self._labels = dict(labels)
         self._metrics: dict[tuple[str, tuple[tuple[str, str], ...]], Any] = {}
         self._lock = threading.Lock()
+        self.retired = False  # finalize() began: a stub that replaced this one may own the series now
 
     def _metric(self, name: str, labels: Mapping[str, str]) -> Any:
         merged = {**self._labels, **labels}
@@ -162,10 +163,12 @@ class StubHealth:
         return metric
 
     def set(self, name: str, value: float, **labels: str) -> None:
-        self._metric(name, labels).set(float(value))
+        if not self.retired:
+            self._metric(name, labels).set(float(value))
 
     def inc(self, name: str, by: float = 1.0, **labels: str) -> None:
-        self._metric(name, labels).increment(float(by))
+        if not self.retired:
+            self._metric(name, labels).increment(float(by))
 
     def observe(self, name: str, value: float, **labels: str) -> None:
         raise KeyError(f"{name}: the stub's health publishes gauges and counters only")
@@ -238,7 +241,17 @@ class StubGuard:
             except Exception:  # the server is shutting down: the next beat, or the watch's exit
                 log.debug("%s: heartbeat not published", self.instance, exc_info=True)
 
+    def retire(self) -> None:
+        """First thing in `finalize()`: this stub no longer speaks for its instance. A reload of a
+        live stub (tandem-unit's, of `voices` after its grace) starts the new stub before the old one
+        finalizes, and both publish the same series: the old one's last word (its worker stopped:
+        `tandem_engine_up` 0, `serving/engine_worker.py`) would stand over the new one's 1. A stub
+        unloaded for good is seen by its heartbeat, which stops."""
+        self.health.retired = True
+        self._serving = False
+
     def close(self) -> None:
+        self.retire()
         self._stop.set()
         self._watcher.kill()
         self._watcher.wait()

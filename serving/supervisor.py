@@ -109,6 +109,7 @@ __all__ = [  # the argument helpers, importable from here as before the split
 
 RESTART_WINDOW_S = 60.0
 REPEAT_SIGNAL_S = 0.5  # a second stop signal sooner than this is the same stop (see on_signal)
+VOICES_BACKOFF_STEPS = 4  # voices' grace reloads back off to 16 graces apart at most
 _PR_SET_PDEATHSIG = 1
 
 
@@ -185,6 +186,8 @@ class Supervisor:
         self.health: UnitHealth | None = None  # the last reading of the engines
         self.down_since: float | None = None  # some speech engine down since (monotonic)
         self.voices_down_since: float | None = None  # the voices engine down since (monotonic)
+        self.voices_up_since: float | None = None  # ... up since
+        self.voices_reloads = 0  # grace reloads of voices that did not hold (their wait doubles)
         self.proxy: subprocess.Popen[str] | None = None
         self.proxy_starts = 0
         self.metrics_url = metrics_url(self.args)
@@ -307,7 +310,8 @@ class Supervisor:
         self.starts += 1
         self.health = None
         self.down_since = None
-        self.voices_down_since = None
+        self.voices_down_since = self.voices_up_since = None
+        self.voices_reloads = 0
         self.tree = []
         self.stub_pids = frozenset()
         self.healer.reset(self.proc)
@@ -489,18 +493,27 @@ class Supervisor:
     def _grace(self, health: UnitHealth) -> None:
         now = time.monotonic()
         healing = self.healer.down
-        if health.voices.engines and not health.voices_ready and not any(m in healing for m in VOICES_MODELS):
+        if any(m in healing for m in VOICES_MODELS):
+            pass  # its reload runs: judged again once it ends
+        elif health.voices.engines and not health.voices_ready:
             self.voices_down_since = self.voices_down_since or now
-            if now - self.voices_down_since >= self.opts.engine_down_grace:
+            # a grace for the first reload, then twice as long after each that did not hold
+            wait = self.opts.engine_down_grace * 2 ** min(self.voices_reloads, VOICES_BACKOFF_STEPS)
+            if now - self.voices_down_since >= wait:
                 down = "; ".join(health.voices_reasons)
+                self.voices_reloads += 1
                 log(
                     f"voices down for {now - self.voices_down_since:.0f} s ({down}): reloading the voices "
-                    "model, not the server (speech is unaffected)"
+                    f"model ({self.voices_reloads} in a row), not the server (speech is unaffected)"
                 )
-                self.voices_down_since = now  # the next reload, if it stays down, a grace later
+                self.voices_down_since = now
                 for model in sorted({e.model for e in health.voices.engines}):
                     self.healer.start(model, [])
         else:
+            if self.voices_down_since is not None or self.voices_up_since is None:
+                self.voices_up_since = now
+            elif now - self.voices_up_since >= self.opts.engine_down_grace:
+                self.voices_reloads = 0  # it held: the next outage starts from one grace again
             self.voices_down_since = None
         speech_healing = {m: h for m, h in healing.items() if m not in VOICES_MODELS}
         stuck = [m for m, h in speech_healing.items() if now - h.seen_at >= self.opts.engine_down_grace]

@@ -269,6 +269,88 @@ def test_unit_restarts_the_server_when_an_engine_stays_down(tmp_path: Path) -> N
         proc.stop()
 
 
+@pytest.mark.slow
+def test_voices_is_its_own_failure_domain(tmp_path: Path) -> None:
+    """The voices worker killed three times within a minute, then stopped (SIGSTOP) past its stall
+    bound and `--engine-down-grace`: its stub says once that it crash-loops; the unit reloads the
+    voices model (never the server) and registration serves again; speech is never unready by
+    Triton, `tandem-health`'s reading or the gateway, and `tts` serves throughout."""
+    unit_bin = Path(sys.executable).parent / "tandem-unit"
+    proc = TritonProcess(
+        tmp_path,
+        {"voices": {"tandem.worker.stall_timeout_s": "1"}},
+        # longer than a voices worker's restart (its stub's business), shorter than the test
+        launcher=(str(unit_bin), "--poll-interval", "0.2", "--engine-down-grace", "20", "--"),
+    )
+    shutil.rmtree(proc.repo / "tts_mono")  # not used here; saves a start
+    proc.start()
+    url, metrics = proc.url, proc.metrics_url
+    http = f"http://127.0.0.1:{proc.http_port}"
+    speech_unready: list[str] = []
+    stop = False
+
+    def watch_speech() -> None:
+        while not stop:
+            health = parse_health(metrics_text(metrics))
+            if not _triton_ready(http) or not health.ready:
+                speech_unready.append(f"triton {_triton_ready(http)}, reasons {health.reasons}")
+            time.sleep(0.1)
+
+    watcher = Background(watch_speech)
+    try:
+        assert proc.proc is not None
+        server = _server_pid(proc.proc.pid)
+        for _ in range(3):  # a crash loop: each new worker killed as soon as it serves
+            deadline = time.monotonic() + 60
+            while (worker := find_worker(server, "voices")) is None or _engine_up(metrics, "voices") != 1.0:
+                assert time.monotonic() < deadline, proc.log_tail()
+                time.sleep(0.1)
+            os.kill(worker, signal.SIGKILL)
+            time.sleep(0.3)
+        r = run(url, "tts", prompt(20, seed=11), timeout_s=30, MAX_TOKENS=4, TEMPERATURE=0.0)
+        assert r.error is None, r.error
+        deadline = time.monotonic() + 60
+        while (worker := find_worker(server, "voices")) is None or _engine_up(metrics, "voices") != 1.0:
+            assert time.monotonic() < deadline, proc.log_tail()
+            time.sleep(0.1)
+        stub = find_stub(server, "voices")
+        os.kill(worker, signal.SIGSTOP)  # stalled: its stub cannot replace a live worker
+        stopped = time.monotonic()
+        log = ""
+        while "reloading the voices model (1 in a row), not the server" not in log:
+            assert time.monotonic() - stopped < 60, proc.log_tail()
+            log = proc.log_path.read_text(errors="replace")
+            time.sleep(0.2)
+        deadline = time.monotonic() + 90
+        while True:
+            try:
+                with VoiceClient(url) as vc:
+                    vc.list(timeout_s=10)
+                if find_stub(server, "voices") not in (None, stub):
+                    break
+            except (VoiceError, InferenceServerException):
+                pass
+            assert time.monotonic() < deadline, proc.log_tail()
+            time.sleep(0.3)
+        back_s = time.monotonic() - stopped
+        r = run(url, "tts", prompt(20, seed=12), timeout_s=30, MAX_TOKENS=4, TEMPERATURE=0.0)
+        assert r.error is None, r.error
+        stop = True
+        watcher.join(10)
+        log = proc.log_path.read_text(errors="replace")
+        assert log.count("voices_0_0: engine worker crash-looping") == 1, proc.log_tail()
+        assert "restarting tritonserver" not in log and _server_pid(proc.proc.pid) == server
+        assert "server marked not ready" not in log
+        assert not speech_unready, speech_unready[:3]
+        assert _gateway_health(url, metrics, models=("tts",))[0] == 200
+        print(f"\nvoices stalled: model reloaded, registration served again {back_s:.1f} s after the stop")
+    finally:
+        stop = True
+        with contextlib.suppress(ProcessLookupError, UnboundLocalError):
+            os.kill(worker, signal.SIGCONT)
+        proc.stop()
+
+
 def _proxy_pid(unit_pid: int) -> int | None:
     for pid in children(unit_pid):
         argv = stub_argv(pid)
@@ -380,9 +462,11 @@ def _engine_up(metrics_url: str, model: str) -> float | None:
         return None
 
 
-def _gateway_health(url: str, metrics_url: str, voices: bool = False) -> tuple[int, dict]:
+def _gateway_health(
+    url: str, metrics_url: str, voices: bool = False, models: tuple[str, ...] = SPEECH
+) -> tuple[int, dict]:
     async def main() -> tuple[int, dict]:
-        gw = Gateway(GatewaySettings(url, metrics_url))
+        gw = Gateway(GatewaySettings(url, metrics_url, models=models))
         await gw.start()
         try:
             while gw.models is None:

@@ -24,5 +24,6 @@ class TritonPythonModel:
         return None
 
     def finalize(self):
+        self.guard.retire()  # a stub that replaced this one may publish for the instance already
         self.stub.close()  # the watcher stays on while the worker stops
         self.guard.close()

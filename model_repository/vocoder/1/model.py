@@ -35,5 +35,6 @@ class TritonPythonModel:
         return None
 
     def finalize(self):
+        self.guard.retire()  # a stub that replaced this one may publish for the instance already
         self.batcher.close()  # the watcher stays on while the batcher drains
         self.guard.close()
