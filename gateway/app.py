@@ -20,8 +20,10 @@ Routes (FastAPI on uvicorn; `cli/gateway.py` starts it):
   reads as complete.
 - `WS /v1/audio/speech/stream-input`: text in pieces, audio out, turn by turn (`gateway/ws.py`).
 - `GET /v1/models`, `GET /v1/models/{id}`: the served models, OpenAI's list format.
-- `GET /health`: 200 when Triton answers and the unit is ready by `serving.health` (every
-  `tandem_engine_up` 1, no `tandem_draining` 1), else 503 with the reasons.
+- `GET /health`: speech: 200 when Triton calls the served speech models ready and the unit is ready
+  by `serving.health` (every speech `tandem_engine_up` 1, no speech stub silent, no `tandem_draining`
+  1), else 503 with the reasons; `voices` never counts. `GET /health?model=voices`: registration's
+  own readiness (the voices model and its engine), the same way.
 - `GET /metrics`: the gateway's own metrics (`gateway/metrics.py`).
 - `POST /v1/voices`, `GET /v1/voices`, `DELETE /v1/voices/{name}`: registered voices
   (`gateway/voices.py`).
@@ -72,6 +74,7 @@ from tandem.gateway.stream import (
     stream_audio,
     text_inputs,
 )
+from tandem.gateway.voice_client import MODEL as VOICES_MODEL
 from tandem.gateway.voice_users import VoiceUsers
 from tandem.gateway.voices import install as install_voice_routes
 from tandem.gateway.ws import install as install_ws_route
@@ -389,21 +392,26 @@ class Gateway:
             self.metrics.count(int(status), model)
             await pieces.aclose()
 
-    async def health(self) -> JSONResponse:
+    async def health(self, voices: bool = False) -> JSONResponse:
+        """Speech (default): the served speech models READY in Triton and every engine and stub they
+        need up by the unit's metrics; `voices`: registration alone (the voices model and its engine),
+        a failure domain of its own that never makes speech unready (docs/failure-semantics.md)."""
         assert self.client is not None
         reasons: list[str] = []
+        names = (VOICES_MODEL,) if voices else self.settings.models
         try:
-            if not await self.client.is_server_ready():
-                reasons.append("Triton is not ready")
+            for name in names:
+                if not await self.client.is_model_ready(name):
+                    reasons.append(f"model {name!r} is not ready in Triton")
         except Exception as exc:
             reasons.append(f"Triton at {self.settings.triton_url} does not answer: {exc}")
         if not reasons:
             try:
                 unit = await asyncio.to_thread(fetch_health, self.settings.metrics_url)
-                reasons += unit.reasons
+                reasons += unit.voices_reasons if voices else unit.reasons
             except HealthUnavailable as exc:
                 reasons.append(str(exc))
-        if self.models is None:
+        if self.models is None and not voices:
             reasons.append("the served models' configs are not read yet")
         ok = not reasons
         return JSONResponse({"status": "ok" if ok else "unavailable", "reasons": reasons}, 200 if ok else 503)
@@ -508,8 +516,12 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         return _model_card(gw.model(name).name)
 
     @app.get("/health")
-    async def health() -> JSONResponse:
-        return await gw.health()
+    async def health(model: str | None = None) -> JSONResponse:
+        """`/health`: speech; `/health?model=voices`: voice registration (its own readiness)."""
+        if model not in (None, "", VOICES_MODEL):
+            wrong = ClientError(ClientCode.INVALID_ARG, "model: leave it out (speech), or voices")
+            return error_response(wrong, "model")
+        return await gw.health(voices=model == VOICES_MODEL)
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -23,7 +23,7 @@ import numpy as np
 from tandem.backend.codec.builder import codec_spec
 from tandem.backend.engines.handoff import Handoff
 from tandem.backend.errors import InvalidInput, TandemError
-from tandem.backend.metrics import METRICS, STUB_METRICS, WORKER_METRICS, Engine
+from tandem.backend.metrics import METRICS, STUB_METRICS, WORKER_METRICS, Engine, MetricsSink
 from tandem.backend.model.config import ModelConfig
 from tandem.backend.timing import Timings
 from tandem.backend.worker.channel import Array, EngineKind, Reply, Submit
@@ -84,7 +84,11 @@ class TritonResponder:
 class EngineStub:
     """One model instance's stub: `kind` says which engine its worker runs (`tts_mono`: MONO)."""
 
-    def __init__(self, pb: Any, args: Mapping[str, Any], kind: EngineKind) -> None:
+    def __init__(
+        self, pb: Any, args: Mapping[str, Any], kind: EngineKind, health: MetricsSink | None = None
+    ) -> None:
+        """`health`: where the worker's up/down and restarts go (the stub guard's, `StubGuard.health`,
+        so that this process holds one metric object per series; default: a sink of its own)."""
         io.setup_logging(args["model_name"])
         self._pb = pb
         self.kind = kind
@@ -93,7 +97,8 @@ class EngineStub:
         engine_metrics = [m.name for m in METRICS if m.name not in (*WORKER_METRICS, *STUB_METRICS)]
         labels = {"model": model, "model_instance": instance}
         metrics = io.TritonMetrics(pb, labels, names=engine_metrics, engine=ENGINES[kind])
-        health = io.TritonMetrics(pb, labels, names=WORKER_METRICS)
+        if health is None:
+            health = io.TritonMetrics(pb, labels, names=WORKER_METRICS)
         self.worker = EngineWorker(args, kind, self.settings.worker, metrics, health)
         ready = self.worker.start()
         self.cfg = ModelConfig(**ready.cfg)

@@ -75,6 +75,7 @@ log = logging.getLogger("tandem")
 WATCH_S = 0.05
 CANCEL_POLL_S = 0.5  # each `is_cancelled()` is a round trip to the server process
 DEATH_WINDOW_S = 60.0
+CRASH_LOOP_DEATHS = 3  # deaths within DEATH_WINDOW_S that make a crash loop (said once)
 
 
 class EngineUnavailable(TandemError):
@@ -192,6 +193,7 @@ class EngineWorker:
         self._pending: dict[int, _Pending] = {}
         self._next_id = 1
         self._deaths: deque[float] = deque()
+        self._looping = False
         self._closed = threading.Event()
         self._watchdog = threading.Thread(target=self._watch, name=f"{self.instance}-watchdog", daemon=True)
         self._stalled_since = 0.0
@@ -500,6 +502,17 @@ class EngineWorker:
         while self._deaths and now - self._deaths[0] > DEATH_WINDOW_S:
             self._deaths.popleft()
         delay = min(s.restart_backoff_max_s, s.restart_backoff_s * 2 ** max(0, len(self._deaths) - 1))
+        looping = len(self._deaths) >= CRASH_LOOP_DEATHS
+        if looping and not self._looping:  # said once per loop; the deaths themselves are logged each
+            log.error(
+                "%s: engine worker crash-looping (%d deaths in %.0f s): restarts back off, at most %.0f s "
+                "apart; the other models are not affected",
+                self.instance,
+                len(self._deaths),
+                DEATH_WINDOW_S,
+                s.restart_backoff_max_s,
+            )
+        self._looping = looping
         if self._closed.wait(delay):
             return
         with self._lock:

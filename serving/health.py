@@ -12,9 +12,19 @@ The engines publish both on Triton's metrics endpoint:
   last values (`tandem_engine_up` stays 1), so a heartbeat older than `STUB_SILENT_S` means the stub
   is dead or stopped: its model is not ready, and its engine counts as down.
 
+Every stub publishes `tandem_engine_up` for itself from its first moment (0 until it serves;
+`serving/stub_guard.py`): a model without an engine worker (frontend, vocoder) reads 1 while its stub
+serves. A stub `tandem-unit` starts again after a death sets 0 over its dead predecessor's 1 at once.
+
+Two failure domains: *speech* (every model but `voices`: `tts`, `tts_mono` and their steps) and
+*voices* (registration, `VOICES_MODELS`). `ready`, `engines_up` and `reasons` judge speech alone, so a
+voices engine that crashes or restarts never makes the unit unready for speech; `voices_ready` and
+`voices_reasons` judge registration (the gateway's `/health` reports both, its status by speech).
+
 Who reads this: `tandem-health` (the pod's readiness probe, `cli/health.py`), the unit's supervisor and
-the HTTP gateway's `/health`. A unit is *ready* when at least one engine is published, every published
-engine is up, no engine drains and no stub is silent. Nothing here imports Triton or torch.
+the HTTP gateway's `/health`. A unit is *ready* (for speech) when at least one speech engine is
+published, every published speech engine is up, no engine drains and no speech stub is silent.
+Nothing here imports Triton or torch.
 """
 
 from __future__ import annotations
@@ -32,6 +42,7 @@ ENGINE_UP = "tandem_engine_up"
 DRAINING = "tandem_draining"
 HEARTBEAT = "tandem_stub_heartbeat_timestamp_seconds"
 STUB_SILENT_S = 4.0  # heartbeats come every second (stub_guard.PERIOD_S)
+VOICES_MODELS = frozenset({"voices"})  # registration: a failure domain of its own, apart from speech
 
 
 @dataclass(frozen=True)
@@ -44,22 +55,38 @@ class EngineState:
 
 @dataclass(frozen=True)
 class UnitHealth:
-    """What the metrics say about the unit. `reasons` names every engine that is down or draining."""
+    """What the metrics say about the unit. `reasons` names every speech engine that is down or
+    draining and every silent speech stub; `voices_reasons` the same for registration."""
 
     engines: tuple[EngineState, ...]
     silent_stubs: tuple[tuple[str, str, float], ...] = ()  # (model, model_instance, seconds silent)
 
+    def part(self, voices: bool) -> UnitHealth:
+        """The engines and silent stubs of one failure domain: registration (`voices`) or speech."""
+        return UnitHealth(
+            tuple(e for e in self.engines if (e.model in VOICES_MODELS) == voices),
+            tuple(s for s in self.silent_stubs if (s[0] in VOICES_MODELS) == voices),
+        )
+
+    @property
+    def speech(self) -> UnitHealth:
+        return self.part(voices=False)
+
+    @property
+    def voices(self) -> UnitHealth:
+        return self.part(voices=True)
+
     @property
     def stubs_alive(self) -> bool:
-        return not self.silent_stubs
+        return not self.speech.silent_stubs
 
     @property
     def engines_up(self) -> bool:
-        return bool(self.engines) and all(e.up for e in self.engines) and self.stubs_alive
+        return _up(self.speech)
 
     @property
     def draining(self) -> bool:
-        return any(e.draining for e in self.engines)
+        return any(e.draining for e in self.speech.engines)
 
     @property
     def ready(self) -> bool:
@@ -67,12 +94,28 @@ class UnitHealth:
 
     @property
     def reasons(self) -> tuple[str, ...]:
-        if not self.engines:
-            return (f"no {ENGINE_UP} published: no engine has started",)
-        out = [f"{m} {i}: stub silent for {s:.1f} s (dead or stopped)" for m, i, s in self.silent_stubs]
-        out += [f"{e.model} {e.model_instance}: engine down" for e in self.engines if not e.up]
-        out += [f"{e.model} {e.model_instance}: draining" for e in self.engines if e.draining]
-        return tuple(out)
+        return _reasons(self.speech, f"no {ENGINE_UP} published: no engine has started")
+
+    @property
+    def voices_ready(self) -> bool:
+        return _up(self.voices)
+
+    @property
+    def voices_reasons(self) -> tuple[str, ...]:
+        return _reasons(self.voices, f"no {ENGINE_UP} of a voices model: registration is not served")
+
+
+def _up(part: UnitHealth) -> bool:
+    return bool(part.engines) and all(e.up for e in part.engines) and not part.silent_stubs
+
+
+def _reasons(part: UnitHealth, none: str) -> tuple[str, ...]:
+    if not part.engines and not part.silent_stubs:
+        return (none,)
+    out = [f"{m} {i}: stub silent for {s:.1f} s (dead or stopped)" for m, i, s in part.silent_stubs]
+    out += [f"{e.model} {e.model_instance}: engine down" for e in part.engines if not e.up]
+    out += [f"{e.model} {e.model_instance}: draining" for e in part.engines if e.draining]
+    return tuple(out)
 
 
 class HealthUnavailable(Exception):

@@ -1,10 +1,11 @@
 """A server's processes, read from /proc: its stubs (which model each serves), its whole tree.
 
 `tandem-unit` watches the stubs of its tritonserver by pid (a python-backend stub is a child of the
-server whose argv[1] is `<repository>/<model>/<version>/model.py`): a stub that exits, or is left a
-zombie (Triton 2.51 reaps no dead decoupled stub), is seen at the next poll. It also collects a
-server's whole tree (stubs, their engine workers) before it signals the server, so that it can kill
-what is left afterwards. Linux only; nothing here imports Triton or torch.
+server whose argv is `<stub> <repository>/<model>/<version>/model.py <shm region> ...`): a stub that
+exits, or is left a zombie (Triton 2.51 reaps no dead decoupled stub), is seen at the next poll, and
+its `/dev/shm` region (argv[2]) is known from when it lived. It also collects a server's whole tree
+(stubs, their engine workers) before it signals the server, so that it can kill what is left
+afterwards. Linux only; nothing here imports Triton or torch.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import contextlib
 import os
 import signal
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 STUB_BINARY = "triton_python_backend_stub"
@@ -75,31 +77,57 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
-def stub_model(pid: int, repositories: Iterable[str]) -> str | None:
-    """The model a python-backend stub serves, if `pid` is one under one of `repositories`."""
-    args = argv(pid)
+@dataclass(frozen=True)
+class Stub:
+    """One model-instance stub as seen alive: its model and its python-backend `/dev/shm` region."""
+
+    model: str
+    region: str
+
+
+def model_of(args: list[str], repositories: Iterable[str]) -> str | None:
+    """The model a stub with command line `args` serves, if it is a stub of one of `repositories`."""
     if len(args) < 2 or not args[0].endswith(STUB_BINARY):
         return None
-    path = Path(args[1])
-    for repo in repositories:
-        with contextlib.suppress(ValueError):
-            rel = path.relative_to(Path(repo).resolve()) if path.is_absolute() else None
-            if rel is not None and len(rel.parts) >= 2:
-                return rel.parts[0]
-    return path.parent.parent.name if path.name == "model.py" else None
+    path = Path(os.path.abspath(args[1]))
+    repos = list(repositories)
+    for repo in repos:
+        for base in {Path(os.path.abspath(repo)), Path(repo).resolve()}:
+            with contextlib.suppress(ValueError):
+                rel = path.relative_to(base)
+                if len(rel.parts) >= 2:
+                    return rel.parts[0]
+    # `<somewhere>/<model>/<version>/model.py` of a model the repositories hold (a path through a
+    # link); a model loaded from files its load request carried (tandem-unit's readiness mark) is none.
+    name = path.parent.parent.name
+    if path.name == "model.py" and any((Path(r) / name / "config.pbtxt").is_file() for r in repos):
+        return name
+    return None
 
 
-def stubs(server_pid: int, repositories: Iterable[str]) -> dict[int, str]:
-    """{pid: model} of the server's live model-instance stubs. The stub Triton starts for a model as
-    a whole while it loads it (to complete its config; named after the model, not an instance, on
-    its command line) lives only for the load and is left out."""
+def stub_model(pid: int, repositories: Iterable[str]) -> str | None:
+    """The model a python-backend stub serves, if `pid` is one under one of `repositories`."""
+    return model_of(argv(pid), repositories)
+
+
+def stub_details(server_pid: int, repositories: Iterable[str]) -> dict[int, Stub]:
+    """{pid: Stub} of the server's live model-instance stubs under `repositories`. The stub Triton
+    starts for a model as a whole while it loads it (to complete its config, unless that is disabled;
+    named after the model, not an instance, on its command line) lives only for the load and is left
+    out."""
     repos = list(repositories)
     out = {}
     for pid in children(server_pid):
-        model = stub_model(pid, repos)
-        if model is not None and model not in argv(pid)[2:]:
-            out[pid] = model
+        args = argv(pid)
+        model = model_of(args, repos)
+        if model is not None and model not in args[2:]:
+            out[pid] = Stub(model, args[2] if len(args) > 2 else "")
     return out
+
+
+def stubs(server_pid: int, repositories: Iterable[str]) -> dict[int, str]:
+    """{pid: model} of the server's live model-instance stubs (`stub_details`)."""
+    return {pid: s.model for pid, s in stub_details(server_pid, repositories).items()}
 
 
 def kill_all(pids: Iterable[int], sig: signal.Signals = signal.SIGKILL) -> list[int]:

@@ -1,40 +1,49 @@
-"""`tandem-unit`: runs one unit's tritonserver and restarts it when it dies or its engines stay down.
+"""`tandem-unit`: runs one unit's tritonserver, heals what dies inside it, owns its readiness.
 
-Each engine (P, D, the monolithic engine) runs in a worker process that its model's stub starts and
-restarts itself (serving/engine_worker.py, docs/failure-semantics.md "Engines in processes of their
-own"): a dead or stalled engine never needs this supervisor. What is left here is the server itself:
+Each engine (P, D, the monolithic engine, the voice registrar) runs in a worker process that its
+model's stub starts and restarts itself (serving/engine_worker.py, docs/failure-semantics.md "Engines
+in processes of their own"): a dead or stalled engine is the stub's business. What is left here, by
+duty (each in a module of its own where it is more than a few lines):
 
-* starts the real server through the launcher (`tandem.serving.launcher.build_command`), adding
-  `--model-control-mode=explicit --load-model=*` unless a model-control mode is given, loopback
-  addresses unless `--grpc-address`/`--http-address`/`--metrics-address` are given, Triton's
-  `--exit-timeout-secs` (the drain bound, `--drain-timeout`) and a shared-memory prefix of the unit's
+* the server's arguments (`serving/server_args.py`): the real server through the launcher
+  (`tandem.serving.launcher.build_command`), with `--model-control-mode=explicit --load-model=*`
+  unless a model-control mode is given, loopback addresses unless `--grpc-address`/`--http-address`/
+  `--metrics-address` are given, Triton's `--exit-timeout-secs` (the drain bound, `--drain-timeout`),
+  `--disable-auto-complete-config` and a shared-memory prefix of the unit's
   (`tandem_<uid>_<unit>_<hash of the unit dir>_`, so that it removes the regions of a server that is
   gone, and only those);
-* holds the unit's lock (`<unit dir>/unit.lock`) for as long as it runs: a second supervisor of the
+* the unit's lock (`<unit dir>/unit.lock`), held for as long as it runs: a second supervisor of the
   same unit fails at start, naming the setting to change;
-* watches the server's stubs by pid (`tandem.serving.process_tree`): a stub that exits (or is left a
-  zombie) while Triton still calls its model READY is seen at the next `--poll-interval`, and the
-  model is reloaded through Triton's repository API with the unit key, with bounded backoff; the
-  count is published by the new stub as `tandem_model_reloads` (serving/stub_guard.py);
-* probes the server itself (`/v2/health/live` and a metrics scrape, `--probe-timeout` each): after
+* dead stubs (`serving/stub_healing.py`): watched by pid every `--poll-interval`; a dead one's region
+  is removed and its model reloaded by a load carrying its config (a new stub), counted once the new
+  stub serves (`tandem_model_reloads`); a speech model still not back `--engine-down-grace` later
+  gets the server restarted;
+* readiness (`serving/readiness.py`): while a stub or an engine that speech (`tts`, `tts_mono`) needs
+  is down, the server's `/v2/health/ready` and gRPC `ServerReady` say not ready (a model of the
+  unit's own that cannot load); `voices` is its own failure domain and never does;
+* the server's liveness (`/v2/health/live` and a metrics scrape, `--probe-timeout` each): after
   `--probe-failures` failed probes in a row it kills the server's whole tree and starts it again (a
   hung server: SIGSTOP, a deadlocked crash handler);
-* reads the engines' truth from the server's metrics (`tandem.serving.health`: `tandem_engine_up`,
-  `tandem_draining`) every `--poll-interval`, logs each engine that goes down or comes back, and
-  restarts the server when some engine has been down for `--engine-down-grace` seconds (its stub's
-  own restarts did not bring it back: a broken device, a start that keeps failing);
-* forwards SIGTERM/SIGINT to the server (a second one kills it), kills its tree `--stop-timeout` later
-  and exits 0 once it is gone; restarts a server that exits unexpectedly (killing its tree first),
-  at most `--max-server-restarts` times a minute, then exits non-zero
-  so that the pod's supervisor takes over;
-* with `--proxy`, runs the unit's IPC proxy sidecar (`tandem-proxy`, for the `proxy` KV path) before
+* the engines' truth from the server's metrics (`tandem.serving.health`: `tandem_engine_up`,
+  `tandem_draining`, the stubs' heartbeats) every `--poll-interval`: logs each engine that goes down
+  or comes back, restarts the server when some speech engine has been down for `--engine-down-grace`
+  seconds (its stub's own restarts did not bring it back: a broken device, a start that keeps
+  failing), and reloads the `voices` model (never the server) when its engine has;
+* signals: SIGTERM/SIGINT are forwarded to the server (a second one kills it), its tree is killed
+  `--stop-timeout` later and the supervisor exits 0 once it is gone; a server that exits unexpectedly
+  (Triton 2.51 aborts when a stub that stalled under traffic resumes) is restarted (its tree killed
+  first), at most `--max-server-restarts` times a minute, then the supervisor exits non-zero so that
+  the pod's supervisor takes over. If the supervisor itself dies (`kill -9`), the kernel SIGKILLs the
+  server (PR_SET_PDEATHSIG): every client's connection breaks at once, each stub's watcher kills its
+  stub and removes its region within a second, each worker exits with its channel;
+* with `--proxy`, the unit's IPC proxy sidecar (`tandem-proxy`, for the `proxy` KV path), run before
   the server and for as long as it runs. A proxy that exits takes every P and D registration with it
   (D's arena, P's staging: they are not re-made), so the supervisor starts a new proxy and then
-  restarts the server, whose P and D register again; every stream of the unit fails meanwhile.
+  restarts the server, whose P and D register again; every stream of the unit fails meanwhile;
 * with `--mps auto|on` (serving/mps.py), runs the unit's CUDA MPS control daemon where engines share a
   GPU, for as long as it runs, and gives tritonserver its pipe and log directories;
-* sends the unit's API key (`serving/api_key.py`) on its own calls to the server: the launcher locks
-  Triton's model-repository API (and the other control APIs) with it, so the `prefill` load needs it.
+* the unit's API key (`serving/api_key.py`) on its own calls to the server: the launcher locks
+  Triton's model-repository API (and the other control APIs) with it.
 
 It imports neither torch nor Triton, and keeps running when the model code cannot import.
 """
@@ -48,114 +57,66 @@ import ctypes
 import fcntl
 import glob
 import hashlib
-import json
 import os
 import select
 import signal
 import subprocess
 import sys
-import threading
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from types import FrameType
 
 from tandem.serving import mps, process_tree
 from tandem.serving.api_key import UNIT_PARAMETER, ApiKeyError, resolve, unit_dir, unit_of
-from tandem.serving.health import HealthUnavailable, UnitHealth, fetch_health
+from tandem.serving.control_api import ControlApi
+from tandem.serving.health import VOICES_MODELS, HealthUnavailable, UnitHealth, fetch_health
 from tandem.serving.launcher import LauncherError, build_command
+from tandem.serving.readiness import ReadinessMark
 from tandem.serving.repository import model_parameter
+from tandem.serving.server_args import (
+    LOOPBACK,
+    SHM_PREFIX_OPTION,
+    find_model_dir,
+    http_base,
+    metrics_url,
+    option_values,
+    shm_prefix,
+    strict_readiness,
+    with_auto_complete_off,
+    with_exit_timeout,
+    with_explicit_control,
+    with_loopback,
+)
 from tandem.serving.stub_guard import STATE_ENV
+from tandem.serving.stub_healing import StubHealer, UnitState
+
+__all__ = [  # the argument helpers, importable from here as before the split
+    "LOOPBACK",
+    "SHM_PREFIX_OPTION",
+    "Supervisor",
+    "find_model_dir",
+    "http_base",
+    "main",
+    "metrics_url",
+    "option_values",
+    "parse",
+    "shm_prefix",
+    "with_auto_complete_off",
+    "with_exit_timeout",
+    "with_explicit_control",
+    "with_loopback",
+]
 
 RESTART_WINDOW_S = 60.0
 REPEAT_SIGNAL_S = 0.5  # a second stop signal sooner than this is the same stop (see on_signal)
+VOICES_BACKOFF_STEPS = 4  # voices' grace reloads back off to 16 graces apart at most
 _PR_SET_PDEATHSIG = 1
-LOOPBACK = "127.0.0.1"
-RELOAD_BACKOFF_S = 1.0  # first retry of a failed reload; doubling, at most RELOAD_BACKOFF_MAX_S
-RELOAD_BACKOFF_MAX_S = 30.0
-RELOAD_SETTLE_S = 10.0  # after a reload, stubs of the model replaced by it may still exit
-SHM_PREFIX_OPTION = "shm-region-prefix-name"
 
 
 def log(msg: str) -> None:
     print(f"{time.strftime('%Y-%m-%d %H:%M:%S')} tandem-unit: {msg}", file=sys.stderr, flush=True)
-
-
-# ---- the server's arguments ----------------------------------------------------------------------
-
-
-def option_values(args: Sequence[str], *names: str) -> list[str]:
-    """Every value of `--name=value` / `--name value` in `args`, in order."""
-    out = []
-    for i, arg in enumerate(args):
-        for name in names:
-            if arg.startswith(name + "="):
-                out.append(arg[len(name) + 1 :])
-            elif arg == name and i + 1 < len(args):
-                out.append(args[i + 1])
-    return out
-
-
-def with_explicit_control(args: Sequence[str]) -> list[str]:
-    """`args` plus `--model-control-mode=explicit --load-model=*` unless a model-control mode is given."""
-    if option_values(args, "--model-control-mode"):
-        return list(args)
-    return [*args, "--model-control-mode=explicit", "--load-model=*"]
-
-
-def with_loopback(args: Sequence[str]) -> list[str]:
-    """`args` plus `--<api>-address=127.0.0.1` for each of grpc, http, metrics not given an address
-    (Triton's own default is every interface)."""
-    out = list(args)
-    for api in ("grpc", "http", "metrics"):
-        if not option_values(args, f"--{api}-address"):
-            out.append(f"--{api}-address={LOOPBACK}")
-    return out
-
-
-def with_exit_timeout(args: Sequence[str], drain_s: float) -> list[str]:
-    """`args` plus `--exit-timeout-secs` (how long Triton drains in-flight requests on SIGTERM)."""
-    if option_values(args, "--exit-timeout-secs"):
-        return list(args)
-    return [*args, f"--exit-timeout-secs={max(1, round(drain_s))}"]
-
-
-def shm_prefix(args: Sequence[str]) -> str | None:
-    """The python backend's shared-memory prefix given in `args`, if any."""
-    for value in option_values(args, "--backend-config"):
-        backend, _, setting = value.partition(",")
-        key, _, prefix = setting.partition("=")
-        if backend == "python" and key == SHM_PREFIX_OPTION:
-            return prefix
-    return None
-
-
-def http_base(args: Sequence[str]) -> str:
-    port = (option_values(args, "--http-port") or ["8000"])[-1]
-    host = (option_values(args, "--http-address") or ["127.0.0.1"])[-1]
-    if host in ("0.0.0.0", "::", ""):
-        host = "127.0.0.1"
-    return f"http://{host}:{port}"
-
-
-def metrics_url(args: Sequence[str]) -> str:
-    """The server's Prometheus endpoint, where the engines publish `tandem_engine_up`."""
-    port = (option_values(args, "--metrics-port") or ["8002"])[-1]
-    host = (option_values(args, "--metrics-address") or ["127.0.0.1"])[-1]
-    if host in ("0.0.0.0", "::", ""):
-        host = "127.0.0.1"
-    return f"http://{host}:{port}/metrics"
-
-
-def find_model_dir(args: Sequence[str], model: str) -> Path | None:
-    """`<repository>/<model>` for the first local repository (of the server's args) that holds `model`."""
-    for repo in option_values(args, "--model-repository", "--model-store"):
-        candidate = Path(repo) / model
-        if (candidate / "config.pbtxt").is_file():
-            return candidate
-    return None
 
 
 # ---- the supervisor ------------------------------------------------------------------------------
@@ -171,8 +132,8 @@ def exit_status(returncode: int) -> int:
     return returncode if returncode >= 0 else 128 - returncode
 
 
-def _die_with_parent_fn() -> Callable[[], None] | None:
-    """A preexec_fn that has the kernel SIGTERM the child if the supervisor dies (Linux)."""
+def _die_with_parent_fn(sig: signal.Signals = signal.SIGTERM) -> Callable[[], None] | None:
+    """A preexec_fn that has the kernel send the child `sig` if the supervisor dies (Linux)."""
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         prctl = libc.prctl
@@ -181,7 +142,7 @@ def _die_with_parent_fn() -> Callable[[], None] | None:
     parent = os.getpid()
 
     def preexec() -> None:
-        prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+        prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
         if os.getppid() != parent:  # the supervisor died before prctl took effect
             os._exit(1)
 
@@ -190,8 +151,11 @@ def _die_with_parent_fn() -> Callable[[], None] | None:
 
 def _server_preexec_fn() -> Callable[[], None]:
     """The server's preexec_fn: umask 077, so that every file and /dev/shm region the server and its
-    stubs create is its user's alone (0600), and death with the supervisor (`_die_with_parent_fn`)."""
-    die = _die_with_parent_fn()
+    stubs create is its user's alone (0600), and death with the supervisor: SIGKILL, not SIGTERM. A
+    SIGTERMed server drains for `--exit-timeout-secs` and then, with its stubs' finalize() still
+    running, lived on for a minute (measured: ~62 s) while every client heard nothing; SIGKILLed, it
+    is gone at once, its clients' streams break at once and the stubs' watchers clean up."""
+    die = _die_with_parent_fn(signal.SIGKILL)
 
     def preexec() -> None:
         os.umask(0o077)
@@ -209,7 +173,9 @@ class Supervisor:
     def __init__(self, opts: argparse.Namespace, server_args: Sequence[str]) -> None:
         self.opts = opts
         self.model: str = opts.prefill_model
-        self.args = with_exit_timeout(with_loopback(with_explicit_control(server_args)), opts.drain_timeout)
+        self.args = with_auto_complete_off(
+            with_exit_timeout(with_loopback(with_explicit_control(server_args)), opts.drain_timeout)
+        )
         self.api = resolve(self.args)  # the key the launcher locks the server with (serving/api_key.py)
         self.proc: subprocess.Popen[bytes] | None = None
         self.stopping = False
@@ -220,7 +186,10 @@ class Supervisor:
         self.ever_up = False
         # per server lifetime (reset by start_server)
         self.health: UnitHealth | None = None  # the last reading of the engines
-        self.down_since: float | None = None  # some engine down since (monotonic)
+        self.down_since: float | None = None  # some speech engine down since (monotonic)
+        self.voices_down_since: float | None = None  # the voices engine down since (monotonic)
+        self.voices_up_since: float | None = None  # ... up since
+        self.voices_reloads = 0  # grace reloads of voices that did not hold (their wait doubles)
         self.proxy: subprocess.Popen[str] | None = None
         self.proxy_starts = 0
         self.mps: mps.MpsDaemon | None = None  # the unit's MPS daemon (serving/mps.py), set by run()
@@ -240,14 +209,15 @@ class Supervisor:
             self.args.append(f"--backend-config=python,{SHM_PREFIX_OPTION}={self.prefix}")
         self.repos = option_values(self.args, "--model-repository", "--model-store")
         self.http = http_base(self.args)
-        self.state_path = self.dir / "unit-state.json"
-        self.reloads: dict[str, int] = {}
-        self._write_state()
+        self.state = UnitState(self.dir / "unit-state.json")
+        self.control = ControlApi(self.http, self.api.http_headers())
+        self.healer = StubHealer(self.control, self.repos, self.prefix, self.state, log, opts.reload_timeout)
+        self.readiness = ReadinessMark(self.control, log)
+        if not strict_readiness(self.args):
+            log("--strict-readiness is off: the unit cannot hold /v2/health/ready false while speech is down")
         # per server lifetime (reset by start_server)
-        self.stub_pids: dict[int, str] = {}
         self.tree: list[int] = []
-        self.reloading: dict[str, threading.Thread] = {}
-        self.settled: dict[str, float] = {}  # model -> when our last reload of it ended (monotonic)
+        self.stub_pids: frozenset[int] = frozenset()
         self.answered = False
         self.probe_failures = 0
         self.next_probe = 0.0
@@ -272,12 +242,6 @@ class Supervisor:
                 "or another XDG_RUNTIME_DIR"
             ) from None
         return fd
-
-    def _write_state(self) -> None:
-        """The reload counts the stubs publish (`tandem_model_reloads`, serving/stub_guard.py)."""
-        tmp = self.state_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"reloads": self.reloads}))
-        os.replace(tmp, self.state_path)
 
     def private_regions(self) -> None:
         """chmod 0600 every region of this unit's prefix (Triton creates them 0644; each stub makes
@@ -341,7 +305,7 @@ class Supervisor:
             log(f"launcher: {exc}")
             raise GiveUp(2) from exc
         env = mps.server_env(env, self.mps)
-        env[STATE_ENV] = str(self.state_path)
+        env[STATE_ENV] = str(self.state.path)
         self.remove_regions()  # a server of this unit killed before (we hold the unit's lock)
         self.started_at = time.time()
         self.proc = subprocess.Popen(
@@ -350,10 +314,12 @@ class Supervisor:
         self.starts += 1
         self.health = None
         self.down_since = None
-        self.stub_pids = {}
+        self.voices_down_since = self.voices_up_since = None
+        self.voices_reloads = 0
         self.tree = []
-        self.reloading = {}
-        self.settled = {}
+        self.stub_pids = frozenset()
+        self.healer.reset(self.proc)
+        self.readiness.reset()
         self.answered = False
         self.probe_failures = 0
         self.next_probe = time.monotonic()
@@ -362,6 +328,7 @@ class Supervisor:
     def stop_server(self, timeout_s: float) -> int:
         proc = self.proc
         assert proc is not None
+        self.healer.server = None  # its reload threads end (they act only on the server they began on)
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
             try:
@@ -437,71 +404,20 @@ class Supervisor:
         log(f"{name}: forwarding it to tritonserver (pid {self.proc.pid})")
         self.proc.send_signal(signum)
 
-    # ---- the stubs: watched by pid, a dead one's model reloaded ---------------------------------------
+    # ---- the stubs: watched by pid, a dead one's model reloaded (serving/stub_healing.py) ----------
 
     def check_stubs(self) -> None:
-        """One /proc scan: the server's tree (killed whole later) and its stubs. Once the server has
-        answered (its models loaded), a stub seen before and gone now (exited, or a zombie Triton does
-        not reap) has its model reloaded, unless that model's reload is running or just ended."""
+        """One /proc scan: the server's tree (killed whole later) and its stubs; a dead stub's region
+        goes and its model is reloaded (once the server has answered: its models loaded)."""
         assert self.proc is not None
         self.tree = list({*self.tree, *process_tree.descendants(self.proc.pid)})
-        now = process_tree.stubs(self.proc.pid, self.repos)
-        if set(now) != set(self.stub_pids):
+        if self.healer.scan(self.answered):
+            self.update_readiness(self.health)  # not ready first: a mark sent while a load runs waits for it
+        self.healer.start_pending()
+        pids = frozenset(self.healer.stubs)
+        if pids != self.stub_pids:
             self.private_regions()
-        mono = time.monotonic()
-        for model, thread in list(self.reloading.items()):
-            if not thread.is_alive():
-                del self.reloading[model]
-                self.settled[model] = mono
-        for pid, model in self.stub_pids.items():
-            if pid in now or not self.answered or model in self.reloading:
-                continue
-            if mono - self.settled.get(model, -RELOAD_SETTLE_S) < RELOAD_SETTLE_S:
-                continue
-            log(f"{model}: its stub (pid {pid}) died; reloading the model")
-            self.start_reload(model)
-        self.stub_pids = now
-
-    def start_reload(self, model: str) -> None:
-        proc = self.proc
-        thread = threading.Thread(
-            target=self._reload, args=(model, proc), name=f"reload-{model}", daemon=True
-        )
-        self.reloading[model] = thread
-        thread.start()
-
-    def _post(self, path: str, timeout_s: float) -> bytes:
-        req = urllib.request.Request(
-            self.http + path, data=b"{}", method="POST", headers=self.api.http_headers()
-        )
-        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
-            return bytes(resp.read())
-
-    def _reload(self, model: str, proc: subprocess.Popen[bytes] | None) -> None:
-        """Reload thread: Triton's repository `load` of `model` (it unloads the dead instance, loads a
-        new one and the ensembles above it), retried after 1, 2, 4 ... at most 30 s while it fails and
-        this server lives. A model Triton does not call READY at first (an operator unloaded it) is left
-        alone."""
-        attempt = 0
-        while proc is not None and proc.poll() is None and not self.stopping:
-            try:
-                index = json.loads(self._post("/v2/repository/index", 10.0))
-                states = {m.get("name"): m.get("state") for m in index}
-                if attempt == 0 and states.get(model) != "READY":
-                    log(f"{model}: not reloaded: Triton calls it {states.get(model) or 'unknown'}")
-                    return
-                self.reloads[model] = self.reloads.get(model, 0) + 1
-                self._write_state()
-                started = time.monotonic()
-                self._post(f"/v2/repository/models/{model}/load", self.opts.reload_timeout)
-                took = time.monotonic() - started
-                log(f"{model}: reloaded in {took:.1f} s ({self.reloads[model]} reloads)")
-                return
-            except (urllib.error.URLError, OSError, ValueError) as exc:
-                attempt += 1
-                delay = min(RELOAD_BACKOFF_MAX_S, RELOAD_BACKOFF_S * 2 ** (attempt - 1))
-                log(f"{model}: reload {attempt} failed ({exc}); next try in {delay:.0f} s")
-                time.sleep(delay)
+            self.stub_pids = pids
 
     # ---- the server's liveness ---------------------------------------------------------------------
 
@@ -536,14 +452,23 @@ class Supervisor:
 
     def check_engines(self) -> None:
         """Read the engines' health; log what changed; restart the server after `--engine-down-grace`
-        seconds with some engine down (its stub's own restarts have not brought it back)."""
+        seconds with some speech engine down (its stub's own restarts have not brought it back);
+        reload the voices model (never the server: its own failure domain) after as long with its
+        engine down; hold the server not ready while speech lacks anything."""
         try:
-            health = fetch_health(self.metrics_url, timeout_s=2.0)
+            health: UnitHealth | None = fetch_health(self.metrics_url, timeout_s=2.0)
         except HealthUnavailable:
-            return  # starting, or between scrapes of a busy server: the process check covers death
-        self.ever_up = True
-        if not health.engines:
-            return  # the models are still loading: no engine has published yet
+            health = None  # starting, or between scrapes of a busy server: the process check covers death
+        if health is not None:
+            self.ever_up = True
+            if health.engines:
+                self._log_changes(health)
+                self.health = health
+                self._grace(health)
+        self.update_readiness(health)
+
+    def _log_changes(self, health: UnitHealth) -> None:
+        healing = self.healer.down
         before = {(e.model, e.model_instance): e for e in self.health.engines} if self.health else {}
         silent = {(m, i): t for m, i, t in health.silent_stubs}
         was_silent = {(m, i) for m, i, _ in self.health.silent_stubs} if self.health else set()
@@ -552,25 +477,75 @@ class Supervisor:
                 log(f"{m} {i}: stub silent for {t:.1f} s (its heartbeat stopped)")
         for e in health.engines:
             old = before.get((e.model, e.model_instance))
+            aside = "; registration only, speech unaffected" if e.model in VOICES_MODELS else ""
             if old is None and e.up:
                 log(f"{e.model} {e.model_instance}: engine up")
             elif (old is None or old.up) and not e.up and (e.model, e.model_instance) in silent:
-                log(f"{e.model} {e.model_instance}: engine down (its stub is silent)")
+                log(f"{e.model} {e.model_instance}: engine down (its stub is silent){aside}")
             elif (old is None or old.up) and not e.up:
-                log(f"{e.model} {e.model_instance}: engine down (tandem_engine_up 0); its stub restarts it")
+                why = (
+                    "(its stub died: the model is being reloaded)"
+                    if e.model in healing
+                    else "(tandem_engine_up 0); its stub restarts it"
+                )
+                log(f"{e.model} {e.model_instance}: engine down {why}{aside}")
             elif old is not None and not old.up and e.up:
                 log(f"{e.model} {e.model_instance}: engine up again")
             if old is not None and old.draining != e.draining:
                 log(f"{e.model} {e.model_instance}: {'draining' if e.draining else 'no longer draining'}")
-        self.health = health
+
+    def _grace(self, health: UnitHealth) -> None:
         now = time.monotonic()
-        if health.engines_up:
-            self.down_since = None
+        healing = self.healer.down
+        if any(m in healing for m in VOICES_MODELS):
+            pass  # its reload runs: judged again once it ends
+        elif health.voices.engines and not health.voices_ready:
+            self.voices_down_since = self.voices_down_since or now
+            # a grace for the first reload, then twice as long after each that did not hold
+            wait = self.opts.engine_down_grace * 2 ** min(self.voices_reloads, VOICES_BACKOFF_STEPS)
+            if now - self.voices_down_since >= wait:
+                down = "; ".join(health.voices_reasons)
+                self.voices_reloads += 1
+                log(
+                    f"voices down for {now - self.voices_down_since:.0f} s ({down}): reloading the voices "
+                    f"model ({self.voices_reloads} in a row), not the server (speech is unaffected)"
+                )
+                self.voices_down_since = now
+                for model in sorted({e.model for e in health.voices.engines}):
+                    self.healer.start(model, [])
+        else:
+            if self.voices_down_since is not None or self.voices_up_since is None:
+                self.voices_up_since = now
+            elif now - self.voices_up_since >= self.opts.engine_down_grace:
+                self.voices_reloads = 0  # it held: the next outage starts from one grace again
+            self.voices_down_since = None
+        speech_healing = {m: h for m, h in healing.items() if m not in VOICES_MODELS}
+        stuck = [m for m, h in speech_healing.items() if now - h.seen_at >= self.opts.engine_down_grace]
+        if stuck:  # reloads have not brought a dead stub's model back: the server itself, as a last resort
+            self.restart_server(
+                f"{', '.join(stuck)}: its stub died {now - speech_healing[stuck[0]].seen_at:.0f} s ago and "
+                "reloads did not bring it back"
+            )
+            return
+        if health.engines_up or speech_healing:
+            self.down_since = None  # all up, or a stub reload under way (its own retries)
             return
         self.down_since = self.down_since or now
         if now - self.down_since >= self.opts.engine_down_grace:
-            down = "; ".join(r for r in health.reasons if r.endswith("engine down"))
+            down = "; ".join(r for r in health.reasons if not r.endswith("draining"))
             self.restart_server(f"engines down for {now - self.down_since:.0f} s: {down}")
+
+    def update_readiness(self, health: UnitHealth | None) -> None:
+        """Hold the server not ready while a speech stub is dead (its reload under way), a speech
+        engine is down or a speech stub is silent; ready again once all of it is well."""
+        if not self.answered:
+            return  # the models are loading: Triton says not ready itself
+        down = [f"{m}: its stub died (reloading)" for m in self.healer.down if m not in VOICES_MODELS]
+        if health is not None and health.speech.engines:
+            down += [r for r in health.reasons if not r.endswith("draining")]
+        elif health is None and self.readiness.marked:
+            return  # the metrics did not answer this time: keep what was said
+        self.readiness.update(down)
 
     # ---- main loop ----------------------------------------------------------------------------------
 

@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from tandem.backend.errors import TandemError
-from tandem.backend.metrics import WORKER_METRICS
+from tandem.backend.metrics import WORKER_METRICS, MetricsSink
 from tandem.backend.text.frontend import builtin_voices
 from tandem.backend.voices.request import parse_voice_request
 from tandem.backend.worker.channel import Array, EngineKind, Submit
@@ -29,13 +29,15 @@ from tandem.serving.engine_worker import EngineWorker
 class VoiceStub:
     """The `voices` model instance's stub."""
 
-    def __init__(self, pb: Any, args: Mapping[str, Any]) -> None:
+    def __init__(self, pb: Any, args: Mapping[str, Any], health: MetricsSink | None = None) -> None:
+        """`health`: the stub guard's sink for the worker's up/down (as `EngineStub`'s)."""
         io.setup_logging(args["model_name"])
         self._pb = pb
         self.settings, self.config = io.load_settings(args)
         labels = {"model": str(args["model_name"]), "model_instance": str(args["model_instance_name"])}
         metrics = io.TritonMetrics(pb, labels, names=())
-        health = io.TritonMetrics(pb, labels, names=WORKER_METRICS)
+        if health is None:
+            health = io.TritonMetrics(pb, labels, names=WORKER_METRICS)
         self.builtin = builtin_voices(self.settings)
         self.worker = EngineWorker(args, EngineKind.VOICES, self.settings.worker, metrics, health)
         self.worker.start()

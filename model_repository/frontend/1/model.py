@@ -3,16 +3,21 @@ it came)."""
 
 import triton_python_backend_utils as pb_utils
 
-from tandem.serving import triton_io as io
 from tandem.serving.stub_guard import StubGuard
 
 
 class TritonPythonModel:
     def initialize(self, args):
-        self.guard = StubGuard(pb_utils, args)  # heartbeat; exits with the server
-        self.frontend = io.frontend_step(args)
+        # The guard first (heartbeat, tandem_engine_up 0, exits with the server), then the heavy imports.
+        self.guard = StubGuard(pb_utils, args)
+        from tandem.serving import triton_io
+
+        self.io = triton_io
+        self.frontend = triton_io.frontend_step(args)
+        self.guard.serving()
 
     def execute(self, requests):
+        io = self.io
         responses = []
         for request in requests:
             try:

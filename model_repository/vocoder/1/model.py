@@ -2,19 +2,22 @@
 codec window alone). Decoupled: execute enqueues, `VocoderBatcher`'s thread decodes the chunks of
 many streams in one codec call and answers each request once."""
 
-import torch
 import triton_python_backend_utils as pb_utils
 
-from tandem.backend.device import resolve_device
-from tandem.backend.engines.parts import make_codec
-from tandem.serving import triton_io as io
-from tandem.serving.chunk_render import VocoderBatcher
 from tandem.serving.stub_guard import StubGuard
 
 
 class TritonPythonModel:
     def initialize(self, args):
-        self.guard = StubGuard(pb_utils, args)  # heartbeat; exits with the server
+        # The guard first (heartbeat, tandem_engine_up 0, exits with the server), then the heavy imports.
+        self.guard = StubGuard(pb_utils, args)
+        import torch
+
+        from tandem.backend.device import resolve_device
+        from tandem.backend.engines.parts import make_codec
+        from tandem.serving import triton_io as io
+        from tandem.serving.chunk_render import VocoderBatcher
+
         io.setup_logging(args["model_name"])
         settings, _ = io.load_settings(args)
         device = resolve_device(
@@ -25,11 +28,13 @@ class TritonPythonModel:
         labels = {"model": args["model_name"], "model_instance": args["model_instance_name"]}
         self.metrics = io.TritonMetrics(pb_utils, labels, names=("tandem_first_audio_seconds",))
         self.batcher = VocoderBatcher(pb_utils, make_codec(settings, device), metrics=self.metrics)
+        self.guard.serving()
 
     def execute(self, requests):
         self.batcher.submit(requests)
         return None
 
     def finalize(self):
+        self.guard.retire()  # a stub that replaced this one may publish for the instance already
+        self.batcher.close()  # the watcher stays on while the batcher drains
         self.guard.close()
-        self.batcher.close()

@@ -6,18 +6,22 @@ forwards and relays."""
 import triton_python_backend_utils as pb_utils
 
 from tandem.serving.stub_guard import StubGuard
-from tandem.serving.voice_stub import VoiceStub
 
 
 class TritonPythonModel:
     def initialize(self, args):
-        self.guard = StubGuard(pb_utils, args)  # heartbeat; exits with the server
-        self.stub = VoiceStub(pb_utils, args)
+        # The guard first (heartbeat, tandem_engine_up 0, exits with the server), then the heavy imports.
+        self.guard = StubGuard(pb_utils, args)
+        from tandem.serving.voice_stub import VoiceStub
+
+        self.stub = VoiceStub(pb_utils, args, health=self.guard.health)
+        self.guard.serving(engine=True)
 
     def execute(self, requests):
         self.stub.execute(requests)
         return None
 
     def finalize(self):
+        self.guard.retire()  # a stub that replaced this one may publish for the instance already
+        self.stub.close()  # the watcher stays on while the worker stops
         self.guard.close()
-        self.stub.close()
