@@ -71,24 +71,30 @@ def test_over_capacity_is_503_at_the_gateway(unit):
     warm = run(unit.url, "tts", prompt(20, seed=4), MAX_TOKENS=40, TEMPERATURE=0.0)
     assert warm.error is None
 
-    async def refused() -> ClientError:
+    async def refused(ca: TTSClient) -> tuple[ClientError, str, int]:
+        # The gateway is up before the long stream starts: started after it, on a busy box, its start
+        # could outlast the stream, and the second request would then be admitted.
         gw = Gateway(GatewaySettings(unit.url, unit.metrics_url))
         await gw.start()
         try:
+            a = ca.send(prompt(30, seed=5), MAX_TOKENS=2000, TEMPERATURE=0.0)
+            for name, full in (
+                ("tandem_inflight_streams", lambda v: v >= 1),
+                ("tandem_admittable_streams", lambda v: v == 0),
+            ):
+                await asyncio.to_thread(wait_metric, unit.metrics_url, name, full, model="decode")
             inputs = prompt_inputs(prompt(30, seed=6), MAX_TOKENS=10, TEMPERATURE=0.0)
             framer = Framer(AudioFormat.WAV, StreamFormat.AUDIO, 22050)
             with pytest.raises(GatewayError) as e:
                 await gw.respond(StreamRequest("tts", inputs, new_stream_id()), framer, time.monotonic())
-            return e.value.error
+            return e.value.error, a, time.time_ns()
         finally:
             await gw.stop()
 
     with TTSClient(unit.url, "tts") as ca:
-        a = ca.send(prompt(30, seed=5), MAX_TOKENS=2000, TEMPERATURE=0.0)
-        wait_metric(unit.metrics_url, "tandem_inflight_streams", lambda v: v >= 1, model="decode")
-        wait_metric(unit.metrics_url, "tandem_admittable_streams", lambda v: v == 0, model="decode")
-        err = asyncio.run(refused())
+        err, a, refused_ns = asyncio.run(refused(ca))
         (ra,) = ca.wait([a], timeout_s=120)
+    assert ra.done_ns > refused_ns  # the refusal came while A was still streaming
     assert err.code is ClientCode.UNAVAILABLE and "no capacity within the admission wait" in err.detail, err
     resp = error_response(err)
     assert resp.status_code == 503

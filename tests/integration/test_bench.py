@@ -29,8 +29,12 @@ def test_bench_smoke_produces_consistent_figures(server, tmp_path):
                 assert r["error"] is None and r["rows"] > 0
                 assert r["ttfa_ms"] > 0
                 assert math.isnan(r["rate_tok_s"]) or r["rate_tok_s"] > 0
-                # the waterfall's stages add up to the client's time to first audio
-                assert abs(sum(r["waterfall_ms"].values()) - r["ttfa_ms"]) < 1e-3
+                # the waterfall runs from the client's send to its first audio through the unit's
+                # stages, each stamped by its own process, in causal order
+                chain = [s.split("->") for s in r["waterfall_ms"]]
+                assert chain[0][0] == "client_send" and chain[-1][1] == "client_first_audio", chain
+                assert {"entry", "first_audio"} <= {s for pair in chain for s in pair}, chain
+                assert all(ms >= 0 for ms in r["waterfall_ms"].values()), r["waterfall_ms"]
             if model is result["models"]["tts"]:  # D's admission latency and device busy fraction
                 assert 0 < lv["d_admit_ms"]["p50"] <= lv["d_admit_ms"]["p99"]
                 assert lv["decode_device_busy"] is not None and 0 < lv["decode_device_busy"] <= 1.0

@@ -68,7 +68,11 @@ def test_identical_tokens_to_mono_concurrent_mixed_and_prefix_hits(server):
         np.testing.assert_array_equal(a.audio, b.audio, err_msg=f"job {i}")
 
 
-def test_waterfall_adds_up_to_client_time(server):
+def test_waterfall_stages_in_order_inside_the_clients_window(server):
+    """Every stage is stamped by the process that does it (P, D, the vocoder: wall clock, one
+    machine), so each must fall in causal order between the client's own send and first audio, and
+    the unit's share (`entry` -> `first_audio`) must be inside the client's time to first audio. A
+    stage stamped in the wrong place, twice, or on another clock breaks the order or the window."""
     r = run(server.url, "tts", prompt(120, seed=4), MAX_TOKENS=10, TEMPERATURE=0.0)
     stamps = dict(r.timings)
     stamps["client_first_audio"] = r.first_response_ns
@@ -88,8 +92,10 @@ def test_waterfall_adds_up_to_client_time(server):
     ):
         assert stage in stamps, stage
     stages = waterfall(stamps, FIRST_AUDIO_STAGES)
-    assert all(ms >= 0 for _, ms in stages), stages
-    assert sum(ms for _, ms in stages) == pytest.approx(r.ttfa_ms, abs=1e-3)
+    assert all(ms >= 0 for _, ms in stages), stages  # causal order, across three processes' stamps
+    assert stamps["client_send"] < stamps["entry"] and stamps["first_audio"] < stamps["client_first_audio"]
+    unit_ms = (stamps["first_audio"] - stamps["entry"]) / 1e6
+    assert 0 < unit_ms < r.ttfa_ms, (unit_ms, r.ttfa_ms)
 
 
 @pytest.mark.parametrize("case", BAD_PROMPTS, ids=[c[0] for c in BAD_PROMPTS])

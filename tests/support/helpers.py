@@ -54,6 +54,21 @@ def wait_metric(url: str, name: str, predicate, timeout_s: float = 20.0, **label
     raise AssertionError(f"{name}{labels} = {value} did not reach the expected value in {timeout_s} s")
 
 
+def settled_metric(url: str, name: str, timeout_s: float = 20.0, **labels: str) -> float:
+    """A counter's value once it stops moving: two reads a worker heartbeat (1 s) and more apart
+    agree. Engine workers' counters reach Triton on their next heartbeat, so a read right after a
+    request can miss it and a later delta would count it."""
+    deadline = time.monotonic() + timeout_s
+    last = metric_value(metrics_text(url), name, **labels)
+    while time.monotonic() < deadline:
+        time.sleep(1.5)
+        value = metric_value(metrics_text(url), name, **labels)
+        if value == last:
+            return value
+        last = value
+    raise AssertionError(f"{name}{labels} kept moving for {timeout_s} s (last {last})")
+
+
 def run(url: str, model: str, p: np.ndarray, **params) -> object:
     with TTSClient(url, model) as c:
         return c.run(p, **params)
