@@ -206,7 +206,7 @@ def test_a_lone_sentence_speaks_after_the_quiet_without_a_flush():
 
 
 def test_pings_and_speech_hold_the_socket_and_silence_closes_it():
-    streams = Streams(pieces=40, delay=0.01)  # a turn speaks 0.4 s, past the idle limit
+    streams = Streams(pieces=150, delay=0.01)  # a turn speaks 1.5 s, past the idle limit
 
     async def main() -> tuple[Socket, float]:
         pings = ClientPings()
