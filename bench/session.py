@@ -9,6 +9,10 @@ Each round, one request at a time, interleaved so drift hits every way alike:
 - `http_long`: the same with 4,096 characters (about 15 segments), request to the first body bytes;
 - `ws_first_sentence`: on a configured stream-input socket, the text piece that completes the first
   sentence sent to the first binary frame (text streamed word by word, no flush yet);
+- `ws_lone_sentence`: the same socket's piece that completes a lone sentence (its full stop), then
+  nothing (no next text, no flush: an agent's LLM pausing for a tool call), to the first binary
+  frame: the sentence quiet (`ws_context.SENTENCE_QUIET_S`, 0.2 s) plus what `ws_first_sentence`
+  measures;
 - `ws_cancel`: a long turn on `--cancel-model` speaking, `cancel` sent to its `turn_done`
   (the audio already on the wire is read on the way);
 - `ws_cancel_engine_freed` (with `--metrics-url`): `cancel` sent to the engine that decoded the turn
@@ -91,6 +95,23 @@ def _ws_first_sentence(base: str, model: str) -> float:
     return elapsed
 
 
+def _ws_lone_sentence(base: str, model: str) -> float:
+    with _ws(base) as ws:
+        _send(ws, type="config", model=model, voice="tara", response_format="pcm")
+        json.loads(ws.recv(timeout=60))
+        *words, last = SHORT.split(" ")
+        for word in words:
+            _send(ws, type="text", text=word + " ")
+        t0 = time.perf_counter()
+        _send(ws, type="text", text=last)  # ends with its full stop; then the text pauses
+        first = ws.recv(timeout=600)
+        elapsed = time.perf_counter() - t0
+        assert isinstance(first, bytes), first
+        _send(ws, type="flush")
+        _until_done(ws)
+    return elapsed
+
+
 def _inflight(metrics_url: str, engine: str) -> float:
     with urllib.request.urlopen(metrics_url, timeout=10) as r:
         text = r.read().decode()
@@ -157,6 +178,7 @@ def main(argv: list[str] | None = None) -> int:
         "http_short": [],
         "http_long": [],
         "ws_first_sentence": [],
+        "ws_lone_sentence": [],
         "ws_cancel": [],
         "ws_cancel_engine_freed": [],
     }
@@ -165,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
             "http_short": _http_first_bytes(args.gateway, args.model, SHORT),
             "http_long": _http_first_bytes(args.gateway, args.model, text),
             "ws_first_sentence": _ws_first_sentence(args.gateway, args.model),
+            "ws_lone_sentence": _ws_lone_sentence(args.gateway, args.model),
         }
         got["ws_cancel"], got["ws_cancel_engine_freed"] = _ws_cancel(
             args.gateway, args.cancel_model, args.metrics_url

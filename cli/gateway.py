@@ -43,7 +43,8 @@ def main(argv: list[str] | None = None) -> int:
         "--ws-idle-timeout",
         type=float,
         default=60.0,
-        help="seconds a stream-input WebSocket may send nothing while nothing speaks before it is closed",
+        help="a stream-input WebSocket's default inactivity_timeout (its config may set 1-600 s): seconds"
+        " without a frame or ping while nothing speaks before it is closed",
     )
     ap.add_argument(
         "--ws-max-pending-chars",

@@ -101,7 +101,7 @@ class GatewaySettings:
     # A stream silent this long while the unit reports a dead stub on its path is lost (UNAVAILABLE).
     lost_after_s: float = 5.0
     retry_s: float = 1.0  # how often start-up asks Triton for the models' configs until it answers
-    ws_idle_timeout_s: float = 60.0  # a WebSocket with no frame and no turn speaking this long is closed
+    ws_idle_timeout_s: float = 60.0  # a WebSocket's default inactivity_timeout (gateway/ws.py)
     ws_max_pending_chars: int = 8192  # a WebSocket turn's unspoken text at most (gateway/ws.py)
 
 

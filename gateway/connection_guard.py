@@ -14,7 +14,7 @@ import resource
 from dataclasses import dataclass, replace
 from typing import Any
 
-from uvicorn.protocols.websockets.auto import AutoWebSocketsProtocol
+from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
 
 from tandem.gateway.metrics import GatewayMetrics
 
@@ -146,18 +146,44 @@ class WriteTimer:
             self._handle = None
 
 
-_WebSocketBase: type[asyncio.Protocol] = AutoWebSocketsProtocol  # type: ignore[assignment]
+PINGS_EXTENSION = "tandem.client_pings"  # the scope extension that carries a socket's `ClientPings`
 
 
-class GuardedWebSocket(_WebSocketBase):  # type: ignore[misc, valid-type]
-    """uvicorn's WebSocket protocol holding the slot of the connection it took over (released when
-    it closes) and under the write timeout."""
+class ClientPings:
+    """When the client last sent a WebSocket ping (loop time; 0.0: never). websockets answers a
+    ping inside the protocol and the app never sees it, yet a ping is the client saying it is
+    there: the app reads this (`scope["extensions"][PINGS_EXTENSION]["pings"]`) to count it as
+    activity (gateway/ws.py). The client's pongs to the server's own keep-alive pings are not
+    counted: every live client's library sends those by itself."""
+
+    def __init__(self) -> None:
+        self.last = 0.0
+        self.count = 0
+
+
+class GuardedWebSocket(WebSocketsSansIOProtocol):
+    """uvicorn's WebSocket protocol (websockets' sans-I/O one) holding the slot of the connection it
+    took over (released when it closes), under the write timeout, and telling the app of the
+    client's pings (`ClientPings`)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._slot: tuple[ConnectionGuard, str] | None = None
         self._socket: asyncio.Transport | None = None
         self._write_timer = WriteTimer()
+        self.pings = ClientPings()
+
+    def handle_connect(self, event: Any) -> None:
+        super().handle_connect(event)
+        # The app's task is created but not started: it sees the extension from its first step.
+        if self.response.status_code == 101:  # else refused: no scope, no app
+            extensions: dict[str, Any] = self.scope.setdefault("extensions", {})
+            extensions[PINGS_EXTENSION] = {"pings": self.pings}
+
+    def handle_ping(self) -> None:
+        self.pings.last = self.loop.time()
+        self.pings.count += 1
+        super().handle_ping()
 
     def hold(self, guard: ConnectionGuard, host: str, transport: asyncio.Transport) -> None:
         """Take over the slot of `host`'s connection; `transport` is the socket's own (abortable)."""

@@ -3,7 +3,8 @@
 Segments (`SentenceQueue`):
 - sentences by pysbd's English rules (`clean=False`: the text is kept as sent, abbreviations such as
   "Dr." and "p.m." do not end a sentence); fed in pieces, a sentence is complete once pysbd starts
-  another after it, or at `flush`;
+  another after it, at `flush`, or at `settle` (the caller's quiet after the text: the buffer is
+  complete if pysbd would start a sentence after it, asked with `PROBE` appended);
 - one segment is as many whole sentences as fit in `max_chars` (`SEGMENT_CHARS`, 300: what one
   Orpheus stream speaks well, ~20 s of speech, within one stream's default length; Baseten's Orpheus
   example chunks at ~300 too), except a turn's first segment, which is its first sentence alone
@@ -41,6 +42,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pysbd
 
 SEGMENT_CHARS = 300  # one segment's most characters (module docstring)
+PROBE = "Then it went on."  # what `settle` appends: a sentence pysbd starts after any complete one
 PYSBD_BUDGET_S = 0.25  # pysbd's time per queue (a turn, a request), then the plain rule
 _CLAUSE = re.compile(r"[,;:\u2013\u2014](?=\s)|\s[-\u2013\u2014]\s")
 _PLAIN = re.compile(r"(?<=[.!?])\s+")
@@ -119,6 +121,25 @@ class SentenceQueue:
         """The text so far is complete: what is buffered becomes segments."""
         self._scan(final=True)
         self.flushed = True
+
+    def settle(self) -> bool:
+        """The text stopped arriving for a while: if the buffer (its last, unfinished sentence)
+        would end where pysbd starts a sentence after it, it is complete: queued as one. "Hello
+        there." settles; "I met Dr." and "It costs" do not. True when it did."""
+        if not self._buffer.strip():
+            return False
+        gap = "" if self._buffer[-1].isspace() else " "
+        parts = self._sentences_of(self._buffer + gap + PROBE)
+        if len(parts) < 2 or parts[-1].strip() != PROBE:
+            return False
+        self._push([self._buffer])
+        self._buffer = ""
+        return True
+
+    @property
+    def ready(self) -> bool:
+        """`take` has a segment to give (a complete sentence waits), or nothing more will come."""
+        return bool(self._sentences) or self.done
 
     def _scan(self, final: bool) -> None:
         """Move every complete sentence of the buffer to the queue, one bounded span at a time."""

@@ -26,7 +26,8 @@ backlog. What it lacks, `GuardedH11Protocol` (a subclass of uvicorn's `H11Protoc
 - **A WebSocket keeps its slot.** An upgraded connection stays counted under both caps until it
   closes (`GuardedWebSocket`): before, the upgrade gave the slot back, and 1,000 sockets of one
   address were held while the gauge read 1. A socket past either cap is refused (503) when its
-  connection is accepted, before any upgrade.
+  connection is accepted, before any upgrade. No HTTP deadline (head, body, keep-alive) applies to
+  an upgraded connection: how long a socket may stay quiet is its own (`gateway/ws.py`).
 - **A write timeout**: a response (HTTP, SSE) or a WebSocket whose client stops reading fills the
   socket's buffers and pauses the writer; paused for `write_timeout_s` the connection is aborted
   (`reason="write_timeout"`), its app ends as on a hang-up (before, an SSE client that never read
@@ -151,7 +152,7 @@ class GuardedH11Protocol(H11Protocol):
         self._admitted = False
         self._refused = False
         self._lingering = False
-        self._phase = "head"  # head | body | done | drain
+        self._phase = "head"  # head | body | done | drain | upgraded
         self._got_head_bytes = False
         self._timer: asyncio.TimerHandle | None = None
         self._linger_timer: asyncio.TimerHandle | None = None
@@ -225,6 +226,10 @@ class GuardedH11Protocol(H11Protocol):
     def handle_websocket_upgrade(self, event: h11.Request) -> None:
         self._cancel()
         self._write_timer.cancel()
+        # No HTTP deadline applies past the upgrade: h11 still reads the GET as sending its body, and
+        # `_follow` (run after this, in the same `data_received`) armed the body timeout, which cut
+        # every socket 60 s after it opened. The socket's own idle limit is gateway/ws.py's.
+        self._phase = "upgraded"
         super().handle_websocket_upgrade(event)
         # The websocket protocol takes the connection over, and its slot with it.
         ws = self.transport.get_protocol()
@@ -264,6 +269,8 @@ class GuardedH11Protocol(H11Protocol):
 
     def _follow(self) -> None:
         """Arm the timer of the phase h11 says the request is in."""
+        if self._phase == "upgraded":
+            return
         if self.transport.is_closing():
             self._cancel()
             return

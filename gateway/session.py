@@ -25,11 +25,13 @@ import asyncio
 import contextlib
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
+from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 from tandem.gateway.sentences import (  # noqa: F401  (re-exported: the session's text side)
     SEGMENT_CHARS,
+    TEXT_EXECUTOR,
     BufferFull,
     SentenceQueue,
     segments,
@@ -48,11 +50,21 @@ H = TypeVar("H")
 _END = object()
 
 
+@dataclass(frozen=True)
+class Spoken(Generic[P]):
+    """One piece of audio and the segment it speaks (`segment`: the session's count of it)."""
+
+    segment: int
+    text: str
+    piece: P
+
+
 class _Segment(Generic[P]):
     """One segment's stream, pumped into a queue by its own task."""
 
-    def __init__(self, index: int, pieces: AsyncIterator[P]) -> None:
+    def __init__(self, index: int, text: str, pieces: AsyncIterator[P]) -> None:
         self.index = index
+        self.text = text
         self.playing = asyncio.Event()  # its first audio (or its end) has arrived
         self._queue: asyncio.Queue[object] = asyncio.Queue()
         self._task = asyncio.create_task(self._pump(pieces))
@@ -114,6 +126,7 @@ class SpeechSession(Generic[P]):
         self.started = 0  # streams opened by this session, over all its turns
         self.in_flight = 0
         self.retries = 0  # segments opened again after a shed, over all its turns
+        self._slots = asyncio.Semaphore(window)  # streams in flight, over every `spoken` at once
 
     def close(self) -> None:
         """The session is over (its caller left or was answered); idempotent."""
@@ -121,30 +134,71 @@ class SpeechSession(Generic[P]):
         if on_close is not None:
             on_close()
 
-    async def speak(self, text: SentenceQueue, more: asyncio.Event | None = None) -> AsyncIterator[P]:
-        """Yields the pieces of every segment `text` gives, in order, until `text` is done.
+    async def speak(
+        self, text: SentenceQueue, more: asyncio.Event | None = None, quiet_s: float | None = None
+    ) -> AsyncIterator[P]:
+        """`spoken`'s pieces alone (closing this closes it, and so its streams, at once)."""
+        async with contextlib.aclosing(self.spoken(text, more, quiet_s)) as pieces:
+            async for spoken in pieces:
+                yield spoken.piece
+
+    async def spoken(
+        self, text: SentenceQueue, more: asyncio.Event | None = None, quiet_s: float | None = None
+    ) -> AsyncGenerator[Spoken[P], None]:
+        """Yields the pieces of every segment `text` gives, in order, each with its segment, until
+        `text` is done.
 
         `more`: set by whoever feeds or flushes `text` while this runs (the WebSocket); None when
-        `text` was flushed before (a whole text)."""
-        slots = asyncio.Semaphore(self.window)
+        `text` was flushed before (a whole text). `quiet_s`: after this long without `more`, the
+        buffered text is settled (`SentenceQueue.settle`): a complete last sentence speaks without
+        waiting for the next one or a flush. A segment waits for one of the session's `window`
+        slots, shared by every `spoken` running on it (a WebSocket's contexts)."""
         order: asyncio.Queue[_Segment[P] | Exception | None] = asyncio.Queue()
         live: list[_Segment[P]] = []
+        held = 0  # slots this call holds: given back however it ends
+        loop = asyncio.get_running_loop()
+
+        async def next_segment() -> str | None:
+            """The next segment once one is complete and a slot is free; None: the text is done."""
+            nonlocal held
+            settled = False
+            while True:
+                while not text.ready:
+                    if more is None:
+                        return None
+                    more.clear()
+                    if quiet_s is None or settled or not text.pending_chars:
+                        await more.wait()
+                        settled = False
+                        continue
+                    # Not wait_for: a cancel (the turn's) that meets `more` being set (the same
+                    # `cancel` sets it) is swallowed by it, and this task would never end.
+                    waiter = asyncio.ensure_future(more.wait())
+                    try:
+                        done, _ = await asyncio.wait({waiter}, timeout=quiet_s)
+                    finally:
+                        waiter.cancel()
+                    if not done:
+                        await loop.run_in_executor(TEXT_EXECUTOR, text.settle)
+                    settled = not done
+                if text.done:
+                    return None
+                await self._slots.acquire()
+                held += 1
+                if (segment := text.take()) is not None:
+                    return segment
+                self._slots.release()  # only blank sentences waited
+                held -= 1
 
         async def starter() -> None:
             try:
-                while True:
-                    await slots.acquire()
-                    while (segment := text.take()) is None:
-                        if text.done or more is None:
-                            order.put_nowait(None)
-                            return
-                        more.clear()
-                        await more.wait()
-                    seg = _Segment(self.started, self._counted(segment, self.started))
+                while (segment := await next_segment()) is not None:
+                    seg = _Segment(self.started, segment, self._counted(segment, self.started))
                     self.started += 1
                     live.append(seg)
                     order.put_nowait(seg)
                     await seg.playing.wait()  # the next prefill waits for this one's first audio
+                order.put_nowait(None)
             except Exception as exc:  # the segmenter's: ends the turn with it
                 order.put_nowait(exc)
 
@@ -154,15 +208,18 @@ class SpeechSession(Generic[P]):
                 if isinstance(seg, Exception):
                     raise seg
                 async for piece in seg.pieces():
-                    yield piece
+                    yield Spoken(seg.index, seg.text, piece)
                 live.remove(seg)
-                slots.release()
+                self._slots.release()
+                held -= 1
         finally:
             start.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await start
             for seg in live:
                 await seg.cancel()
+            for _ in range(held):
+                self._slots.release()
 
     async def _counted(self, segment: str, index: int) -> AsyncIterator[P]:
         """`open_stream`'s pieces; its errors, the opening's included, raised in the segment's task;

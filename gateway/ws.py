@@ -1,92 +1,68 @@
 """`WS /v1/audio/speech/stream-input`: text in as it is produced (an LLM's tokens), audio out, turn
-after turn on one socket; docs/protocol.md, "Streamed text input", is the contract.
+after turn and context beside context on one socket, for as long as a call lasts; docs/protocol.md,
+"Streamed text input", is the contract.
 
-Client frames, JSON text, each with a `type`: `config` {model, voice, response_format (default
-pcm), seed?} first and once; `text` {text}; `flush` (speak what is buffered, end the turn);
-`cancel` (end every unfinished turn now: their streams are cancelled); `close`.
-Server frames: `ready` {sample_rate, format} after the config; binary frames, the speaking turn's
-audio in order (each turn one whole file of the format); `turn_done` {turn, cancelled, usage}; `error`
-{code, message, param?} (a failed turn: its `error` with `turn`, then its `turn_done`).
+Client frames (`gateway/ws_frames.py`), JSON text, each with a `type`: `config` first and once;
+`text`, `flush`, `cancel`, `close_context`, each for a context (`context_id`; none: the default
+one); `keepalive`; `close`. Server frames: `ready` after the config; the audio (binary frames, or
+`audio` events with `config.audio` "json"); `turn_done`; `context_closed`; `error`.
 
-A turn is the text between one flush and the next; its speech session (`gateway/session.py`) speaks
-each complete sentence as soon as it is buffered and, after `flush`, the rest. Turns speak one after
-another. Limits: a turn holds at most `GatewaySettings.ws_max_pending_chars` unspoken characters (a
-`text` past it is refused with an `error`, param `text`, and dropped; the turn goes on); a socket
-holds at most `MAX_TURNS` unfinished turns (a frame that would open one more is refused, param
-`type`); a frame is at most `MAX_FRAME_CHARS` characters and `MAX_DEPTH` levels of JSON nesting,
-both checked before it is parsed (the `error` names the limit and echoes no field: a value quoted in
-an error is cut to `QUOTE_CHARS`); a socket that sends no frame for `ws_idle_timeout_s` while
-nothing is speaking gets an `UNAVAILABLE` error and is closed; a client that does not read what is
-sent is cut by the HTTP server's write timeout (`gateway/serve.py`). Every refusal is one `error`
-frame on that socket only; the socket stays open. A client that leaves (or `close`) cancels every
-stream of its socket. Segmentation of the text runs on `sentences.TEXT_EXECUTOR`, off the event
-loop.
+The socket (`Connection`) reads frames and hands each to its context (`gateway/ws_context.py`:
+turns, speaking); it owns what is shared: the config, the one speech session, the limits, the idle
+clock. Activity is any client frame (`keepalive` included) or WebSocket ping (the protocol counts
+them: `connection_guard.ClientPings`), or a turn ending; a socket inactive for its
+`inactivity_timeout` (`config`, 1-600 s; before it, the gateway's `ws_idle_timeout_s`) while
+nothing speaks gets an `UNAVAILABLE` error and a close frame, code `IDLE_CLOSE_CODE`. No HTTP
+deadline applies to the upgraded connection (`gateway/serve.py`).
+
+Limits: a turn holds at most `GatewaySettings.ws_max_pending_chars` unspoken characters (a `text`
+past it is refused, param `text`, and dropped; the turn goes on); a socket holds at most `MAX_TURNS`
+unfinished turns over its contexts (a frame that would open one more is refused, param `type`) and
+`MAX_CONTEXTS` open contexts (a frame naming one more is refused, param `context_id`); a client that
+does not read what is sent is cut by the HTTP server's write timeout. Every refusal is one `error`
+frame on that socket only; the socket and its other frames go on. A client that leaves (or
+`close`) cancels every stream of its socket.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
-import re
-from collections import deque
-from dataclasses import dataclass, field
-from typing import Annotated, Any, Literal, Protocol
+from collections.abc import MutableMapping
+from typing import Any, Protocol
 
 from fastapi import FastAPI, WebSocket, WebSocketDisconnect
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
-from tandem.gateway.audio import AudioFormat, Framer, StreamFormat
+from tandem.gateway.connection_guard import PINGS_EXTENSION, ClientPings
 from tandem.gateway.encode import CODECS
 from tandem.gateway.errors import ClientCode
-from tandem.gateway.sentences import TEXT_EXECUTOR, BufferFull, SentenceQueue
 from tandem.gateway.session import SpeechSession
 from tandem.gateway.stream import AudioPiece, GatewayError, SpeechModel
+from tandem.gateway.ws_context import Context, Voice
+from tandem.gateway.ws_frames import (  # noqa: F401  (re-exported: the frames' limits)
+    MAX_DEPTH,
+    MAX_FRAME_CHARS,
+    QUOTE_CHARS,
+    CancelFrame,
+    CloseContextFrame,
+    CloseFrame,
+    ConfigFrame,
+    ContextFrame,
+    FlushFrame,
+    FrameError,
+    KeepaliveFrame,
+    TextFrame,
+    parse_frame,
+    quote,
+)
 
 log = logging.getLogger("tandem.gateway.ws")
 PATH = "/v1/audio/speech/stream-input"
-MAX_FRAME_CHARS = 64 * 1024  # a text frame carries at most ws_max_pending_chars (8,192), escaped
-MAX_DEPTH = 2  # every frame is a flat object; one level of slack for a value a client wraps
-MAX_TURNS = 16  # unfinished turns per socket: each holds its text until it speaks
-QUOTE_CHARS = 40  # the most of a client's value an error quotes
-_STRINGS = re.compile(r'"(?:[^"\\]|\\.)*"')
-_BRACKETS = re.compile(r"[\[\]{}]")
-
-
-class _Frame(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class ConfigFrame(_Frame):
-    type: Literal["config"]
-    model: str
-    voice: str
-    response_format: Literal["mp3", "opus", "aac", "flac", "wav", "pcm"] = "pcm"
-    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)
-
-
-class TextFrame(_Frame):
-    type: Literal["text"]
-    text: str
-
-
-class FlushFrame(_Frame):
-    type: Literal["flush"]
-
-
-class CancelFrame(_Frame):
-    type: Literal["cancel"]
-
-
-class CloseFrame(_Frame):
-    type: Literal["close"]
-
-
-ClientFrame = Annotated[
-    ConfigFrame | TextFrame | FlushFrame | CancelFrame | CloseFrame, Field(discriminator="type")
-]
-_FRAME: TypeAdapter[Any] = TypeAdapter(ClientFrame)
+MAX_TURNS = 16  # unfinished turns per socket, over its contexts: each holds its text until it speaks
+MAX_CONTEXTS = 5  # open contexts per socket, the default one included
+IDLE_CLOSE_CODE = 1008  # policy violation: the socket outlived its inactivity_timeout
+CLOSE_CODE = 1000  # the client's `close`
 
 
 class Speaker(Protocol):
@@ -102,94 +78,22 @@ class Speaker(Protocol):
     ) -> tuple[int, SpeechSession[AudioPiece]]: ...
 
 
-class FrameError(Exception):
-    def __init__(self, message: str, param: str | None) -> None:
-        super().__init__(message)
-        self.param = param
-
-
-def _cut(text: str) -> str:
-    """`text` as an error may quote it: at most `QUOTE_CHARS` characters of it."""
-    return text if len(text) <= QUOTE_CHARS else f"{text[:QUOTE_CHARS]}... ({len(text)} characters)"
-
-
-def _quote(value: object) -> str:
-    return _cut(repr(value))
-
-
-def _depth(raw: str) -> int:
-    """How deep `raw`'s arrays and objects nest (strings skipped); linear in its length."""
-    depth = deepest = 0
-    for bracket in _BRACKETS.findall(_STRINGS.sub("", raw)):
-        depth += 1 if bracket in "[{" else -1
-        deepest = max(deepest, depth)
-    return deepest
-
-
-def parse_frame(raw: str) -> Any:
-    """One client frame; raises FrameError naming what is wrong (`param`: the field). Size and
-    nesting are checked before the JSON is parsed (a 100k-deep frame would end the parser in a
-    RecursionError)."""
-    if len(raw) > MAX_FRAME_CHARS:
-        raise FrameError(f"frame is {len(raw)} characters; the limit is {MAX_FRAME_CHARS}", None)
-    if (depth := _depth(raw)) > MAX_DEPTH:
-        raise FrameError(f"frame nests {depth} levels of JSON; the limit is {MAX_DEPTH}", None)
-    try:
-        data = json.loads(raw)
-    except ValueError as exc:
-        raise FrameError(f"frame is not JSON: {exc}", None) from None
-    if not isinstance(data, dict):
-        raise FrameError(f"frame is a JSON {type(data).__name__}, not an object with a type", None)
-    if "type" not in data:
-        raise FrameError("frame has no type (one of config, text, flush, cancel, close)", "type")
-    try:
-        return _FRAME.validate_python(data)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        loc = [str(p) for p in first.get("loc", ())]
-        if loc and loc[0] == data.get("type"):  # the union's tag leads the location
-            loc = loc[1:]
-        if first.get("type") == "union_tag_invalid":
-            return _raise(
-                f"type {_quote(data['type'])} is not one of config, text, flush, cancel, close", "type"
-            )
-        param = loc[0] if loc else None
-        kind, where = _cut(str(data.get("type"))), _cut(".".join(loc) or "frame")
-        return _raise(f"{kind} frame: {where}: {first.get('msg')}", param and _cut(param))
-
-
-def _raise(message: str, param: str | None) -> Any:
-    raise FrameError(message, param)
-
-
-@dataclass
-class Turn:
-    index: int
-    text: SentenceQueue
-    more: asyncio.Event = field(default_factory=asyncio.Event)
-    task: asyncio.Task[None] | None = None
-    cancelled: bool = False
-    rows: int = 0
-    segments: int = 0
-
-
 class Connection:
-    """One socket's state: its config, its turns (the first unfinished one speaking)."""
+    """One socket's state: its config, its contexts, its idle clock."""
 
     def __init__(self, ws: WebSocket, speaker: Speaker) -> None:
         self.ws = ws
         self.speaker = speaker
         self.idle_s, self.max_pending = speaker.ws_limits
-        self.config: ConfigFrame | None = None
-        self.model: SpeechModel | None = None
-        self.session: SpeechSession[AudioPiece] | None = None
-        self.turns: deque[Turn] = deque()  # unfinished, in order
-        self.open: Turn | None = None  # the turn text goes to (not flushed yet)
-        self.queued: asyncio.Queue[Turn] = asyncio.Queue()
-        self.next_turn = 0
+        self.voice: Voice | None = None
+        self.contexts: dict[str | None, tuple[Context, asyncio.Task[None]]] = {}
         self._send_lock = asyncio.Lock()
-        self._speaker: asyncio.Task[None] | None = None
+        self._loop = asyncio.get_running_loop()
+        self.heard = self._loop.time()  # the last activity but pings (module docstring)
+        extension = ws.scope.get("extensions", {}).get(PINGS_EXTENSION, {})
+        self.pings: ClientPings = extension.get("pings") or ClientPings()
 
+    # -- out ---------------------------------------------------------------------------------------
     async def send_json(self, event: dict[str, Any]) -> None:
         async with self._send_lock:
             await self.ws.send_text(json.dumps(event, separators=(",", ":")))
@@ -198,26 +102,19 @@ class Connection:
         async with self._send_lock:
             await self.ws.send_bytes(data)
 
+    def touch(self) -> None:
+        self.heard = self._loop.time()
+
     async def error(self, code: ClientCode, message: str, param: str | None = None, **extra: Any) -> None:
         await self.send_json(
             {"type": "error", "code": code.value, "message": message, "param": param, **extra}
         )
 
+    # -- in ----------------------------------------------------------------------------------------
     async def run(self) -> None:
-        self._speaker = asyncio.create_task(self._speak_turns())
         try:
-            while True:
-                try:
-                    msg = await asyncio.wait_for(self.ws.receive(), self.idle_s)
-                except asyncio.TimeoutError:
-                    if self._busy():
-                        continue  # speaking: the client is listening
-                    await self.error(
-                        ClientCode.UNAVAILABLE,
-                        f"no frame for {self.idle_s:g} s and nothing to speak: closing",
-                    )
-                    await self.ws.close(1000)
-                    return
+            while (msg := await self._receive()) is not None:
+                self.touch()
                 if msg["type"] == "websocket.disconnect":
                     return
                 if msg.get("text") is None:
@@ -226,26 +123,43 @@ class Connection:
                     )
                     continue
                 if not await self._handle(msg["text"]):
-                    await self.ws.close(1000)
+                    await self.ws.close(CLOSE_CODE)
                     return
+            idle = self.idle_s
+            log.info("gateway: closed an idle WebSocket (no frame or ping for %g s)", idle)
+            await self.error(ClientCode.UNAVAILABLE, f"no frame for {idle:g} s and nothing to speak: closing")
+            await self.ws.close(IDLE_CLOSE_CODE, f"inactivity_timeout {idle:g} s")
         except WebSocketDisconnect:
             return
         finally:
-            self.cancel_all()
-            self._speaker.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._speaker
-            for t in list(self.turns):
-                if t.task is not None:
-                    with contextlib.suppress(asyncio.CancelledError):
-                        await t.task
-            if self.session is not None:
-                self.session.close()
+            for ctx, task in list(self.contexts.values()):
+                await ctx.stop(task)
+            if self.voice is not None:
+                self.voice.session.close()
+
+    async def _receive(self) -> MutableMapping[str, Any] | None:
+        """The next message, or None once the socket was inactive for `idle_s` with nothing speaking."""
+        while True:
+            left = max(self.heard, self.pings.last) + self.idle_s - self._loop.time()
+            if left <= 0:
+                if not self._busy():
+                    return None
+                self.touch()  # speaking: the client is listening
+                continue
+            # Not wait_for, which may swallow a cancel that meets a message (session.py says why).
+            receiving = asyncio.ensure_future(self.ws.receive())
+            try:
+                done, _ = await asyncio.wait({receiving}, timeout=left)
+            finally:
+                if not receiving.done():
+                    receiving.cancel()  # a message not taken stays queued for the next receive
+            if done:
+                return receiving.result()
 
     def _busy(self) -> bool:
         """A stream is open, or a flushed turn waits to speak."""
-        speaking = self.session is not None and self.session.in_flight > 0
-        return speaking or any(t.text.flushed and not t.cancelled for t in self.turns)
+        speaking = self.voice is not None and self.voice.session.in_flight > 0
+        return speaking or any(ctx.busy for ctx, _ in self.contexts.values())
 
     async def _handle(self, raw: str) -> bool:
         """One client frame; False: close the socket."""
@@ -256,108 +170,108 @@ class Connection:
             return True
         if isinstance(frame, CloseFrame):
             return False
+        if isinstance(frame, KeepaliveFrame):
+            return True
         if isinstance(frame, ConfigFrame):
             await self._configure(frame)
             return True
-        if self.config is None:
+        if self.voice is None:
             await self.error(
                 ClientCode.INVALID_ARG, f"{frame.type} before config: send a config frame first", "type"
             )
             return True
-        if isinstance(frame, (TextFrame, FlushFrame)) and self.open is None and len(self.turns) >= MAX_TURNS:
+        ctx = await self._context(frame)
+        if ctx is None:
+            return True
+        if (
+            isinstance(frame, (TextFrame, FlushFrame))
+            and ctx.opens_turn()
+            and self._unfinished() >= MAX_TURNS
+        ):
             await self.error(
                 ClientCode.INVALID_ARG,
-                f"{len(self.turns)} turns are unfinished; the limit is {MAX_TURNS}: wait for turn_done",
+                f"{self._unfinished()} turns are unfinished; the limit is {MAX_TURNS}: wait for turn_done",
                 "type",
             )
             return True
-        loop = asyncio.get_running_loop()
         if isinstance(frame, TextFrame):
-            turn = self._open_turn()
-            try:
-                await loop.run_in_executor(TEXT_EXECUTOR, turn.text.feed, frame.text)
-            except BufferFull as exc:
-                await self.error(
-                    ClientCode.INVALID_ARG, f"text refused: {exc}; flush and wait for turn_done", "text"
-                )
-            turn.more.set()
+            if (refusal := await ctx.feed(frame.text, frame.speed)) is not None:
+                await self.error(ClientCode.INVALID_ARG, *refusal)
         elif isinstance(frame, FlushFrame):
-            turn = self._open_turn()
-            await loop.run_in_executor(TEXT_EXECUTOR, turn.text.flush)
-            turn.more.set()
-            self.open = None
+            await ctx.flush()
         elif isinstance(frame, CancelFrame):
-            self.cancel_all()
+            ctx.cancel()
+        elif isinstance(frame, CloseContextFrame):
+            ctx.close()
         return True
 
+    def _unfinished(self) -> int:
+        return sum(len(ctx.turns) for ctx, _ in self.contexts.values())
+
+    async def _context(
+        self, frame: TextFrame | FlushFrame | CancelFrame | CloseContextFrame
+    ) -> Context | None:
+        """The context `frame` names, opened by a text or flush; None (after its `error`) when the
+        frame may not have it."""
+        assert self.voice is not None
+        cid = frame.context_id
+        for key in [k for k, (_, task) in self.contexts.items() if task.done()]:  # closed ones
+            del self.contexts[key]
+        if cid is not None and self.voice.config.audio == "binary":
+            await self.error(
+                ClientCode.INVALID_ARG,
+                'context_id needs config audio "json": binary frames cannot say which context they are',
+                "context_id",
+            )
+            return None
+        if (entry := self.contexts.get(cid)) is not None:
+            if entry[0].closing:
+                await self.error(
+                    ClientCode.INVALID_ARG,
+                    f"context {quote(cid)} is closing: wait for its context_closed",
+                    "context_id",
+                )
+                return None
+            return entry[0]
+        if isinstance(frame, (CancelFrame, CloseContextFrame)):
+            if cid is None:  # the default context has nothing to cancel yet
+                return None
+            await self.error(ClientCode.INVALID_ARG, f"no open context {quote(cid)}", "context_id")
+            return None
+        if len(self.contexts) >= MAX_CONTEXTS:
+            await self.error(
+                ClientCode.INVALID_ARG,
+                f"{len(self.contexts)} contexts are open; the limit is {MAX_CONTEXTS}: close_context one",
+                "context_id",
+            )
+            return None
+        ctx = Context(cid, self.voice, self)
+        self.contexts[cid] = (ctx, asyncio.create_task(ctx.run()))
+        return ctx
+
     async def _configure(self, frame: ConfigFrame) -> None:
-        if self.config is not None:
+        if self.voice is not None:
             await self.error(ClientCode.INVALID_ARG, "config was sent already: one per socket", "type")
             return
         try:
             model = self.speaker.model(frame.model)
-            _, self.session = self.speaker.session(model, frame.voice, frame.seed)
+            _, session = self.speaker.session(model, frame.voice, frame.seed)
         except GatewayError as exc:
             await self.error(exc.error.code, str(exc.error), exc.param)
             return
-        self.config, self.model = frame, model
+        self.voice = Voice(frame, model.sample_rate, session, self.max_pending)
+        if frame.inactivity_timeout is not None:
+            self.idle_s = frame.inactivity_timeout
         rate = CODECS[frame.response_format].rate if frame.response_format in CODECS else None
         await self.send_json(
-            {"type": "ready", "sample_rate": rate or model.sample_rate, "format": frame.response_format}
+            {
+                "type": "ready",
+                "sample_rate": rate or model.sample_rate,
+                "format": frame.response_format,
+                "audio": frame.audio,
+                "inactivity_timeout": self.idle_s,
+            }
         )
-
-    def _open_turn(self) -> Turn:
-        if self.open is None:
-            self.open = Turn(self.next_turn, SentenceQueue(max_pending_chars=self.max_pending))
-            self.next_turn += 1
-            self.turns.append(self.open)
-            self.queued.put_nowait(self.open)
-        return self.open
-
-    def cancel_all(self) -> None:
-        """Every unfinished turn ends now (its streams are cancelled); later text opens a new turn."""
-        for t in self.turns:
-            t.cancelled = True
-            t.more.set()
-            if t.task is not None:
-                t.task.cancel()
-        self.open = None
-
-    async def _speak_turns(self) -> None:
-        while True:
-            turn = await self.queued.get()
-            if not turn.cancelled:
-                turn.task = asyncio.create_task(self._speak(turn))
-                await asyncio.wait([turn.task])
-            self.turns.remove(turn)
-            usage = {"output_tokens": turn.rows, "segments": turn.segments}
-            with contextlib.suppress(Exception):  # the client may be gone
-                await self.send_json(
-                    {"type": "turn_done", "turn": turn.index, "cancelled": turn.cancelled, "usage": usage}
-                )
-
-    async def _speak(self, turn: Turn) -> None:
-        assert self.session is not None and self.config is not None and self.model is not None
-        framer = Framer(AudioFormat(self.config.response_format), StreamFormat.AUDIO, self.model.sample_rate)
-        started = self.session.started
-        try:
-            async for piece in self.session.speak(turn.text, turn.more):
-                turn.rows += piece.rows
-                turn.segments = self.session.started - started
-                if data := framer.piece(piece.pcm):
-                    await self.send_bytes(data)
-            if data := framer.end(turn.rows):
-                await self.send_bytes(data)
-        except GatewayError as exc:
-            turn.cancelled = True
-            log.info("gateway: WebSocket turn %d failed: %s", turn.index, exc.error)
-            with contextlib.suppress(Exception):
-                await self.error(exc.error.code, str(exc.error), exc.param, turn=turn.index)
-        except Exception as exc:  # the socket broke under a send: the receive side ends the connection
-            turn.cancelled = True
-            log.debug("gateway: WebSocket turn %d ended: %r", turn.index, exc)
-        finally:
-            turn.segments = self.session.started - started
 
 
 def install(app: FastAPI, speaker: Speaker) -> None:
