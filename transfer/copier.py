@@ -24,7 +24,7 @@ from .checksum import format_checksum, kv_checksum, kv_checksum_rows
 from .frames import FailReason, MsgType, expand_runs
 from .layout import WireLayout
 from .offers import OfferBook
-from .paths import TransferPath
+from .paths.base import TransferPath
 from .state import OfferState
 
 

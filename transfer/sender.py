@@ -45,7 +45,7 @@ from .copier import Copier
 from .errors import SenderClosed, TransferError
 from .layout import WireLayout
 from .offers import OfferBook
-from .paths import TransferPath
+from .paths.base import TransferPath
 from .sender_loop import SenderLoop
 from .state import OfferState, SenderStats, Ticket, TransferEvent
 

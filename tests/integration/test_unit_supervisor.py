@@ -354,7 +354,7 @@ def test_voices_is_its_own_failure_domain(tmp_path: Path) -> None:
 def _proxy_pid(unit_pid: int) -> int | None:
     for pid in children(unit_pid):
         argv = stub_argv(pid)
-        if argv and "tandem.transfer.proxy" in argv:
+        if argv and "tandem.transfer.paths.proxy_sidecar" in argv:
             return pid
     return None
 

@@ -154,10 +154,3 @@ def test_torch_free_processes_import_without_torch(modules: str) -> None:
     code = f"import sys; sys.modules['torch'] = None\nimport {modules}\nprint('ok')"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]
-
-
-def test_the_transfer_package_exports_what_it_names() -> None:
-    import tandem.transfer as t
-
-    assert sorted(t.__all__) == sorted(t._WHERE)
-    assert all(getattr(t, name) is not None for name in t.__all__)

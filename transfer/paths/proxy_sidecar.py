@@ -49,10 +49,10 @@ from typing import Any
 
 import numpy as np
 
-from ._conn import accepted
-from .control import connect_unix, control_dir, listen_unix, lock_held, peer_cred, same_user
-from .errors import ProtocolError, TransferError
-from .frames import MAX_FRAME_BYTES, send_frame
+from .._conn import accepted
+from ..control import connect_unix, control_dir, listen_unix, lock_held, peer_cred, same_user
+from ..errors import ProtocolError, TransferError
+from ..frames import MAX_FRAME_BYTES, send_frame
 
 log = logging.getLogger(__name__)
 _HEADER = struct.Struct(">I")

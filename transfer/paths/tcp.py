@@ -46,9 +46,9 @@ from pathlib import Path
 
 import torch
 
-from ._conn import accepted
-from .arena import Region
-from .auth import (
+from .._conn import accepted
+from ..arena import Region
+from ..auth import (
     SECRET_NAME,
     AuthFailed,
     accept_handshake,
@@ -57,11 +57,11 @@ from .auth import (
     recv_exact,
     unit_secret,
 )
-from .checksum import kv_checksum
-from .control import control_dir
-from .errors import PathUnavailable, TransferError
-from .layout import WireLayout
-from .paths import ArenaExport, LocalArena, PeerArena, TransferPath
+from ..checksum import kv_checksum
+from ..control import control_dir
+from ..errors import PathUnavailable, TransferError
+from ..layout import WireLayout
+from .base import ArenaExport, LocalArena, PeerArena, TransferPath
 
 MAGIC = b"TKV3"
 DATA, END = 1, 2
@@ -303,7 +303,7 @@ class TcpPath(TransferPath):
         Raises `TransferError` on DROPPED, a failed handshake, or a lost connection."""
         assert isinstance(peer, TcpPeerArena)
         if not tid:
-            raise TransferError("tcp path: copy_to_peer needs the transfer id (tid=); see tcp_path.py")
+            raise TransferError("tcp path: copy_to_peer needs the transfer id (tid=); see paths/tcp.py")
         src = staging.contiguous().reshape(-1).view(torch.uint8).numpy()
         n = src.nbytes
         if offset < 0 or offset + n > peer.nbytes:

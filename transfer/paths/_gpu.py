@@ -1,4 +1,4 @@
-"""Device-memory plumbing shared by the GPU paths (`cuda_paths`, `proxy`): no protocol here.
+"""Device-memory plumbing shared by the GPU paths (`cuda`, `proxy`): no protocol here.
 
 * `kernels()` — the compiled `tandem.csrc._cuda_kernels` module, or `PathUnavailable` saying why not.
 * `DeviceBuffer` — owns raw device memory (cudaMalloc, a VMM mapping, an IPC mapping) and frees it when
@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from .errors import PathUnavailable, TransferError
+from ..errors import PathUnavailable, TransferError
 
 _PROBE_TIMEOUT_S = 120.0
 

@@ -16,7 +16,7 @@ the region into its own pages (docs/transfer.md). They differ only in how D's me
 `copy_to_peer` returns only after the copy stream was synchronised, so DONE/FAILED/ABORT_ACK keep
 meaning "no byte can still land". `probe()` does a real transfer into a child process on another GPU
 plus a bandwidth self-test and raises `PathUnavailable` with the reason (not built, no CUDA, handle
-refused, bytes differ, bandwidth under `min_gbps`). `transfer/registry.py` builds them by name.
+refused, bytes differ, bandwidth under `min_gbps`). `registry.py` builds them by name.
 """
 
 from __future__ import annotations
@@ -29,6 +29,10 @@ from collections.abc import Callable, Mapping
 
 import torch
 
+from ..arena import Region
+from ..checksum import rows_checksum_from_lanes
+from ..errors import PathUnavailable, TransferError
+from ..layout import WireLayout
 from ._gpu import (
     CopyStream,
     DeviceBuffer,
@@ -38,11 +42,7 @@ from ._gpu import (
     kernels,
     probe_transfer,
 )
-from .arena import Region
-from .checksum import rows_checksum_from_lanes
-from .errors import PathUnavailable, TransferError
-from .layout import WireLayout
-from .paths import ArenaExport, LocalArena, PeerArena, TransferPath, pool_slots
+from .base import ArenaExport, LocalArena, PeerArena, TransferPath, pool_slots
 
 DEFAULT_MIN_GBPS = 100.0  # NVLink4 copies run ~390 GB/s; PCIe 5 tops out near 50, torch sharing ran 38
 

@@ -5,18 +5,27 @@ that want an unprobed path by name, through `path_factories`. Nothing registers 
 here reads the environment: a path gets what it needs (the unit its proxy sidecar serves, the KV layout
 the sidecar checks, the tcp addresses and secret) from `PathOptions`. Building a factory touches no
 CUDA, so a CPU host can still select `host_shm`; only `probe()` (in `select_path`) does.
+
+`select_path` probes each candidate with a real small transfer and never falls back silently: with
+`require` set, any failure raises `PathUnavailable`; without it, each skipped path is logged as a
+warning and the chosen name is what the engine publishes on its info metric.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import logging
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from .cuda_paths import CudaIpcPath, CudaVmmPath
-from .layout import WireLayout
-from .paths import HostShmPath, TransferPath, select_path
-from .proxy_path import ProxyPath
-from .tcp_path import TcpPath
+from ..errors import PathUnavailable
+from ..layout import WireLayout
+from .base import TransferPath
+from .cuda import CudaIpcPath, CudaVmmPath
+from .host_shm import HostShmPath
+from .proxy import ProxyPath
+from .tcp import TcpPath
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -45,6 +54,39 @@ def path_factories(opts: PathOptions | None = None) -> dict[str, Callable[[], Tr
             bind_host=o.bind_host, advertise_host=o.advertise_host or None, secret_file=o.secret_file or None
         ),
     }
+
+
+def select_path(
+    preferred: Sequence[str],
+    require: str | None,
+    registry: Mapping[str, Callable[[], TransferPath]],
+) -> TransferPath:
+    """Probe paths and return the first that works. Called once per process at engine start.
+
+    With `require`, only that path is probed and any failure raises `PathUnavailable`. Without it the
+    candidates are probed in `preferred` order; each failure is logged as a warning (never silent) and
+    `PathUnavailable` lists every reason if none works.
+    """
+    reg = registry
+    names = [require] if require is not None else list(preferred)
+    reasons: list[str] = []
+    for name in names:
+        factory = reg.get(name)
+        if factory is None:
+            reasons.append(f"{name}: not a known path ({sorted(reg)})")
+            continue
+        path = factory()
+        try:
+            path.probe()
+        except PathUnavailable as exc:
+            reasons.append(f"{name}: {exc}")
+            if require is None:
+                log.warning("transfer path %s unavailable, trying the next: %s", name, exc)
+            continue
+        if reasons:
+            log.warning("transfer path %s chosen after skipping: %s", name, "; ".join(reasons))
+        return path
+    raise PathUnavailable("no transfer path works: " + "; ".join(reasons or ["no candidates"]))
 
 
 def build_path(preferred: Sequence[str], require: str | None, opts: PathOptions) -> TransferPath:

@@ -1,6 +1,6 @@
 """The `proxy` TransferPath: P and D each see only their own GPU; the unit's sidecar copies between them.
 
-D's arena is a cudaMalloc buffer registered with the proxy (`transfer/proxy.py`); the HELLO meta
+D's arena is a cudaMalloc buffer registered with the proxy (`transfer/paths/proxy_sidecar.py`); the HELLO meta
 carries only its registration id, so no fd or handle reaches P. P's staging comes from a small pool
 of buffers registered once each (an IPC open costs far more than a copy, so never per transfer);
 `copy_to_peer` waits for the gather on P's stream, asks the proxy to copy, and returns only on its
@@ -21,14 +21,14 @@ from collections.abc import Mapping
 
 import torch
 
+from ..arena import Region
+from ..checksum import kv_checksum
+from ..errors import PathUnavailable, TransferError
+from ..layout import WireLayout
 from ._gpu import DeviceBuffer, check_range, check_staging, current_device, kernels
-from .arena import Region
-from .checksum import kv_checksum
-from .cuda_paths import DEFAULT_MIN_GBPS, GpuArena
-from .errors import PathUnavailable, TransferError
-from .layout import WireLayout
-from .paths import LocalArena, PeerArena, TransferPath, pool_slots
-from .proxy import ProxyClient, encode_slots, proxy_socket_path
+from .base import LocalArena, PeerArena, TransferPath, pool_slots
+from .cuda import DEFAULT_MIN_GBPS, GpuArena
+from .proxy_sidecar import ProxyClient, encode_slots, proxy_socket_path
 
 _SLAB_ALIGN = 2 << 20
 
@@ -100,7 +100,7 @@ class ProxyPath(TransferPath):
 
     def share_instance_lock(self, fd: int | None) -> None:
         """With an fd: every request connection opened from now on first hands the proxy a copy of P's
-        lock (see `transfer/proxy.py`): copies are requested there, so the proxy keeps P's lock held
+        lock (see `proxy_sidecar.py`): copies are requested there, so the proxy keeps P's lock held
         until it has finished them, even if P dies mid-copy. With None (the sender is closing, every
         copy finished): close the request connections, so the proxy lets go of the lock."""
         with self._lock:

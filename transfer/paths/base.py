@@ -1,4 +1,4 @@
-"""Data paths: how the bytes of one transfer get from P's KV into D's.
+"""The path contract: what every data path supplies, and what the sender and receiver may assume of it.
 
 A path supplies both halves: D's arena (`create_arena`, exported to P over the control socket) and P's
 side (`open_peer_arena`, then per transfer either `alloc_staging` + `copy_to_peer` or `write_rows`).
@@ -12,32 +12,21 @@ Two ways to use an arena (docs/transfer.md):
   writes them straight into the pages D reserved (`write_rows`; paths with `direct_write`), and D
   verifies the rows in place. No staging, no scatter, one pass over the bytes.
 
-`select_path` probes each candidate with a real small transfer and never falls back silently: with
-`require` set, any failure raises `PathUnavailable`; without it, each skipped path is logged as a
-warning and the chosen name is what the engine publishes on its info metric.
+The paths themselves live one per module beside this one (`host_shm`, `cuda`, `proxy`, `tcp`);
+`registry` builds one by name.
 """
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
-import logging
-import mmap
-import os
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
 
-from tandem.csrc import kv_cuda
-
-from .arena import Region
-from .checksum import kv_checksum
-from .errors import PathUnavailable, TransferError
-from .layout import WireLayout
-
-log = logging.getLogger(__name__)
+from ..arena import Region
+from ..errors import TransferError
+from ..layout import WireLayout
 
 
 def pool_slots(layout: WireLayout, nbytes: int, whose: str = "the") -> int:
@@ -175,159 +164,3 @@ class TransferPath(ABC):
         proxy) must keep the lock held there for as long as such a write can land, so that P's death
         alone never looks like proof to D. Paths where P itself writes ignore it."""
         return None
-
-
-class HostArena(LocalArena):
-    """A sealed memfd mapped into D; P maps the same pages from the fd. Dies with its last holder."""
-
-    def __init__(self, nbytes: int, label: str) -> None:
-        self.nbytes = nbytes
-        self._fd = os.memfd_create(f"tandem-arena-{label}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-        try:
-            os.ftruncate(self._fd, nbytes)
-            seals = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
-            fcntl.fcntl(self._fd, fcntl.F_ADD_SEALS, seals)
-            self._mm = mmap.mmap(self._fd, nbytes)
-        except OSError:
-            os.close(self._fd)
-            raise
-        self._bytes = torch.frombuffer(self._mm, dtype=torch.uint8)
-
-    def export(self) -> ArenaExport:
-        return ArenaExport(meta={"kind": "memfd", "nbytes": self.nbytes}, fds=(self._fd,))
-
-    def region_bytes(self, region: Region) -> torch.Tensor:
-        return self._bytes[region.offset : region.offset + region.nbytes]
-
-    def close(self) -> None:
-        del self._bytes
-        # If an engine still holds a view, the mapping goes away with its last reference instead.
-        with contextlib.suppress(BufferError):
-            self._mm.close()
-        os.close(self._fd)
-
-
-class HostPeerArena(PeerArena):
-    def __init__(self, fd: int) -> None:
-        try:
-            seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
-            if not seals & fcntl.F_SEAL_SHRINK:
-                # An unsealed file could shrink under a copy and SIGBUS the sender.
-                raise TransferError("receive arena memfd is not sealed against shrinking")
-            self.nbytes = os.fstat(fd).st_size
-            self._mm = mmap.mmap(fd, self.nbytes)
-        finally:
-            os.close(fd)
-        self.bytes = torch.frombuffer(self._mm, dtype=torch.uint8)
-        self._pool: torch.Tensor | None = None
-
-    def pool(self, layout: WireLayout) -> torch.Tensor:
-        """D's pool as P sees it (direct mode): the mapping viewed as `layout.staging_shape(S)`."""
-        if self._pool is None:
-            slots = pool_slots(layout, self.nbytes, "D's")
-            self._pool = self.bytes.view(layout.dtype).view(layout.staging_shape(slots))
-        return self._pool
-
-    def close(self) -> None:
-        self._pool = None
-        self.bytes = torch.empty(0, dtype=torch.uint8)
-        with contextlib.suppress(BufferError):
-            self._mm.close()
-
-
-class HostShmPath(TransferPath):
-    """Host shared memory: staging (host) -> memfd region, one `copy_` crosses. CPU engines and tests."""
-
-    name = "host_shm"
-    direct_write = True
-
-    def probe(self) -> None:
-        try:
-            arena = self.create_arena(2 * mmap.PAGESIZE, "probe")
-            try:
-                exp = arena.export()
-                peer = self.open_peer_arena(exp.meta, [os.dup(exp.fds[0])])
-                layout = WireLayout(1, 1, 8, "float32")
-                staging = self.alloc_staging(layout, 16)
-                staging.copy_(torch.randn(staging.shape))
-                region = Region(offset=mmap.PAGESIZE, nbytes=staging.numel() * 4, alloc_bytes=mmap.PAGESIZE)
-                self.copy_to_peer(staging, peer, region.offset)
-                got = kv_checksum(arena.region_bytes(region))
-                peer.close()
-                if got != kv_checksum(staging):
-                    raise PathUnavailable("host_shm probe: bytes differ after the copy")
-            finally:
-                arena.close()
-        except PathUnavailable:
-            raise
-        except Exception as exc:
-            raise PathUnavailable(f"host_shm probe failed: {exc!r}") from exc
-
-    def create_arena(self, nbytes: int, label: str) -> LocalArena:
-        return HostArena(nbytes, label)
-
-    def open_peer_arena(self, meta: Mapping[str, object], fds: list[int]) -> PeerArena:
-        if meta.get("kind") != "memfd" or len(fds) != 1:
-            for fd in fds:
-                os.close(fd)
-            raise TransferError(f"host_shm expects one memfd, got meta={dict(meta)} and {len(fds)} fds")
-        return HostPeerArena(fds[0])
-
-    def alloc_staging(self, layout: WireLayout, n_tokens: int) -> torch.Tensor:
-        return torch.empty(layout.staging_shape(n_tokens), dtype=layout.dtype)
-
-    def copy_to_peer(self, staging: torch.Tensor, peer: PeerArena, offset: int, tid: str = "") -> None:
-        assert isinstance(peer, HostPeerArena)
-        src = staging.reshape(-1).view(torch.uint8)
-        if offset < 0 or offset + src.numel() > peer.nbytes:
-            raise TransferError(f"copy of {src.numel()} bytes at {offset} outside {peer.nbytes} bytes")
-        peer.bytes[offset : offset + src.numel()].copy_(src)
-
-    def write_rows(
-        self,
-        layout: WireLayout,
-        src: torch.Tensor,
-        src_slots: torch.Tensor,
-        peer: PeerArena,
-        dst_slots: torch.Tensor,
-    ) -> int | None:
-        assert isinstance(peer, HostPeerArena)
-        dst = peer.pool(layout)
-        if src.device.type != "cpu":  # a GPU P: bring only this request's rows to the host
-            src = src.index_select(2, src_slots).cpu()
-            src_slots = torch.arange(src.shape[2])
-        kv_cuda.gather_write(src, src_slots, dst, dst_slots.cpu(), check_bounds=False)
-        return None
-
-
-def select_path(
-    preferred: Sequence[str],
-    require: str | None,
-    registry: Mapping[str, Callable[[], TransferPath]],
-) -> TransferPath:
-    """Probe paths and return the first that works. Called once per process at engine start.
-
-    With `require`, only that path is probed and any failure raises `PathUnavailable`. Without it the
-    candidates are probed in `preferred` order; each failure is logged as a warning (never silent) and
-    `PathUnavailable` lists every reason if none works.
-    """
-    reg = registry
-    names = [require] if require is not None else list(preferred)
-    reasons: list[str] = []
-    for name in names:
-        factory = reg.get(name)
-        if factory is None:
-            reasons.append(f"{name}: not a known path ({sorted(reg)})")
-            continue
-        path = factory()
-        try:
-            path.probe()
-        except PathUnavailable as exc:
-            reasons.append(f"{name}: {exc}")
-            if require is None:
-                log.warning("transfer path %s unavailable, trying the next: %s", name, exc)
-            continue
-        if reasons:
-            log.warning("transfer path %s chosen after skipping: %s", name, "; ".join(reasons))
-        return path
-    raise PathUnavailable("no transfer path works: " + "; ".join(reasons or ["no candidates"]))
