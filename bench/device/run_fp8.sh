@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 26's FP8 and decode-kernel measurements on one GPU, in one call: the FP8 GPU tests (and the
+# The FP8 and decode-kernel measurements of docs/benchmarks/README.md on one GPU, in one call: the FP8 GPU tests (and the
 # bf16 kernel tests the shared code touches), the quality guard (tandem-bench-fp8, Orpheus shape, 256
 # steps), the decode step bf16 against FP8 weights and FP8 weights + KV at batch 1 and 64 x 2048 for
 # the Orpheus and 4B shapes (tandem-bench-decoder --forward-only --graphs), and the attention kernel

@@ -428,7 +428,7 @@ ENTRY = {
 SPEECH = ("tts", "tts_mono")
 FIGURES: dict[str, dict[str, float]] = {}
 IN_FLIGHT_S = 25.0  # the in-flight stream's client bound (a stream on a dead stub gets no answer)
-BACK_S = 30.0  # a dead stub's model serves again within this (issue 31)
+BACK_S = 30.0  # a dead stub's model serves again within this (docs/failure-semantics.md)
 NOT_READY_S = 5.0  # speech's readiness says false within this of a speech stub's death
 
 

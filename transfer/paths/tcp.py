@@ -1,4 +1,5 @@
-"""The TCP path: the degraded / cross-host fallback, with the seed's "protocol v3" semantics.
+"""The TCP path: the degraded / cross-host fallback ("TKV3" on the wire: every chunk carries its transfer
+id, D's arena epoch and its offset, so D drops any chunk of a transfer it no longer expects).
 
 P streams a transfer's staging bytes as chunks over TCP to D's data listener (127.0.0.1 by default;
 `bind_host`, for a cross-host unit). It is ~300x slower than a same-machine
