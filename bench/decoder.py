@@ -31,7 +31,6 @@ PNG from an existing result file.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import sys
 import time
@@ -425,7 +424,7 @@ def main(argv: list[str] | None = None) -> int:
         png, *specs = args.plot_prefill
         if not specs or any("=" not in s for s in specs):
             ap.error("--plot-prefill needs PNG and then LABEL=JSON entries")
-        labelled = [(lbl, json.loads(Path(f).read_text())) for lbl, f in (s.split("=", 1) for s in specs)]
+        labelled = [(lbl, benchutil.read_json(Path(f))) for lbl, f in (s.split("=", 1) for s in specs)]
         decoder_roofline.plot_prefill(labelled, png)
         return 0
     if args.distinct_lengths < 0:
@@ -440,8 +439,8 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"--distinct-lengths: {exc}")
 
     if args.replot is not None:
-        result: dict[str, Any] = json.loads(args.replot.read_text())
-        plot(result, args.replot.with_suffix(".png"))
+        result: dict[str, Any] = benchutil.read_json(args.replot)
+        plot(result, benchutil.png_beside(args.replot))
         print_tables(result)
         return 0
 
