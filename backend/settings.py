@@ -171,8 +171,9 @@ class FaultSettings:
     """The seam fault drills plug into (backend/engines/faults.py); off in production.
 
     `hook`: an absolute path to a Python file whose `make_copy_hook(options: dict)` returns the
-    function P's transfer sender calls on every copy, after its checksum and before it crosses
-    (`copy_hook(transfer_id, staging)`: it may sleep or change the staged bytes). `options`: a JSON
+    function P's transfer sender calls on every copy, before it crosses (`copy_hook(transfer_id,
+    staging)`: it may sleep or change the staged bytes; in direct mode `staging` is the first row, and
+    P's rows still go by the production write, the altered row landing after it). `options`: a JSON
     object handed to it. "" = no hook, and P's copy path runs nothing extra. The fault-matrix tests
     plug in tests/support/fault_hooks.py.
     """

@@ -1,7 +1,7 @@
 """Compare waterfall stages of two or more `tandem-bench` results: a CDF per file, and p50/p99 printed.
 
-    python -m tandem.bench.compare docs/benchmarks/admission-cpu-before.json \\
-        docs/benchmarks/admission-cpu-after.json --stage "d_entry->d_admit" --model tts \\
+    python -m tandem.bench.compare docs/benchmarks/admission-cpu-before.json.gz \\
+        docs/benchmarks/admission-cpu-after.json.gz --stage "d_entry->d_admit" --model tts \\
         --out docs/benchmarks/admission-cpu.png
 
 Each file's streams (every level, errors left out) give one curve of the chosen waterfall stage (or
@@ -11,7 +11,6 @@ Each file's streams (every level, errors left out) give one curve of the chosen 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -43,13 +42,14 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     curves = {}
     for path in args.results:
-        values = stage_values(json.loads(path.read_text()), args.model, args.stage)
+        values = stage_values(benchutil.read_json(path), args.model, args.stage)
         if not values:
             print(f"{path}: no {args.stage!r} values for {args.model}", file=sys.stderr)
             return 2
-        curves[path.stem] = np.sort(values)
+        name = benchutil.png_beside(path).stem  # x.json or x.json.gz -> x
+        curves[name] = np.sort(values)
         p50, p99 = np.percentile(values, 50), np.percentile(values, 99)
-        print(f"{path.stem}: {len(values)} streams, {args.stage} p50 {p50:.2f} ms, p99 {p99:.2f} ms")
+        print(f"{name}: {len(values)} streams, {args.stage} p50 {p50:.2f} ms, p99 {p99:.2f} ms")
     plt = benchutil.pyplot()
     if plt is None:
         print("matplotlib not installed: no plot", file=sys.stderr)

@@ -3,7 +3,7 @@
     python -m tandem.bench.decode_attention --out $OUT          # on the device (CUDA)
 
 One layer of a pool [2, S, KVH, HD] (bf16 unless `--dtype`), `--kv-heads` x `--head-dim` with `--group`
-query heads per KV head (the 4B shape: 8 x 128, group 4). For every variant x page size x batch x
+query heads per KV head (the 4B shape: 8 x 128, group 4). For every page size x batch x
 context: B streams of `context` tokens on pages handed out in shuffled order (page size 1: every row its
 own page), every stream at full length. Time: a CUDA graph of `--calls` back-to-back calls (both
 kernels, the split-K partial and its merge) is replayed `--reps` times after warm-up, timed with CUDA
@@ -12,7 +12,8 @@ Bytes: the K and V rows of every stream read once (B x context x 2 x KVH x HD x 
 partials and the output are left out), so `hbm_fraction` = bytes / time / `--hbm-tb-s`.
 Configurations whose KV fits in the 60 MB L2 can exceed 1.0 (repeats read it from the cache).
 `--chunks` adds fixed tokens-per-split (0: the wrapper's own choice); `--kv-dtype fp8` reads an E4M3
-pool (tandem.kv.dtype=fp8, variants 4 and 5), whose bytes are half. `--ceiling` also
+pool (tandem.kv.dtype=fp8), whose bytes are half. The kernel is the one serving runs for the shape
+(the tensor-core default, or its staged fallback for float32 and head_dim 256). `--ceiling` also
 times what the memory system gives a plain stream over the same bytes: a device-to-device copy of the
 pool's rows (bytes read + written, the method of the device notes) and a float32 sum over them (read
 only), each the median of `--reps` runs.
@@ -51,14 +52,13 @@ def _graph_ms(
     kv: torch.Tensor,
     slots: torch.Tensor,
     lengths: torch.Tensor,
-    variant: int,
     args: argparse.Namespace,
     chunk: int | None = None,
 ) -> list[float]:
     """Milliseconds of `--reps` replays of a graph of `--calls` back-to-back calls (host launch cost
     out, as in the decoder's graphed step)."""
     scale = q.shape[-1] ** -0.5
-    opts: dict[str, Any] = {"variant": variant, "chunk": chunk}
+    opts: dict[str, Any] = {"chunk": chunk}
     if kv.dtype == torch.float8_e4m3fn:
         opts["kv_scales"] = torch.full((2, kv.shape[2]), 2.0**-4, device=kv.device)
     kv_cuda.decode_attention(q, kv, slots, lengths, scale, **opts)  # eager first (attributes)
@@ -84,23 +84,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         kv = (kv.float() * 16).to(torch.float8_e4m3fn)
     item = kv.element_size()
     out = []
-    # Same order (and random draws) as one loop per axis: variant, page size, batch, context.
-    for variant, page, b, ctx in itertools.product(
-        args.variants, args.page_sizes, args.batches, args.context
-    ):
+    # Same order (and random draws) as one loop per axis: page size, batch, context.
+    for page, b, ctx in itertools.product(args.page_sizes, args.batches, args.context):
         slots = _slots(b, ctx, page, gen, device)
         lengths = torch.full((b,), ctx, dtype=torch.long, device=device)
         q = torch.randn(b, kvh * group, hd, generator=gen, device=device).to(tdtype)
-        if not kv_cuda.decode_attention_supported(q, kv, variant):
+        if not kv_cuda.decode_attention_supported(q, kv):
             continue
         nbytes = b * ctx * 2 * kvh * hd * item
         for chunk in args.chunks:
-            ms = _graph_ms(q, kv, slots, lengths, variant, args, chunk or None)
+            ms = _graph_ms(q, kv, slots, lengths, args, chunk or None)
             s = benchutil.summary([t / args.calls / 1e3 for t in ms])
             tb_s = nbytes / (s["median_ms"] / 1e3) / 1e12
             out.append(
                 {
-                    "variant": variant,
                     "chunk": chunk or None,
                     "page_size": page,
                     "batch": b,
@@ -146,7 +143,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kv-heads", type=int, default=8)
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--group", type=int, default=4)
-    ap.add_argument("--variants", type=_ints, default=[2, 3, 4])
     ap.add_argument("--page-sizes", type=_ints, default=[1, 16])
     ap.add_argument("--batches", type=_ints, default=[1, 4, 16, 64, 256])
     ap.add_argument("--context", type=_ints, default=[256, 1024, 2048, 8192])
@@ -170,10 +166,9 @@ def main(argv: list[str] | None = None) -> int:
     benchutil.write_json(args.out / f"{args.name}.json", result)
     print(
         benchutil.format_table(
-            ["variant", "chunk", "page", "batch", "context", "median us", "TB/s", "HBM fraction"],
+            ["chunk", "page", "batch", "context", "median us", "TB/s", "HBM fraction"],
             [
                 [
-                    r["variant"],
                     r["chunk"] or "auto",
                     r["page_size"],
                     r["batch"],

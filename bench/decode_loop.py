@@ -39,7 +39,6 @@ Writes <out>/<name>.json (provenance + figures) and <out>/<name>.png; `--replot 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -324,8 +323,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.probes < 0 or (args.probes and args.steps - 5 < args.probes):
         ap.error("--probes must be >= 0 and at most --steps - 5 (one per timed turn, away from the end)")
     if args.replot is not None:
-        saved = json.loads(args.replot.read_text())
-        plot(saved, args.replot.with_suffix(".png"))
+        saved = benchutil.read_json(args.replot)
+        plot(saved, benchutil.png_beside(args.replot))
         print_tables(saved)
         return 0
 

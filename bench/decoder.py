@@ -31,7 +31,6 @@ PNG from an existing result file.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import sys
 import time
@@ -49,7 +48,7 @@ from tandem.backend.model.cuda_graphs import GraphedDecode
 from tandem.backend.model.decoder import Decoder
 from tandem.bench import roofline as decoder_roofline
 from tandem.bench import util as benchutil
-from tandem.csrc import kv_cuda, linear
+from tandem.csrc import linear
 
 _T = TypeVar("_T")
 
@@ -405,8 +404,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--reference-kernels",
         action="store_true",
-        help="run main's step: the torch modules one by one (no fused GEMMs or Triton kernels) and "
-        "decode-attention variant 2 (the before of issue 14)",
+        help="run the unfused step: the torch modules one by one (no fused GEMMs or Triton kernels), with "
+        "the serving decode-attention kernel (the older kernel earlier 'before' runs used is deleted)",
     )
     ap.add_argument("--temperature", type=float, default=0.8)
     ap.add_argument("--top-p", type=float, default=0.95)
@@ -425,7 +424,7 @@ def main(argv: list[str] | None = None) -> int:
         png, *specs = args.plot_prefill
         if not specs or any("=" not in s for s in specs):
             ap.error("--plot-prefill needs PNG and then LABEL=JSON entries")
-        labelled = [(lbl, json.loads(Path(f).read_text())) for lbl, f in (s.split("=", 1) for s in specs)]
+        labelled = [(lbl, benchutil.read_json(Path(f))) for lbl, f in (s.split("=", 1) for s in specs)]
         decoder_roofline.plot_prefill(labelled, png)
         return 0
     if args.distinct_lengths < 0:
@@ -440,8 +439,8 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"--distinct-lengths: {exc}")
 
     if args.replot is not None:
-        result: dict[str, Any] = json.loads(args.replot.read_text())
-        plot(result, args.replot.with_suffix(".png"))
+        result: dict[str, Any] = benchutil.read_json(args.replot)
+        plot(result, benchutil.png_beside(args.replot))
         print_tables(result)
         return 0
 
@@ -454,7 +453,6 @@ def main(argv: list[str] | None = None) -> int:
     cfg = dec.cfg  # an E4M3 KV changes the layout
     if args.reference_kernels:
         dec.fused = False
-        kv_cuda.KERNEL_VARIANT = 2
     longest = max(args.context) + args.warmup + args.steps
     # one spare page: the CUDA-graph runner reserves a scratch page for padding rows
     pages = max(args.batches) * -(-longest // args.page_size) + 1
@@ -544,10 +542,10 @@ def main(argv: list[str] | None = None) -> int:
         **benchutil.provenance(device, "tandem-bench-decoder", argv),
         "benchmark": "decoder",
         "cuda_graphs": bool(args.graphs and device.type == "cuda"),
-        "kernels": "reference (torch modules, attention variant 2)"
+        "kernels": "reference (torch modules one by one, paged decode attention)"
         if args.reference_kernels
         else (
-            f"fused={dec.fused}, attention variant {kv_cuda.KERNEL_VARIANT}, "
+            f"fused={dec.fused}, paged decode attention, "
             f"gemv rows <= {linear.GEMV_MAX_ROWS}, prefill attention flash"
         ),
         "hbm_tb_s": args.hbm_tb_s,

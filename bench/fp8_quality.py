@@ -2,17 +2,17 @@
 
     tandem-bench-fp8 --preset orpheus-3b-shape --device cuda --steps 256 --out results/
 
-What it measures (issue 26's guard: per-step logits cosine >= 0.999 with FP8 weights, >= 0.995 with
-FP8 weights and KV): the preset with random weights (`--seed`) in bf16 prefills a random prompt
-(`--prompt-rows`, seeded) and decodes `--steps` greedy steps; its tokens and logits are the reference.
-Each variant (`fp8-weights`: tandem.model.dtype=fp8; `fp8-weights-kv`: that and tandem.kv.dtype=fp8;
-`fp8-kv`: the KV alone) is the same weights quantised, run *teacher-forced* on the reference's tokens:
-with random weights two greedy runs part ways at the first near-tie of the argmax and every later step
-would compare different contexts, so each step feeds the variant the bf16 run's token and compares the
-two logit vectors of the same context. Step 0 is the prefill's last row; step i >= 1 the decode step
-that takes token i-1. Per step: cosine of the float32 logits (flattened over the row's W columns, in
-float64), and whether the argmax agrees. Both runs go through the engines' paths (`Decoder.prefill`,
-`Decoder.decode`; on a GPU the paged kernel, eager, batch 1).
+What it measures (the guard FP8 must pass before it serves: per-step logits cosine >= 0.999 with FP8
+weights, >= 0.995 with FP8 weights and KV): the preset with random weights (`--seed`) in bf16 prefills a
+random prompt (`--prompt-rows`, seeded) and decodes `--steps` greedy steps; its tokens and logits are the
+reference. Each variant (`fp8-weights`: tandem.model.dtype=fp8; `fp8-weights-kv`: that and
+tandem.kv.dtype=fp8; `fp8-kv`: the KV alone) is the same weights quantised, run *teacher-forced* on the
+reference's tokens: with random weights two greedy runs part ways at the first near-tie of the argmax and
+every later step would compare different contexts, so each step feeds the variant the bf16 run's token and
+compares the two logit vectors of the same context. Step 0 is the prefill's last row; step i >= 1 the
+decode step that takes token i-1. Per step: cosine of the float32 logits (flattened over the row's W
+columns, in float64), and whether the argmax agrees. Both runs go through the engines' paths
+(`Decoder.prefill`, `Decoder.decode`; on a GPU the paged kernel, eager, batch 1).
 
 `--emulate` runs the FP8 maths from dequantised operands (the CPU's only way; what the unit tests use).
 The controls (`CONTROLS`: the projections rounded to E4M3 but run in bf16, and bf16 with random
@@ -36,7 +36,7 @@ from tandem.backend.model.config import ModelConfig, preset
 from tandem.backend.model.decoder import Decoder
 from tandem.bench import util as benchutil
 
-# variant -> (weights, kv, the cosine floor the issue sets; 0: reported, no floor)
+# variant -> (weights, kv, the cosine floor FP8 must meet; 0: reported, no floor)
 VARIANTS: dict[str, tuple[bool, bool, float]] = {
     "fp8-weights": (True, False, 0.999),
     "fp8-weights-kv": (True, True, 0.995),

@@ -72,8 +72,8 @@ DIRECT_FIELDS: dict[str, Any] = {  # per case; stay None on paths without `direc
 
 
 def make_path(name: str, device: int, unit: str) -> TransferPath:
-    from tandem.transfer.cuda_paths import CudaIpcPath, CudaVmmPath
-    from tandem.transfer.proxy_path import ProxyPath
+    from tandem.transfer.paths.cuda import CudaIpcPath, CudaVmmPath
+    from tandem.transfer.paths.proxy import ProxyPath
 
     if name == "cuda_ipc":
         return CudaIpcPath(device)
@@ -423,7 +423,7 @@ def run_path(name: str, args: argparse.Namespace, layout: WireLayout, unit: str)
     name = "proxy" if name.startswith("proxy") else name
     if name == "proxy":
         proxy = subprocess.Popen(
-            [sys.executable, "-m", "tandem.transfer.proxy", "--unit", unit, "--issue", issue],
+            [sys.executable, "-m", "tandem.transfer.paths.proxy_sidecar", "--unit", unit, "--issue", issue],
             stdout=subprocess.PIPE,
             text=True,
         )

@@ -25,7 +25,6 @@ The first warm-up transfer is also checked end to end: D's pool, gathered back, 
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
 import os
 import queue
@@ -422,8 +421,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     if args.replot is not None:
-        result = json.loads(args.replot.read_text())
-        plot(result, args.replot.with_suffix(".png"))
+        result = benchutil.read_json(args.replot)
+        plot(result, benchutil.png_beside(args.replot))
         print_table(result)
         return 0
 

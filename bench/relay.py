@@ -1,4 +1,5 @@
-"""`tandem-bench-relay`: what the stub<->worker hop costs per response (the cost guard of issue 13).
+"""`tandem-bench-relay`: what the stub<->worker hop costs per response, the price of running each engine
+in its own worker process (docs/benchmarks/README.md, relay-cpu.json).
 
 Two real processes over the channel the engines use (`backend/worker/channel.py`, a socket pair): a child
 plays the worker and sends Replies shaped like D's chunks (TOKENS [rows, W] int64, FIRST_ROW, TIMINGS)

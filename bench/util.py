@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
+import gzip
 import json
 import os
 import platform
@@ -93,6 +94,24 @@ def provenance(device: torch.device, prog: str, argv: Sequence[str] | None) -> d
 def write_json(path: Path, payload: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(payload, indent=2, sort_keys=False) + "\n")
+
+
+def read_json(path: Path) -> Any:
+    """A result `write_json` wrote, plain or gzip-compressed (`.json.gz`: how docs/benchmarks keeps
+    its large records). A `.json` path that is absent is read from `<path>.gz` beside it, so the
+    commands docs/benchmarks/README.md quotes work on either form."""
+    gz = path.with_name(path.name + ".gz")
+    if path.suffix != ".gz" and not path.exists() and gz.exists():
+        path = gz
+    if path.suffix == ".gz":
+        with gzip.open(path, "rt", encoding="utf-8") as fh:
+            return json.load(fh)
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def png_beside(path: Path) -> Path:
+    """The plot of a result file: `x.json` or `x.json.gz` -> `x.png` (what `--replot` redraws)."""
+    return (path.with_suffix("") if path.suffix == ".gz" else path).with_suffix(".png")
 
 
 def median(values: Sequence[float]) -> float:

@@ -193,28 +193,28 @@ PYBIND11_MODULE(_cuda_kernels, m) {
       "out[0], out[1] = kv_checksum's lanes (a, b) over src's rows at slots in wire order (slots 0: rows "
       "0..n_tokens-1); out[2] = rows skipped for a slot outside [0, src_rows) (out, 3 words, written)");
   m.def("decode_attention_supported", &tandem::decode_attention_supported, py::arg("dtype"), py::arg("head_dim"),
-        py::arg("group"), py::arg("variant") = 4, py::arg("kv_fp8") = false,
-        "whether decode_attention's variant has a kernel (dtype 0 f32, 1 f16, 2 bf16; kv_fp8: E4M3 KV)");
+        py::arg("group"), py::arg("kv_fp8") = false,
+        "whether decode_attention has a kernel (dtype 0 f32, 1 f16, 2 bf16; kv_fp8: E4M3 KV)");
   m.attr("decode_attention_kv_fp8") = true;  // this build takes kv_scales (tandem.kv.dtype=fp8)
   m.def(
       "decode_attention",
       [](uintptr_t q, uintptr_t kv, int64_t pool_rows, uintptr_t slots, int64_t s_max, uintptr_t lengths,
          int64_t batch, int64_t kv_heads, int64_t group, int64_t head_dim, int dtype, float scale, int64_t chunk,
-         uintptr_t part_acc, uintptr_t part_ml, uintptr_t out, int device, uintptr_t stream, int variant,
+         uintptr_t part_acc, uintptr_t part_ml, uintptr_t out, int device, uintptr_t stream,
          uintptr_t kv_scales) {
         tandem::decode_attention(reinterpret_cast<const void*>(q), reinterpret_cast<const void*>(kv), pool_rows,
                                  reinterpret_cast<const int64_t*>(slots), s_max,
                                  reinterpret_cast<const int64_t*>(lengths), batch, kv_heads, group, head_dim, dtype,
                                  scale, chunk, reinterpret_cast<float*>(part_acc), reinterpret_cast<float*>(part_ml),
-                                 reinterpret_cast<void*>(out), device, as_stream(stream), variant,
+                                 reinterpret_cast<void*>(out), device, as_stream(stream),
                                  reinterpret_cast<const float*>(kv_scales));
       },
       py::arg("q"), py::arg("kv"), py::arg("pool_rows"), py::arg("slots"), py::arg("s_max"), py::arg("lengths"),
       py::arg("batch"), py::arg("kv_heads"), py::arg("group"), py::arg("head_dim"), py::arg("dtype"),
       py::arg("scale"), py::arg("chunk"), py::arg("part_acc"), py::arg("part_ml"), py::arg("out"),
-      py::arg("device"), py::arg("stream"), py::arg("variant") = 4, py::arg("kv_scales") = 0,
+      py::arg("device"), py::arg("stream"), py::arg("kv_scales") = 0,
       "out[b, h] = softmax(q[b, h] . K[slots[b, :len]]) V[...] per sequence, K/V read in place (out written); "
-            "kv_scales 0: KV in q's dtype, else float32 [2, KVH] scales of an E4M3 KV (variants 4, 5)");
+            "kv_scales 0: KV in q's dtype, else float32 [2, KVH] scales of an E4M3 KV");
   m.def(
       "gemv",
       [](uintptr_t x, uintptr_t w, uintptr_t bias, uintptr_t y, int64_t rows, int64_t n, int64_t k, int dtype,

@@ -8,13 +8,11 @@
 // 2 bfloat16. Work buffers `part_acc` float32 [B, KVH * G, splits, HD] and `part_ml` float32
 // [B, KVH * G, splits, 2] with splits = ceil(S / chunk). All pointers are device pointers of
 // `device`; nothing is synchronised (the two kernels run on `stream`, so a CUDA graph can capture
-// them). `variant` picks the kernel: 4 (default) tensor cores on variant 3's staging for
-// float16/bfloat16 with head_dim 64/128, variant 3 otherwise (decode_attention_mma.cu); 5 the same
-// arithmetic with a block per (sequence, split) over up to 8 KV heads, a warp each; 3 K/V tiles
-// staged in shared memory by cp.async, any group of 1..8 (decode_attention_staged.cu); 2 one token per lane for the scores, K rows read
-// per lane; 1 one token per warp (2 and 1 kept as measured alternatives, groups 1/2/4/8). Nothing is checked here beyond `supported`: the Python
+// them). The kernel: tensor cores on K/V tiles staged by cp.async for float16/bfloat16 with head_dim
+// 64/128 (decode_attention_mma.cu), the same staging with FMA arithmetic otherwise
+// (decode_attention_staged.cu); groups 1..8. Nothing is checked here beyond `supported`: the Python
 // wrapper checks shapes, dtypes and devices. Errors are thrown as std::runtime_error.
-// `kv_scales` (variants 4 and 5): nullptr when `kv` holds q's dtype; else `kv` holds float8_e4m3fn
+// `kv_scales`: nullptr when `kv` holds q's dtype; else `kv` holds float8_e4m3fn
 // (its rows HD bytes) and kv_scales is float32 [2, KVH], the layer's K then V scale of each KV head
 // (K = stored * scale): tandem.kv.dtype=fp8.
 #pragma once
@@ -25,13 +23,13 @@
 
 namespace tandem {
 
-// Whether decode_attention's `variant` has a kernel for this dtype, head dim and group size (with
-// `kv_fp8`, for an E4M3 KV).
-bool decode_attention_supported(int dtype, int64_t head_dim, int64_t group, int variant = 4, bool kv_fp8 = false);
+// Whether decode_attention has a kernel for this dtype, head dim and group size (with `kv_fp8`, for an
+// E4M3 KV).
+bool decode_attention_supported(int dtype, int64_t head_dim, int64_t group, bool kv_fp8 = false);
 
 void decode_attention(const void* q, const void* kv, int64_t pool_rows, const int64_t* slots, int64_t s_max,
                       const int64_t* lengths, int64_t batch, int64_t kv_heads, int64_t group, int64_t head_dim,
                       int dtype, float scale, int64_t chunk, float* part_acc, float* part_ml, void* out,
-                      int device, cudaStream_t stream, int variant = 4, const float* kv_scales = nullptr);
+                      int device, cudaStream_t stream, const float* kv_scales = nullptr);
 
 }  // namespace tandem

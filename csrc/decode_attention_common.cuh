@@ -1,5 +1,5 @@
-// Pieces shared by the paged decode-attention kernels (decode_attention.cu: variants 1 and 2, and the
-// dispatch; decode_attention_staged.cu: variant 3; decode_attention_mma.cu: 4 and 5): element
+// Pieces shared by the paged decode-attention kernels (decode_attention_mma.cu: the default;
+// decode_attention_staged.cu: its fallback; decode_attention.cu dispatches between them): element
 // conversions, a lane's vector of a row, the end of a split's block (`store_split_partial`) and the
 // kernel that merges the split-K partials. Device code only; each includer instantiates what it uses
 // (gemv.cu takes the element conversions).
@@ -85,7 +85,7 @@ __device__ __forceinline__ void load_tile(unsigned char* dst, int stride, const 
   cp_async_commit();
 }
 
-// Where a block of variants 1-3 works: sequence b and KV head h (blockIdx.x), split (blockIdx.y),
+// Where a block of the staged kernel works: sequence b and KV head h (blockIdx.x), split (blockIdx.y),
 // its warp and lane, the query heads nh, and the split's tokens [t0, t1) of the sequence's len.
 struct SplitBlock {
   int b, h, split, warp, lane, nh;
@@ -151,7 +151,7 @@ __device__ __forceinline__ void store_split_partial(const float (*s_m)[G], const
   }
 }
 
-// Variants 1-3: warp `warp`'s state (m, l per head; acc: EPL elements of each head's output per lane)
+// The staged kernel: warp `warp`'s state (m, l per head; acc: EPL elements of each head's output per lane)
 // into the shared arrays `store_split_partial` reads.
 template <int EPL, int G, int HD>
 __device__ __forceinline__ void stash_warp_state(float (*s_m)[G], float (*s_l)[G], float (*s_acc)[G][HD], int warp,
@@ -194,21 +194,19 @@ __global__ void decode_merge(const float* __restrict__ part_acc, const float* __
 
 }  // namespace attn
 
-// Variants 4 and 5 (decode_attention_mma.cu): variant 3's staging with the scores and P.V on the tensor
-// cores (mma.sync m16n8k16, float32 accumulation) for float16/bfloat16 and head_dim 64/128; other shapes
-// run variant 3. 4: a block per (sequence, KV head, split), four warps over the split's tiles; 5: a
-// block per (sequence, split, up to 8 KV heads), a warp per KV head. Same arguments and contract as
-// `decode_attention_staged`, plus `variant` (4 or 5) and `kv_scales` (see decode_attention.h).
+// The default kernel (decode_attention_mma.cu): the staged kernel's tiles with the scores and P.V on the
+// tensor cores (mma.sync m16n8k16, float32 accumulation) for float16/bfloat16 and head_dim 64/128; other
+// shapes run the staged kernel. A block per (sequence, KV head, split), four warps over the split's
+// tiles. Same arguments and contract as `decode_attention_staged`, plus `kv_scales` (see decode_attention.h).
 // `kv_scales` (nullptr: KV in q's dtype) float32 [2, KVH], the layer's K then V scales of an E4M3 KV.
 void decode_attention_mma(const void* q, const void* kv, int64_t pool_rows, const int64_t* slots, int64_t s_max,
                           const int64_t* lengths, int64_t batch, int64_t kv_heads, int64_t group, int64_t head_dim,
                           int dtype, float scale, int64_t chunk, int splits, float* part_acc, float* part_ml,
-                          void* out, int device, cudaStream_t stream, int variant,
-                          const float* kv_scales);
-// Whether variants 4 and 5 take E4M3 KV for this q dtype, head dim and group.
+                          void* out, int device, cudaStream_t stream, const float* kv_scales);
+// Whether the default kernel takes E4M3 KV for this q dtype, head dim and group.
 bool mma_fp8_supported(int dtype, int64_t head_dim, int64_t group);
 
-// Variant 3 (decode_attention_staged.cu): K and V tiles staged through shared memory by cp.async.
+// The fallback kernel (decode_attention_staged.cu): K and V tiles staged through shared memory by cp.async.
 // Same arguments as `decode_attention`; `group` 1..8. Throws std::runtime_error on an unsupported
 // shape. Runs on the current device (the caller has set it).
 bool staged_supported(int dtype, int64_t head_dim, int64_t group);

@@ -1,7 +1,8 @@
-// Paged decode attention, variant 4 (the default for float16/bfloat16, head_dim 64/128): variant 3's
-// cp.async staging of K and V tiles, with the arithmetic on the tensor cores.
+// Paged decode attention, the default kernel (float16/bfloat16, head_dim 64/128, and E4M3 KV): the staged
+// kernel's cp.async staging of K and V tiles (decode_attention_staged.cu), with the arithmetic on the
+// tensor cores.
 //
-// Why: variant 3 streams KV at ~67 % of HBM at 64 x 2048 (ncu, H200) while its SMs issue an
+// Why: the staged kernel streams KV at ~67 % of HBM at 64 x 2048 (ncu, H200) while its SMs issue an
 // instruction every ~1.5 cycles: each lane's 512 FMAs per token come with shared-memory reads of q,
 // conversions and shuffles, and that issue rate, not memory, bounds it. Here one warp instruction
 // (mma.sync m16n8k16) does 2,048 multiply-adds: the G query heads of a KV head are the rows of the
@@ -330,7 +331,7 @@ __device__ __forceinline__ void warp_attend(const T* __restrict__ q, const void*
   }
 }
 
-// Variant 4: one block per (sequence, KV head, split); its four warps take turns over the split's
+// One block per (sequence, KV head, split); its four warps take turns over the split's
 // 32-token tiles and merge their partials through shared memory at the end.
 // Three blocks an SM (their tiles take 3 x 68 KiB of shared memory): uncapped, 172 registers let only
 // two fit. Capped at 168 (20 bytes spilled) the occupancy is 12 warps instead of 8, but the time at
@@ -376,53 +377,6 @@ __global__ void __launch_bounds__(kWarps * 32, F8 ? 2 : 3)
   attn::store_split_partial<kWarps, G, HD>(s_m, s_l, s_acc, b, nh, h, splits, split, part_acc, part_ml);
 }
 
-// Variant 5: one block per (sequence, split, group of NW KV heads); warp w takes KV head w of the
-// group over the whole split. The NW warps read the NW pieces of the same pool rows together, so a
-// page's K (page_size x KVH x HD contiguous bytes) is read by one SM in one pass instead of in
-// 256-byte pieces by KVH blocks at different times; each warp writes its split's partial itself (no
-// merge across warps). Shared memory: NW x 17 KiB (one block an SM at NW = 8). Measured at 64 x 2048 on
-// an H200 (a89226d): 144 us against variant 4's 149 (ncu: DRAM 79 % against 77 %, L2 89 %: the L2 is
-// still the bound), within 3 % at batch >= 64 and slower below (a block per sequence and split is too
-// few blocks): opt-in, variant 4 stays the default.
-template <typename T, int HD, int G, int NW, bool F8>
-__global__ void __launch_bounds__(NW * 32)
-    decode_partial_rows(const T* __restrict__ q, const void* __restrict__ kv, int64_t pool_rows,
-                        const int64_t* __restrict__ slots, int64_t s_max, const int64_t* __restrict__ lengths,
-                        int kv_heads, int64_t chunk, int splits, float scale_log2, const float* __restrict__ kv_scales,
-                        float* __restrict__ part_acc, float* __restrict__ part_ml) {
-  using GT = MGeo<HD, F8>;
-  constexpr int DT = HD / 8;
-  extern __shared__ __align__(16) unsigned char smem[];
-  const int b = blockIdx.x;
-  const int split = blockIdx.y;
-  const int warp = threadIdx.x >> 5;
-  const int h = blockIdx.z * NW + warp;
-  const int lane = threadIdx.x & 31;
-  const int gid = lane >> 2;
-  const int tig = lane & 3;
-  const int nh = kv_heads * G;
-  float o[DT][4];
-  float m0, l0;
-  warp_attend<T, HD, G, F8>(q, kv, pool_rows, slots, s_max, lengths, kv_heads, chunk, b, h, split, 0, kTile,
-                            smem + warp * GT::kWarpBytes, scale_log2, kv_scales, lane, o, m0, l0);
-  if (gid < G) {
-    const int64_t at = (static_cast<int64_t>(b) * nh + h * G + gid) * splits + split;
-    float* acc = part_acc + at * HD + 2 * tig;
-#pragma unroll
-    for (int dt = 0; dt < DT; ++dt) *reinterpret_cast<float2*>(acc + dt * 8) = make_float2(o[dt][0], o[dt][1]);
-    if (tig == 0) *reinterpret_cast<float2*>(part_ml + at * 2) = make_float2(m0, l0);
-  }
-}
-
-// Variant 5's warps per block: the largest of 8, 4, 2, 1 that divides the KV heads (kv_cuda._chunk
-// mirrors it).
-int rows_warps(int64_t kv_heads) {
-  for (int nw = 8; nw > 1; nw /= 2) {
-    if (kv_heads % nw == 0) return nw;
-  }
-  return 1;
-}
-
 template <typename Kernel>
 void raise_smem(Kernel kernel, int bytes, bool (&raised)[64], int device) {
   if (device < 0 || device >= 64 || !raised[device]) {
@@ -433,7 +387,7 @@ void raise_smem(Kernel kernel, int bytes, bool (&raised)[64], int device) {
 }
 
 template <typename T, int HD, int G, bool F8>
-void launch(int variant, const void* q, const void* kv, int64_t pool_rows, const int64_t* slots, int64_t s_max,
+void launch(const void* q, const void* kv, int64_t pool_rows, const int64_t* slots, int64_t s_max,
             const int64_t* lengths, int64_t batch, int64_t kv_heads, float scale, int64_t chunk, int splits,
             const float* kv_scales, float* part_acc, float* part_ml, void* out, int device,
             cudaStream_t stream) {
@@ -441,48 +395,26 @@ void launch(int variant, const void* q, const void* kv, int64_t pool_rows, const
   static_assert(kWarps * G * HD * 4 <= GT::kSmem, "partials do not fit the tiles");
   const float scale_log2 = scale * 1.4426950408889634f;
   const int kvh = static_cast<int>(kv_heads);
-  const int nw = rows_warps(kv_heads);
-  if (variant == 5) {
-#define TANDEM_ROWS_LAUNCH(NW)                                                                                   \
-  case NW: {                                                                                                     \
-    static bool raised[64] = {};                                                                                 \
-    raise_smem(decode_partial_rows<T, HD, G, NW, F8>, NW * GT::kWarpBytes, raised, device);                      \
-    const dim3 grid(static_cast<unsigned>(batch), static_cast<unsigned>(splits), static_cast<unsigned>(kvh / NW)); \
-    decode_partial_rows<T, HD, G, NW, F8><<<grid, NW * 32, NW * GT::kWarpBytes, stream>>>(                       \
-        static_cast<const T*>(q), kv, pool_rows, slots, s_max, lengths, kvh, chunk, splits, scale_log2, kv_scales, \
-        part_acc, part_ml);                                                                                      \
-    break;                                                                                                       \
-  }
-    switch (nw) {
-      TANDEM_ROWS_LAUNCH(1)
-      TANDEM_ROWS_LAUNCH(2)
-      TANDEM_ROWS_LAUNCH(4)
-      TANDEM_ROWS_LAUNCH(8)
-    }
-#undef TANDEM_ROWS_LAUNCH
-    check(cudaGetLastError(), "decode_partial_rows launch");
-  } else {
-    static bool raised[64] = {};
-    raise_smem(decode_partial_mma<T, HD, G, F8>, GT::kSmem, raised, device);
-    const dim3 grid(static_cast<unsigned>(batch * kv_heads), static_cast<unsigned>(splits));
-    decode_partial_mma<T, HD, G, F8><<<grid, kWarps * 32, GT::kSmem, stream>>>(
-        static_cast<const T*>(q), kv, pool_rows, slots, s_max, lengths, kvh, chunk, splits, scale_log2, kv_scales,
-        part_acc, part_ml);
-    check(cudaGetLastError(), "decode_partial_mma launch");
-  }
+  static bool raised[64] = {};
+  raise_smem(decode_partial_mma<T, HD, G, F8>, GT::kSmem, raised, device);
+  const dim3 grid(static_cast<unsigned>(batch * kv_heads), static_cast<unsigned>(splits));
+  decode_partial_mma<T, HD, G, F8><<<grid, kWarps * 32, GT::kSmem, stream>>>(
+      static_cast<const T*>(q), kv, pool_rows, slots, s_max, lengths, kvh, chunk, splits, scale_log2, kv_scales,
+      part_acc, part_ml);
+  check(cudaGetLastError(), "decode_partial_mma launch");
   attn::decode_merge<T><<<static_cast<unsigned>(batch * kv_heads * G), HD, 0, stream>>>(part_acc, part_ml, splits, HD,
                                                                                      static_cast<T*>(out));
   check(cudaGetLastError(), "decode_merge launch");
 }
 
 template <typename T, int HD, bool F8>
-void by_group(int variant, int64_t group, const void* q, const void* kv, int64_t pool_rows, const int64_t* slots, int64_t s_max,
+void by_group(int64_t group, const void* q, const void* kv, int64_t pool_rows, const int64_t* slots, int64_t s_max,
               const int64_t* lengths, int64_t batch, int64_t kv_heads, float scale, int64_t chunk, int splits,
               const float* kv_scales, float* part_acc, float* part_ml, void* out, int device,
               cudaStream_t stream) {
 #define TANDEM_MMA_GROUP(N)                                                                                     \
   case N:                                                                                                     \
-    launch<T, HD, N, F8>(variant, q, kv, pool_rows, slots, s_max, lengths, batch, kv_heads, scale, chunk, splits, \
+    launch<T, HD, N, F8>(q, kv, pool_rows, slots, s_max, lengths, batch, kv_heads, scale, chunk, splits, \
                          kv_scales, part_acc, part_ml, out, device, stream);                        \
     return;
   switch (group) {
@@ -501,29 +433,29 @@ void by_group(int variant, int64_t group, const void* q, const void* kv, int64_t
 }
 
 template <typename T, bool F8>
-void by_head_dim(int variant, int64_t head_dim, int64_t group, const void* q, const void* kv, int64_t pool_rows,
+void by_head_dim(int64_t head_dim, int64_t group, const void* q, const void* kv, int64_t pool_rows,
                  const int64_t* slots, int64_t s_max, const int64_t* lengths, int64_t batch, int64_t kv_heads,
                  float scale, int64_t chunk, int splits, const float* kv_scales, float* part_acc, float* part_ml,
                  void* out, int device, cudaStream_t stream) {
   if (head_dim == 64) {
-    by_group<T, 64, F8>(variant, group, q, kv, pool_rows, slots, s_max, lengths, batch, kv_heads, scale, chunk,
+    by_group<T, 64, F8>(group, q, kv, pool_rows, slots, s_max, lengths, batch, kv_heads, scale, chunk,
                         splits, kv_scales, part_acc, part_ml, out, device, stream);
   } else {
-    by_group<T, 128, F8>(variant, group, q, kv, pool_rows, slots, s_max, lengths, batch, kv_heads, scale, chunk,
+    by_group<T, 128, F8>(group, q, kv, pool_rows, slots, s_max, lengths, batch, kv_heads, scale, chunk,
                          splits, kv_scales, part_acc, part_ml, out, device, stream);
   }
 }
 
 template <typename T>
-void by_kv_type(int variant, int64_t head_dim, int64_t group, const void* q, const void* kv, int64_t pool_rows,
+void by_kv_type(int64_t head_dim, int64_t group, const void* q, const void* kv, int64_t pool_rows,
                 const int64_t* slots, int64_t s_max, const int64_t* lengths, int64_t batch, int64_t kv_heads,
                 float scale, int64_t chunk, int splits, const float* kv_scales, float* part_acc, float* part_ml,
                 void* out, int device, cudaStream_t stream) {
   if (kv_scales != nullptr) {
-    by_head_dim<T, true>(variant, head_dim, group, q, kv, pool_rows, slots, s_max, lengths, batch, kv_heads, scale,
+    by_head_dim<T, true>(head_dim, group, q, kv, pool_rows, slots, s_max, lengths, batch, kv_heads, scale,
                          chunk, splits, kv_scales, part_acc, part_ml, out, device, stream);
   } else {
-    by_head_dim<T, false>(variant, head_dim, group, q, kv, pool_rows, slots, s_max, lengths, batch, kv_heads, scale,
+    by_head_dim<T, false>(head_dim, group, q, kv, pool_rows, slots, s_max, lengths, batch, kv_heads, scale,
                           chunk, splits, nullptr, part_acc, part_ml, out, device, stream);
   }
 }
@@ -537,8 +469,7 @@ bool mma_fp8_supported(int dtype, int64_t head_dim, int64_t group) {
 void decode_attention_mma(const void* q, const void* kv, int64_t pool_rows, const int64_t* slots, int64_t s_max,
                           const int64_t* lengths, int64_t batch, int64_t kv_heads, int64_t group, int64_t head_dim,
                           int dtype, float scale, int64_t chunk, int splits, float* part_acc, float* part_ml,
-                          void* out, int device, cudaStream_t stream, int variant,
-                          const float* kv_scales) {
+                          void* out, int device, cudaStream_t stream, const float* kv_scales) {
   if (!mma_fp8_supported(dtype, head_dim, group)) {  // the same shapes the 16-bit mma path takes
     if (kv_scales != nullptr) {
       throw std::runtime_error("decode_attention: E4M3 KV needs a float16/bfloat16 q, head_dim 64/128, group 1..8");
@@ -548,10 +479,10 @@ void decode_attention_mma(const void* q, const void* kv, int64_t pool_rows, cons
     return;
   }
   if (dtype == 1) {
-    by_kv_type<__half>(variant, head_dim, group, q, kv, pool_rows, slots, s_max, lengths, batch, kv_heads, scale, chunk,
+    by_kv_type<__half>(head_dim, group, q, kv, pool_rows, slots, s_max, lengths, batch, kv_heads, scale, chunk,
                        splits, kv_scales, part_acc, part_ml, out, device, stream);
   } else {
-    by_kv_type<__nv_bfloat16>(variant, head_dim, group, q, kv, pool_rows, slots, s_max, lengths, batch, kv_heads, scale,
+    by_kv_type<__nv_bfloat16>(head_dim, group, q, kv, pool_rows, slots, s_max, lengths, batch, kv_heads, scale,
                               chunk, splits, kv_scales, part_acc, part_ml, out, device, stream);
   }
 }

@@ -1,8 +1,9 @@
-// Paged decode attention, variant 3 (the default): variant 2's mapping with its K and V rows staged in
-// shared memory by cp.async.
+// Paged decode attention, the fallback kernel (every shape the tensor-core kernel of
+// decode_attention_mma.cu does not take: float32, head_dim 256): one token per lane for the scores, with
+// its K and V rows staged in shared memory by cp.async.
 //
-// Why: variant 2 read KV at 42 % of HBM at 64 x 2048 on an H200 (docs/benchmarks). There each lane
-// loads its own token's whole K row (16 x 16 bytes), so one warp load touches 32 rows: 32 cache lines
+// Why: a kernel with the same mapping that read K rows per lane (deleted since) read KV at 42 % of HBM
+// at 64 x 2048 on an H200 (docs/benchmarks). There each lane loads its own token's whole K row (16 x 16 bytes), so one warp load touches 32 rows: 32 cache lines
 // for 512 useful bytes, which keeps the L1 busy for a fraction of the bytes the SM needs, and a warp has
 // only a few kilobytes in flight before it stops to compute. Here a warp copies a 32-token tile of K
 // and of V with cp.async, each 16-byte piece by a different lane, so a warp copy covers whole rows
@@ -10,8 +11,7 @@
 //
 //   tile i:  wait K(i) | scores from shared K | issue K(i+1) | softmax | wait V(i) | P.V | issue V(i+1)
 //
-// The scores keep variant 2's layout (lane j owns token j, q in shared memory as float32 times
-// scale * log2 e); K rows are padded by 16 bytes in shared memory so the lanes' 16-byte reads of 32
+// The scores: lane j owns token j, q in shared memory as float32 times scale * log2 e; K rows are padded by 16 bytes in shared memory so the lanes' 16-byte reads of 32
 // different rows hit distinct banks. P.V: lanes own head dimensions; each token's weight comes by
 // shuffle from its lane. Each warp keeps an online softmax; the block merges its warps and writes one
 // partial per (query head, split); attn::decode_merge merges the splits. Any group size 1..8 (Orpheus'

@@ -2,7 +2,7 @@
 // float32 accumulation (the decode step's projections at small batch).
 //
 // Why: at batch 1 a decode step is its weights read once (8 GB for the 4B shape), and cuBLAS's kernels for
-// these shapes read them at ~68 % of HBM (issue 14's breakdown), with a split-K reduction kernel after
+// these shapes read them at ~68 % of HBM (tandem-bench-decoder's kernel-family breakdown), with a split-K reduction kernel after
 // some of them. This is the memory-bound form: a warp per R weight rows, each lane streaming 16-byte
 // vectors of its rows (8 vectors in flight a lane: R rows x U = 8 / R steps), x read through L1 (every
 // warp of a block reads the same x), the lanes' partial dot products reduced by shuffles. R is picked

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import importlib
 import math
-import os
 from types import ModuleType
 
 import torch
@@ -409,22 +408,14 @@ def checksum_tensor(t: torch.Tensor) -> torch.Tensor:
 # ---- paged decode attention ----------------------------------------------------------------------------
 
 _DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
-# Which decode-attention kernel runs: 4 (the default), tensor cores (mma.sync) on variant 3's staging
-# for float16/bfloat16 with head_dim 64/128 and variant 3 for other shapes (csrc/decode_attention_mma.cu);
-# 3, K/V tiles staged in shared memory by cp.async, FMA arithmetic, any group of 1..8
-# (csrc/decode_attention_staged.cu); 2, one token per lane for the scores with K rows read per lane;
-# 1, one token per warp (csrc/decode_attention.cu; groups 1/2/4/8); 5, variant 4's arithmetic with a
-# block per (sequence, split) over up to 8 KV heads, a warp each, so a page's rows are read whole.
-# $TANDEM_DECODE_ATTENTION_KERNEL picks one for a process (A/B runs).
-VARIANTS = (1, 2, 3, 4, 5)
-_variant = os.environ.get("TANDEM_DECODE_ATTENTION_KERNEL", "4").strip()
-if _variant not in ("1", "2", "3", "4", "5"):
-    raise ValueError(f"TANDEM_DECODE_ATTENTION_KERNEL must be 1..5, got {_variant!r}")
-KERNEL_VARIANT = int(_variant)
-# Variants 4 and 5 merge their split-K partials in a second kernel. A merge inside the partial kernel
-# (its last block per sequence and heads, on counters) was measured on an H200 and deleted: it made the
-# graphed step slower at every point (Orpheus-3B 1 x 2048 2.71 -> 2.84 ms, 64 x 2048 6.92 -> 7.25;
-# the 4B shape 3.36 -> 3.58 and 8.86 -> 9.37; docs/benchmarks, issue 26).
+# The decode-attention kernel: tensor cores (mma.sync) on K/V tiles staged in shared memory by cp.async
+# for float16/bfloat16 with head_dim 64/128 and for an E4M3 KV (csrc/decode_attention_mma.cu, the
+# default); the same staging with FMA arithmetic for every other shape, any group of 1..8
+# (csrc/decode_attention_staged.cu, its fallback). csrc/decode_attention.cu picks between them.
+# The split-K partials are merged in a second kernel. A merge inside the partial kernel (its last block
+# per sequence and heads, on counters) was measured on an H200 and deleted: it made the graphed step
+# slower at every point (Orpheus-3B 1 x 2048 2.71 -> 2.84 ms, 64 x 2048 6.92 -> 7.25; the 4B shape
+# 3.36 -> 3.58 and 8.86 -> 9.37; docs/benchmarks).
 _sm_counts: dict[int, int] = {}
 
 
@@ -466,28 +457,25 @@ def kernel_decodes(
     num_heads: int,
     kv_heads: int,
     head_dim: int,
-    variant: int | None = None,
     kv_dtype: torch.dtype | None = None,
 ) -> bool:
-    """True when the compiled decode-attention kernel `variant` (default `KERNEL_VARIANT`) exists for this
-    model shape on `device`: CUDA, module built, float32/float16/bfloat16, head_dim 64/128/256, and
-    1..8 query heads per KV head (variants 3, 4 and 5; 1/2/4/8 for variants 1 and 2). `kv_dtype` (the
-    pool's; default `dtype`) float8_e4m3fn: variants 4 and 5 with a float16/bfloat16 q, head_dim
-    64/128, on a module built with E4M3 support."""
+    """True when the compiled decode-attention kernel exists for this model shape on `device`: CUDA,
+    module built, float32/float16/bfloat16, head_dim 64/128/256, and 1..8 query heads per KV head.
+    `kv_dtype` (the pool's; default `dtype`) float8_e4m3fn: a float16/bfloat16 q, head_dim 64/128, on
+    a module built with E4M3 support."""
     if _MODULE is None or device.type != "cuda" or dtype not in _DTYPE_CODES or num_heads % kv_heads:
         return False
-    v = KERNEL_VARIANT if variant is None else variant
     group = num_heads // kv_heads
     if kv_dtype is not None and is_fp8(kv_dtype):
         if not hasattr(_MODULE, "decode_attention_kv_fp8"):
             return False
-        return bool(_MODULE.decode_attention_supported(_DTYPE_CODES[dtype], head_dim, group, v, True))
+        return bool(_MODULE.decode_attention_supported(_DTYPE_CODES[dtype], head_dim, group, True))
     if kv_dtype is not None and kv_dtype != dtype:
         return False
-    return bool(_MODULE.decode_attention_supported(_DTYPE_CODES[dtype], head_dim, group, v))
+    return bool(_MODULE.decode_attention_supported(_DTYPE_CODES[dtype], head_dim, group))
 
 
-def decode_attention_supported(q: torch.Tensor, kv: torch.Tensor, variant: int | None = None) -> bool:
+def decode_attention_supported(q: torch.Tensor, kv: torch.Tensor) -> bool:
     """True when `decode_attention` runs the compiled kernel for these tensors (`kernel_decodes` for
     their shape and dtypes, both on one CUDA device, 16-byte aligned); otherwise it runs
     `reference_decode_attention`."""
@@ -495,29 +483,20 @@ def decode_attention_supported(q: torch.Tensor, kv: torch.Tensor, variant: int |
         return False
     if q.data_ptr() % 16 or kv.data_ptr() % 16:
         return False
-    return kernel_decodes(q.dtype, q.device, q.shape[1], kv.shape[2], q.shape[2], variant, kv.dtype)
+    return kernel_decodes(q.dtype, q.device, q.shape[1], kv.shape[2], q.shape[2], kv.dtype)
 
 
-def _chunk(batch: int, kv_heads: int, s: int, device: torch.device, variant: int = 2) -> int:
-    """Tokens per split: 256, halved until the grid has ~4 blocks per SM (3 for variants 3/4, whose blocks
-    take 68 KiB of shared memory: three fit an SM), down to 32 tokens (128 for variants 3/4: a 32-token
-    tile for each of its four warps; fewer splits also make the merge cheaper at small batch). Depends
-    only on shapes, so a captured graph keeps its grid."""
+def _chunk(batch: int, kv_heads: int, s: int, device: torch.device) -> int:
+    """Tokens per split: 256, halved until the grid has ~3 blocks per SM (a block's tiles take 68 KiB of
+    shared memory: three fit an SM), down to 128 tokens (a 32-token tile for each of a block's four
+    warps; fewer splits also make the merge cheaper at small batch). Depends only on shapes, so a
+    captured graph keeps its grid."""
     index = device.index or 0
     sms = _sm_counts.get(index)
     if sms is None:
         sms = _sm_counts[index] = torch.cuda.get_device_properties(index).multi_processor_count
     chunk = 256
-    if variant == 5:
-        # Blocks of NW warps (the largest of 8/4/2/1 dividing the KV heads, as csrc's rows_warps) take
-        # NW x 17 KiB of shared memory: 13 // NW fit an SM. Halve down to 64 tokens while the grid
-        # holds under two waves.
-        nw = next(n for n in (8, 4, 2, 1) if kv_heads % n == 0)
-        blocks = batch * (kv_heads // nw)
-        while chunk > 64 and blocks * -(-s // chunk) < 2 * (13 // nw) * sms:
-            chunk //= 2
-        return chunk
-    floor, per_sm = (128, 3) if variant >= 3 else (32, 4)
+    floor, per_sm = 128, 3
     while chunk > floor and batch * kv_heads * -(-s // chunk) < per_sm * sms:
         chunk //= 2
     return chunk
@@ -529,7 +508,6 @@ def decode_attention(
     slots: torch.Tensor,
     lengths: torch.Tensor,
     scale: float,
-    variant: int | None = None,
     *,
     chunk: int | None = None,
     kv_scales: torch.Tensor | None = None,
@@ -543,8 +521,8 @@ def decode_attention(
     kernel reads slots[b, :lengths[b]] unchecked), which runs instead when `decode_attention_supported`
     is False. On CUDA it is two kernels (the partials, their merge) on the current stream, no host
     synchronisation and no value-dependent shape (CUDA-graph safe); lengths are read on the device, and
-    slots past a sequence's length are never read. `variant` (default `KERNEL_VARIANT`) picks the
-    kernel; `chunk` (tokens per split, default `_chunk`'s) is for benchmarks.
+    slots past a sequence's length are never read. `chunk` (tokens per split, default `_chunk`'s) is
+    for benchmarks.
     Raises ValueError/TypeError on shapes, dtypes or devices that do not fit together.
     """
     if q.dim() != 3 or kv.dim() != 4 or kv.shape[0] != 2:
@@ -567,12 +545,9 @@ def decode_attention(
         raise ValueError(f"an E4M3 kv needs kv_scales float32 [2, {kv.shape[2]}]")
     if not (q.device == kv.device == slots.device == lengths.device):
         raise ValueError("q, kv, slots and lengths must be on one device")
-    v = KERNEL_VARIANT if variant is None else variant
-    if v not in VARIANTS:
-        raise ValueError(f"variant must be one of {VARIANTS}, got {v}")
     if chunk is not None and chunk < 1:
         raise ValueError(f"chunk must be >= 1, got {chunk}")
-    if not decode_attention_supported(q, kv, v):
+    if not decode_attention_supported(q, kv):
         return reference_decode_attention(q, kv, slots, lengths, scale, kv_scales)
     assert _MODULE is not None
     q, slots, lengths = q.contiguous(), slots.contiguous(), lengths.contiguous()
@@ -587,7 +562,7 @@ def decode_attention(
         raise ValueError("kv must be contiguous (a layer of a KVPool is)")
     kvh, s = kv.shape[2], slots.shape[1]
     if chunk is None:
-        chunk = _chunk(b, kvh, s, q.device, v)
+        chunk = _chunk(b, kvh, s, q.device)
     splits = -(-s // chunk)
     part_acc = torch.empty((b, nh, splits, hd), dtype=torch.float32, device=q.device)
     part_ml = torch.empty((b, nh, splits, 2), dtype=torch.float32, device=q.device)
@@ -611,7 +586,6 @@ def decode_attention(
         out.data_ptr(),
         q.device.index,
         _stream(q.device),
-        v,
         **extra_kv,
     )
     return out

@@ -1,7 +1,8 @@
 """The decoder's linear layers: `linear(x, weight, bias)`, with the small-batch CUDA GEMV (csrc/gemv.cu).
 
 Why: at small batch a decode step's projections only stream their weights, and cuBLAS's kernels for
-these shapes read them at ~68 % of HBM on an H200 (issue 14). Up to `GEMV_MAX_ROWS` rows of x go
+these shapes read them at ~68 % of HBM on an H200 (tandem-bench-decoder's
+kernel-family breakdown, docs/benchmarks). Up to `GEMV_MAX_ROWS` rows of x go
 through `tandem.csrc._cuda_kernels.gemv` when it can run them (CUDA, the module built, float16/bfloat16,
 contiguous 16-byte-aligned tensors of one dtype and device, K a multiple of 8, no gradient to track);
 everything else, the CPU included, is `torch.nn.functional.linear`, which is also what the tests hold
@@ -10,10 +11,10 @@ the dtype's rounding).
 
 A process-wide cuBLASLt switch (TANDEM_BLAS) was measured on an H200 and deleted: the graphed step at
 1 and 64 x 2048 was within 1 % of cuBLAS for the 4B shape and 5 % slower at Orpheus-3B batch 1
-(docs/benchmarks, issue 26); `tandem-bench-linear` still times cuBLASLt per shape.
+(docs/benchmarks); `tandem-bench-linear` still times cuBLASLt per shape.
 
 $TANDEM_GEMV_ROWS sets `GEMV_MAX_ROWS` for a process (0 sends every call to cuBLAS). The default is
-8: on an H200 (docs/benchmarks, issue 26) the GEMV took the Orpheus-3B shape's graphed step at batch 1
+8: on an H200 (docs/benchmarks) the GEMV took the Orpheus-3B shape's graphed step at batch 1
 from 2.71 to 2.55 ms and left the 4B shape's at 3.36 ms, and tests/unit/test_linear.py passed there.
 
 `gemv_fp8` is the same kernel over E4M3 weights with per-row scales (tandem.model.dtype=fp8 at up to

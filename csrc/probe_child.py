@@ -7,7 +7,7 @@ receive arena does, poisons it, and prints one JSON line: the arena export's `me
 `vmm_posix_fd` the fd goes over the inherited unix socket FD_SOCKET with SCM_RIGHTS). It then reads
 one JSON line `{"sha256": hex, "nbytes": n}` from stdin — sent after the parent copied its bytes in —
 hashes its first `n` bytes on the host and prints `{"ok": bool, "sha256": ...}`. Any failure prints
-`{"error": "..."}` and exits 1. Used by `tandem.transfer.cuda_paths` only: a legacy IPC handle cannot be
+`{"error": "..."}` and exits 1. Used by `tandem.transfer.paths.cuda` only: a legacy IPC handle cannot be
 opened by the process that made it, so a real probe needs a second process.
 """
 

@@ -1,8 +1,9 @@
 // tandem.csrc._native: prompt validation and packing off the scheduler's hot path.
 //
 // Why native: prompts are 1000+ rows of W ids. Validating and packing them as Python lists on the
-// scheduler thread made prefill admission p99 667 ms in the seed system; doing it here (GIL released
-// for the array scan, one pass without per-id Python objects for lists) cut it to 149 ms.
+// scheduler thread put prefill admission's p99 at 667 ms (every admission waited behind the packing);
+// doing it here (GIL released for the array scan, one pass without per-id Python objects for lists)
+// cut it to 149 ms.
 //
 // Errors: every problem is a C++ exception translated by pybind11 (PromptError -> ValueError for bad
 // prompts, py::type_error -> TypeError for a wrong argument kind). Nothing returns a status code.

@@ -265,7 +265,7 @@ class Supervisor:
 
     def start_proxy(self) -> None:
         """Start `tandem-proxy` for this unit and wait for its ready line (GiveUp if it never comes)."""
-        argv = [sys.executable, "-m", "tandem.transfer.proxy", "--unit", self.unit]
+        argv = [sys.executable, "-m", "tandem.transfer.paths.proxy_sidecar", "--unit", self.unit]
         self.proxy = subprocess.Popen(
             argv, stdout=subprocess.PIPE, text=True, start_new_session=True, preexec_fn=_die_with_parent_fn()
         )

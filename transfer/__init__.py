@@ -6,11 +6,17 @@ only with proof that no write for it can still land.
 
 Names load lazily (PEP 562): `import tandem.transfer.control` imports no torch, so torch-free
 processes (the launcher, the unit's supervisor) share the control directory's code with the engines.
+The public names are written once, as the `TYPE_CHECKING` imports below: type checkers read them
+there, and `__getattr__` finds each name's module in the same lines (read with `ast`, not run).
 """
+
+# ruff: noqa: F401 - the TYPE_CHECKING imports are the package's public names, re-exported lazily
 
 from __future__ import annotations
 
+import ast
 import importlib
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -37,9 +43,10 @@ if TYPE_CHECKING:
     from .frames import FailReason, MsgType
     from .handle import TransferHandle
     from .layout import WireLayout
-    from .paths import ArenaExport, HostShmPath, LocalArena, PeerArena, TransferPath, select_path
+    from .paths.base import ArenaExport, LocalArena, PeerArena, TransferPath
+    from .paths.host_shm import HostShmPath
+    from .paths.registry import PathOptions, build_path, path_factories, select_path
     from .receiver import TransferReceiver
-    from .registry import PathOptions, build_path, path_factories
     from .sender import TransferSender
     from .state import (
         OfferState,
@@ -52,97 +59,21 @@ if TYPE_CHECKING:
         TransferState,
     )
 
-_WHERE = {
-    "ALIGN": "arena",
-    "ArenaExhausted": "errors",
-    "ArenaExport": "paths",
-    "build_path": "registry",
-    "ChecksumMismatch": "errors",
-    "control_dir": "control",
-    "CopyFailed": "errors",
-    "FailReason": "frames",
-    "HostShmPath": "paths",
-    "kv_checksum": "checksum",
-    "LayoutMismatch": "errors",
-    "LocalArena": "paths",
-    "MsgType": "frames",
-    "OfferState": "state",
-    "PathMismatch": "errors",
-    "PathOptions": "registry",
-    "PathUnavailable": "errors",
-    "PeerArena": "paths",
-    "PeerLost": "errors",
-    "PeerRestarted": "errors",
-    "ProtocolError": "errors",
-    "ReceiverStats": "state",
-    "Region": "arena",
-    "RegionAllocator": "arena",
-    "RegionState": "state",
-    "path_factories": "registry",
-    "ReleaseReason": "state",
-    "select_path": "paths",
-    "SenderClosed": "errors",
-    "SenderStats": "state",
-    "Ticket": "state",
-    "TransferError": "errors",
-    "TransferEvent": "state",
-    "TransferExpired": "errors",
-    "TransferHandle": "handle",
-    "TransferPath": "paths",
-    "TransferReceiver": "receiver",
-    "TransferSender": "sender",
-    "TransferState": "state",
-    "TransferTimeout": "errors",
-    "UnknownTransfer": "errors",
-    "UnsafeControlDir": "errors",
-    "WireLayout": "layout",
-}
 
-__all__ = [
-    "ALIGN",
-    "ArenaExhausted",
-    "ArenaExport",
-    "ChecksumMismatch",
-    "CopyFailed",
-    "FailReason",
-    "HostShmPath",
-    "LayoutMismatch",
-    "LocalArena",
-    "MsgType",
-    "OfferState",
-    "PathMismatch",
-    "PathOptions",
-    "PathUnavailable",
-    "PeerArena",
-    "PeerLost",
-    "PeerRestarted",
-    "ProtocolError",
-    "ReceiverStats",
-    "Region",
-    "RegionAllocator",
-    "RegionState",
-    "ReleaseReason",
-    "SenderClosed",
-    "SenderStats",
-    "Ticket",
-    "TransferError",
-    "TransferEvent",
-    "TransferExpired",
-    "TransferHandle",
-    "TransferPath",
-    "TransferReceiver",
-    "TransferSender",
-    "TransferState",
-    "TransferTimeout",
-    "UnknownTransfer",
-    "UnsafeControlDir",
-    "WireLayout",
-    "build_path",
-    "control_dir",
-    "kv_checksum",
-    "path_factories",
-    "select_path",
-]
+def _public_names() -> dict[str, str]:
+    """Each public name -> the module that defines it, read from the `TYPE_CHECKING` imports above."""
+    tree = ast.parse(Path(__file__).read_text(encoding="utf-8"))
+    block = next(n for n in tree.body if isinstance(n, ast.If) and ast.unparse(n.test) == "TYPE_CHECKING")
+    return {
+        alias.name: node.module
+        for node in block.body
+        if isinstance(node, ast.ImportFrom) and node.module
+        for alias in node.names
+    }
+
+
+_WHERE = _public_names()
+__all__ = sorted(_WHERE)
 
 
 def __getattr__(name: str) -> Any:

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ._conn import Connection
-from .paths import PeerArena
+from .paths.base import PeerArena
 from .state import OfferState
 
 GatherFn = Callable[[torch.Tensor], None]

@@ -1,6 +1,6 @@
 """The unit secret and the mutual handshake of the unit's TCP endpoints.
 
-Two TCP listeners exist: D's data listener (the `tcp` path, `transfer/tcp_path.py`) and, when the
+Two TCP listeners exist: D's data listener (the `tcp` path, `transfer/paths/tcp.py`) and, when the
 control plane runs over TCP (cross-host, `TransferSender(control="tcp")`), P's control listener. A
 unix socket is guarded by its 0700 directory and the peer's uid; a TCP port is not, so both sides
 prove they hold the unit's 32-byte secret before anything else crosses:

@@ -162,7 +162,7 @@ def connect_unix(path: str, timeout_s: float) -> socket.socket:
 
 # ---- the control plane over TCP (cross-host; only with a path where D writes every byte) --------------
 
-CONTROL_MAGIC = b"TKC1"  # P's control listener (the data listener's is tcp_path.MAGIC)
+CONTROL_MAGIC = b"TKC1"  # P's control listener (the data listener's is paths.tcp.MAGIC)
 CONTROL_ROLES = (b"P", b"D")  # (listener, connector) MAC roles of the control handshake
 TCP_SCHEME = "tcp://"
 

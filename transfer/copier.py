@@ -4,7 +4,8 @@ Who calls: `SenderLoop` queues an offer (state QUEUED, `pull_*` set) with `put`;
 starts and stops the workers. A worker owns the offer while COPYING: region mode gathers into a
 staging buffer (the source is released right after), checksums it, runs `copy_hook`, and makes one
 copy into D's region; direct mode (PULL_ROWS) writes P's rows into D's slots (`path.write_rows`; the
-GPU paths hash them in the same kernel) and releases the source after the write. The answer is DONE
+GPU paths hash them in the same kernel) and releases the source after the write; with a `copy_hook`
+that write is still the production call, the hook's fault injected around it. The answer is DONE
 with the checksum, FAILED(COPY_ERROR) if the gather or path raised, or the held ABORT_ACKs when D
 gave up meanwhile (the copy call has returned: that is the proof).
 """
@@ -24,7 +25,7 @@ from .checksum import format_checksum, kv_checksum, kv_checksum_rows
 from .frames import FailReason, MsgType, expand_runs
 from .layout import WireLayout
 from .offers import OfferBook
-from .paths import TransferPath
+from .paths.base import PeerArena, TransferPath
 from .state import OfferState
 
 
@@ -38,9 +39,11 @@ class Copier:
         layout: WireLayout,
         copy_hook: Callable[[str, torch.Tensor], None] | None,
     ) -> None:
-        """`copy_hook(tid, staging)`: the fault-injection seam, called after gather and checksum, right
-        before the copy crosses (it may delay, or alter `staging` to simulate corruption); None in
-        production unless fault injection is configured."""
+        """`copy_hook(tid, staging)`: the fault-injection seam, called right before the copy crosses
+        (it may delay, or alter `staging` to simulate corruption); None in production unless fault
+        injection is configured. Region mode: `staging` is what crosses, after its checksum. Direct
+        mode: `staging` is a copy of the transfer's first row; the rows still go by the production
+        `write_rows`, and an altered row then lands over D's first slot."""
         self._book = book
         self._path = path
         self._layout = layout
@@ -139,6 +142,12 @@ class Copier:
         if book.on_event is not None:
             book.on_event(event)
 
+    def _write(self, src: torch.Tensor, src_slots: torch.Tensor, arena: PeerArena, dst: torch.Tensor) -> int:
+        """The production write of direct mode; returns the checksum of P's rows (the GPU paths hash
+        them as their kernel writes them, others are hashed here)."""
+        written = self._path.write_rows(self._layout, src, src_slots, arena, dst)
+        return kv_checksum_rows(src, src_slots) if written is None else written
+
     def _write_rows(self, offer: Offer, runs: list[int]) -> int:
         """Direct mode: write P's rows into D's pool at `runs` and checksum them (in the write's own
         kernel on the GPU paths), release the source once the write returned (whatever happened).
@@ -150,17 +159,20 @@ class Copier:
             src, src_slots = offer.rows
             dst = torch.from_numpy(expand_runs(runs)).to(src.device)
             arena = offer.pull_peer.arena
-            if self._copy_hook is None:  # GPU paths hash the rows as their kernel writes them
-                written = self._path.write_rows(self._layout, src, src_slots, arena, dst)
-                return kv_checksum_rows(src, src_slots) if written is None else written
-            # fault injection: the hook may alter what lands after the checksum, never P's pool
-            staging = self._path.alloc_staging(self._layout, offer.n_tokens)
-            offer.gather(staging)
-            checksum = kv_checksum(staging)
-            self._copy_hook(offer.tid, staging)
-            self._path.write_rows(
-                self._layout, staging, torch.arange(offer.n_tokens, device=staging.device), arena, dst
-            )
+            if self._copy_hook is None:
+                return self._write(src, src_slots, arena, dst)
+            # Fault injection around the production write: the hook sees a copy of the first row (it may
+            # delay, hold or alter it) before the write; the write itself is the production call; an
+            # altered row then lands over D's first slot, so D's proof sees what a corrupting copy would
+            # leave while P's checksum (and P's pool) stay the rows P meant to send.
+            row = self._path.alloc_staging(self._layout, 1)
+            row.copy_(src.index_select(2, src_slots[:1]))
+            sent = row.clone()
+            self._copy_hook(offer.tid, row)
+            checksum = self._write(src, src_slots, arena, dst)
+            if not torch.equal(row.reshape(-1).view(torch.uint8), sent.reshape(-1).view(torch.uint8)):
+                first = torch.zeros(1, dtype=torch.int64, device=row.device)
+                self._path.write_rows(self._layout, row, first, arena, dst[:1].to(row.device))
             return checksum
         finally:
             self._book.release_source(offer)

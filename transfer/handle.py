@@ -11,7 +11,7 @@ import torch
 from .arena import Region
 from .errors import TransferError
 from .layout import WireLayout
-from .paths import LocalArena
+from .paths.base import LocalArena
 from .state import RegionState, ReleaseReason, Ticket, TransferEvent, TransferState
 
 

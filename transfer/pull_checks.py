@@ -18,7 +18,7 @@ from .control import parse_tcp_endpoint
 from .errors import LayoutMismatch, PathMismatch, TransferError
 from .frames import MAX_FRAME_BYTES, PROTOCOL_VERSION, FailReason, compress_runs
 from .layout import WireLayout
-from .paths import PeerArena, TransferPath, pool_slots
+from .paths.base import PeerArena, TransferPath, pool_slots
 from .state import Ticket
 
 if TYPE_CHECKING:

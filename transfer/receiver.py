@@ -48,7 +48,7 @@ from .control import control_dir
 from .errors import ArenaExhausted, TransferError, TransferTimeout
 from .handle import TransferHandle
 from .layout import WireLayout
-from .paths import TransferPath, pool_slots
+from .paths.base import TransferPath, pool_slots
 from .pull_checks import check_ticket, dest_runs, foreign
 from .receiver_loop import ReceiverLoop
 from .regions import RegionBook

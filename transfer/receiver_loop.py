@@ -33,7 +33,7 @@ from .errors import PeerLost, ProtocolError, TransferTimeout
 from .frames import PROTOCOL_VERSION, MsgType
 from .handle import TransferHandle
 from .layout import WireLayout
-from .paths import LocalArena, TransferPath
+from .paths.base import LocalArena, TransferPath
 from .regions import RegionBook
 from .state import RegionState, ReleaseReason, TransferState
 from .verifier import Verifier

@@ -21,7 +21,7 @@ from .arena import RegionAllocator
 from .errors import ChecksumMismatch, PeerRestarted, TransferError
 from .frames import MsgType
 from .handle import TransferHandle
-from .paths import LocalArena, TransferPath
+from .paths.base import LocalArena, TransferPath
 from .state import ReceiverStats, RegionState, ReleaseReason, Ticket, TransferEvent, TransferState
 
 RELEASE_COUNTER = {

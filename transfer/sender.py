@@ -4,9 +4,8 @@ Journey of an offer: `offer()` -> OFFERED (P's pages held) -> PULL accepted -> Q
 takes it -> COPYING: gather into staging (then the source is released), checksum, `copy_hook`, one copy
 into D's region -> COPIED, reply DONE. A PULL_ROWS (direct mode: D's arena is its KV pool) instead has
 the worker write P's rows straight into the D slots it names (`path.write_rows`: the GPU paths hash
-them in the same kernel, the others after the write), releasing the source after the write; with a
-`copy_hook` (fault injection) the rows go through a staging buffer so the hook can alter what lands
-after the checksum.
+them in the same kernel, the others after the write), releasing the source after the write; a
+`copy_hook` (fault injection) acts around that same write (`Copier`), so drills run the production call.
 Off the happy path an offer is tombstoned (ABORTED/EXPIRED) before any write, or the copy fails after
 its copy call returned (FAILED). Terminal offers leave the table; a later PULL for their id is refused
 (tids are random and never reused, so "not in the table" is proof that no copy for it will start),
@@ -45,7 +44,7 @@ from .copier import Copier
 from .errors import SenderClosed, TransferError
 from .layout import WireLayout
 from .offers import OfferBook
-from .paths import TransferPath
+from .paths.base import TransferPath
 from .sender_loop import SenderLoop
 from .state import OfferState, SenderStats, Ticket, TransferEvent
 

@@ -28,7 +28,7 @@ from .errors import ProtocolError, TransferError
 from .frames import PROTOCOL_VERSION, FailReason, MsgType
 from .layout import WireLayout
 from .offers import OfferBook
-from .paths import TransferPath
+from .paths.base import TransferPath
 from .pull_checks import bad_dst, hello_refusal
 from .state import OfferState
 

@@ -14,7 +14,7 @@ import torch
 
 from .checksum import format_checksum, kv_checksum, kv_checksum_rows
 from .handle import TransferHandle
-from .paths import LocalArena
+from .paths.base import LocalArena
 
 
 class Verifier:

@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
-# Issue 14 on one GPU: the decoder kernels' GPU tests, the paged-attention kernel against HBM
-# (tandem-bench-decode-attention), ncu on its two variants at 64 x 2048, and the forward-only decode
-# step against its roofline for each preset, fused (this tree's step) and with the reference kernels
-# (main's step), with a kernel-family breakdown. Writes logs and JSON/PNG into OUT; prints the tables.
+# The decoder's kernels on one GPU: their GPU tests, the paged-attention kernel against HBM
+# (tandem-bench-decode-attention), ncu on it at 64 x 2048, and the forward-only decode step against its
+# roofline for each preset, fused (this tree's step) and with the reference kernels (the torch modules
+# one by one), with a kernel-family breakdown. Writes logs and JSON/PNG into OUT; prints the tables.
 #
 # Other steps: prefill (prefill with flash and with cuDNN padded to buckets, TANDEM_PREFILL_ATTENTION),
 # linear (tandem-bench-linear per preset: cuBLAS, cuBLASLt and the GEMV), split (the attention over
 # tokens-per-split, against a copy/sum of the same bytes), and decoder kind cublas (the step with the
 # GEMV off, TANDEM_GEMV_ROWS=0) beside decoder. The fused split-K merge and TANDEM_BLAS were measured
-# and deleted (docs/benchmarks, issue 26).
+# and deleted (docs/benchmarks/README.md).
 #
 #   bench/device/run_decoder_roofline.sh OUT [PRESETS] [STEPS: tests,attention,ncu,decoder,reference]
 #   e.g. bench/device/run_decoder_roofline.sh OUT qwen3-4b-shape,orpheus-3b-shape tests,split,linear,prefill,ncu,decoder,cublas
@@ -37,9 +37,7 @@ kv = torch.randn(2, b * s, kvh, hd, device="cuda").bfloat16()
 slots = torch.randperm(b * s, device="cuda").view(b, s).contiguous()
 lengths = torch.full((b,), s, dtype=torch.long, device="cuda")
 q = torch.randn(b, kvh * g, hd, device="cuda").bfloat16()
-for v in (2, 3, 4):
-    kv_cuda.decode_attention(q, kv, slots, lengths, hd**-0.5, variant=v)
-kv_cuda.decode_attention(q, kv, slots, lengths, hd**-0.5, variant=5)
+kv_cuda.decode_attention(q, kv, slots, lengths, hd**-0.5)
 if hasattr(kv_cuda.module(), "gemv"):  # the GEMV (opt-in) at batch 1: gate-up and down of the 4B shape
     from tandem.csrc import linear
     for n, k in ((19456, 2560), (2560, 9728)):
@@ -47,13 +45,13 @@ if hasattr(kv_cuda.module(), "gemv"):  # the GEMV (opt-in) at batch 1: gate-up a
         linear.linear(torch.randn(1, k, device="cuda").bfloat16(), w, max_rows=8)
 torch.cuda.synchronize()
 PY
-  timeout 240 ncu --clock-control none -k regex:"decode_partial|gemv" -c 7 --section SpeedOfLight \
+  timeout 240 ncu --clock-control none -k regex:"decode_partial|gemv" -c 3 --section SpeedOfLight \
     --section MemoryWorkloadAnalysis --section Occupancy --section WarpStateStats --section LaunchStats \
     python3 /tmp/ncu_attn.py > "$out/ncu-attention.txt" 2>&1 || rc=$?
   grep -E "decode_partial|gemv_kernel|Memory Throughput|DRAM Throughput|Duration|Achieved Occupancy|Registers|Stall|L1/TEX Hit|Theoretical Occ" "$out/ncu-attention.txt" | head -70
 fi
 if [[ ,$steps, == *,split,* ]]; then
-  python3 -m tandem.bench.decode_attention --variants 4,5 --chunks 0,128,256,512,1024 \
+  python3 -m tandem.bench.decode_attention --chunks 0,128,256,512,1024 \
     --page-sizes 16 --batches 1,4,16,64,128 --context 1024,2048 --ceiling --out "$out" \
     --name decode-attention-split > "$out/attention-split.log" 2>&1 || rc=$?
   tail -90 "$out/attention-split.log"
@@ -75,7 +73,7 @@ if [[ ,$steps, == *,prefill,* ]]; then  # prefill attention: flash (default) aga
     done
   done
 fi
-# kinds: decoder (this tree's step), reference (main's: torch modules, attention variant 2), cublas
+# kinds: decoder (this tree's step), reference (the torch modules one by one), cublas
 # (the GEMV off).
 for p in ${presets//,/ }; do
   for kind in decoder reference cublas; do

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 26's FP8 and decode-kernel measurements on one GPU, in one call: the FP8 GPU tests (and the
+# The FP8 and decode-kernel measurements of docs/benchmarks/README.md on one GPU, in one call: the FP8 GPU tests (and the
 # bf16 kernel tests the shared code touches), the quality guard (tandem-bench-fp8, Orpheus shape, 256
 # steps), the decode step bf16 against FP8 weights and FP8 weights + KV at batch 1 and 64 x 2048 for
 # the Orpheus and 4B shapes (tandem-bench-decoder --forward-only --graphs), and the attention kernel
@@ -85,7 +85,7 @@ if [[ ,$stages, == *,decoder,* ]]; then
 fi
 if stage attn 60; then  # the attention kernel alone, bf16 and E4M3 KV, over tokens per split
   for kvd in auto fp8; do
-    timeout 80 python3 -m tandem.bench.decode_attention --kv-dtype $kvd --group 3 --variants 4,5 --page-sizes 16 \
+    timeout 80 python3 -m tandem.bench.decode_attention --kv-dtype $kvd --group 3 --page-sizes 16 \
       --batches 1,16,64,128 --context 2048 --chunks 0,512,1024 --ceiling --out "$work" \
       --name "attention-orpheus-$kvd" > "$work/attention-$kvd.log" 2>&1 || rc=$?
     echo "-- attention $kvd" >> "$summary"

@@ -257,7 +257,8 @@ def test_pause_p_then_resume_releases_by_p_answer(row):
     """SIGSTOP P while a delayed copy is crossing, past D's deadline, then SIGCONT. The stream whose
     transfer was in flight errors at D's deadline; its region stays held for the whole pause (time is
     never a proof) and returns only after P resumes and answers D's re-sent ABORT — the same P
-    process, so neither an instance change nor a free lock can have been the proof (seed bug #1)."""
+    process, so neither an instance change nor a free lock can have been the proof: D never reuses a
+    region because time passed while a paused P could still write it."""
     unit, base = row
     p_writes_only(unit)
     t0 = time.monotonic()
@@ -309,11 +310,11 @@ def wait_new_worker(unit: FaultUnit, model: str, old: int, timeout_s: float = 90
 
 
 def test_kill_p_while_d_drains_then_restart(row):
-    """D drains (held > 25 % of its arena) behind a stopped P, with no new traffic; P is then killed.
-    D's probing alone must notice (the slot's instance lock is free) and release everything (seed bug
-    #2). P's stub starts a new worker by itself (Triton 2.51 would restart no dead decoupled stub; the
-    stub never died): requests fail with a clear UNAVAILABLE meanwhile, and D accepts the new P's new
-    instance id."""
+    """D drains (held > 25 % of its arena) behind a stopped P, with no new traffic; P is then killed. D's
+    probing alone must notice (the slot's instance lock is free) and release everything, with no
+    request arriving to reveal the dead P. P's stub starts a new worker by itself (Triton 2.51 would
+    restart no dead decoupled stub; the stub never died): requests fail with a clear UNAVAILABLE
+    meanwhile, and D accepts the new P's new instance id."""
     unit, base = row
     p_writes_only(unit)
     t0 = time.monotonic()

@@ -150,7 +150,7 @@ def test_grpc_protocol_is_locked(unit: TritonProcess, key: str, api: str, what: 
 
 
 def test_http_unload_and_load_need_the_key(unit: TritonProcess, key: str) -> None:
-    """The issue's finding: an unauthenticated unload took `tts_mono` down. Now only the key does."""
+    """Found once: an unauthenticated unload took `tts_mono` down. Now only the key does."""
     unload, load = "/v2/repository/models/tts_mono/unload", "/v2/repository/models/tts_mono/load"
     assert_http_refused(unit, "POST", unload, {})
     assert model_ready(unit, "tts_mono")

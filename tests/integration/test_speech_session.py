@@ -1,4 +1,4 @@
-"""Speech sessions through the real tritonserver and the real gateway (issue 23): long inputs spoken
+"""Speech sessions through the real tritonserver and the real gateway: long inputs spoken
 whole in pipelined segments, every OpenAI format decoded back with PyAV, speed, seed, the refusals,
 and the stream-input WebSocket (turns, text in pieces, cancel, errors).
 

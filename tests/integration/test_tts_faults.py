@@ -70,7 +70,7 @@ def test_tampered_handoff_fields_are_invalid_arg(server, field, value, says):
 @pytest.fixture(scope="module")
 def faulty(tmp_path_factory: pytest.TempPathFactory):
     """A server whose P delays every 3rd copy past D's deadline and corrupts every 5th copy after its
-    checksum, with short ticket TTLs: every PD fault of the issue, in one unit."""
+    checksum, with short ticket TTLs: every PD fault of docs/failure-semantics.md, in one unit."""
     overrides = {
         "prefill": {
             **fault_parameters(delay_every=3, delay_s=1.5, corrupt_every=5),

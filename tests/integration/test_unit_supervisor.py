@@ -363,7 +363,7 @@ def test_voices_is_its_own_failure_domain(tmp_path: Path) -> None:
 def _proxy_pid(unit_pid: int) -> int | None:
     for pid in children(unit_pid):
         argv = stub_argv(pid)
-        if argv and "tandem.transfer.proxy" in argv:
+        if argv and "tandem.transfer.paths.proxy_sidecar" in argv:
             return pid
     return None
 
@@ -437,7 +437,7 @@ ENTRY = {
 SPEECH = ("tts", "tts_mono")
 FIGURES: dict[str, dict[str, float]] = {}
 IN_FLIGHT_S = 25.0  # the in-flight stream's client bound (a stream on a dead stub gets no answer)
-BACK_S = 30.0  # a dead stub's model serves again within this (issue 31)
+BACK_S = 30.0  # a dead stub's model serves again within this (docs/failure-semantics.md)
 NOT_READY_S = 5.0  # speech's readiness says false within this of a speech stub's death
 
 

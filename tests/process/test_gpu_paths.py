@@ -26,10 +26,10 @@ from tandem.transfer import (
     TransferState,
     WireLayout,
 )
-from tandem.transfer.cuda_paths import CudaIpcPath, CudaVmmPath
-from tandem.transfer.proxy import ProxyClient
-from tandem.transfer.proxy_path import ProxyPath
-from tandem.transfer.registry import NAMES, path_factories
+from tandem.transfer.paths.cuda import CudaIpcPath, CudaVmmPath
+from tandem.transfer.paths.proxy import ProxyPath
+from tandem.transfer.paths.proxy_sidecar import ProxyClient
+from tandem.transfer.paths.registry import NAMES, path_factories
 from tests.support.transfer_fakes import fake_kv, fake_pool
 
 LAYOUT = WireLayout(4, 2, 64, "bfloat16")
@@ -69,7 +69,9 @@ def proxy(xdg: str) -> Iterator[str]:
     _need_cuda()
     unit = f"px{os.getpid()}"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tandem.transfer.proxy", "--unit", unit], stdout=subprocess.PIPE, text=True
+        [sys.executable, "-m", "tandem.transfer.paths.proxy_sidecar", "--unit", unit],
+        stdout=subprocess.PIPE,
+        text=True,
     )
     assert proc.stdout is not None
     line = proc.stdout.readline()
@@ -296,7 +298,7 @@ def test_proxy_refuses_mismatched_layout_and_unknown_arena(proxy: str) -> None:
 @pytest.mark.gpu
 def test_staging_must_be_on_the_path_device() -> None:
     _need_cuda()
-    from tandem.transfer.cuda_paths import MappedPeer
+    from tandem.transfer.paths.cuda import MappedPeer
 
     with pytest.raises(TransferError, match="staging must be on cuda:0"):
         CudaIpcPath(0).copy_to_peer(torch.zeros(16), MappedPeer(0, 16, 0, lambda: None, "fake"), 0)

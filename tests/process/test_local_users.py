@@ -23,7 +23,7 @@ from tandem.serving.api_key import resolve
 from tandem.transfer import HostShmPath, TransferSender, WireLayout
 from tandem.transfer.auth import SECRET_NAME, unit_secret
 from tandem.transfer.control import connect_unix, control_dir
-from tandem.transfer.proxy import ProxyServer, proxy_socket_path, recv_msg, send_msg
+from tandem.transfer.paths.proxy_sidecar import ProxyServer, proxy_socket_path, recv_msg, send_msg
 
 NOBODY = 65534
 UNIT = "sec"

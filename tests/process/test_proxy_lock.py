@@ -23,8 +23,8 @@ import pytest
 
 from tandem.transfer.control import InstanceLock, control_dir, instance_gone
 from tandem.transfer.errors import TransferError
-from tandem.transfer.proxy import ProxyClient, ProxyServer, proxy_socket_path
-from tandem.transfer.proxy_path import ProxyPath
+from tandem.transfer.paths.proxy import ProxyPath
+from tandem.transfer.paths.proxy_sidecar import ProxyClient, ProxyServer, proxy_socket_path
 
 
 @pytest.fixture
@@ -67,7 +67,7 @@ def test_killed_p_frees_its_lock_only_through_the_proxy(unit: str, tmp_path: Pat
         import sys, time
         from pathlib import Path
         from tandem.transfer.control import InstanceLock
-        from tandem.transfer.proxy_path import ProxyPath
+        from tandem.transfer.paths.proxy import ProxyPath
         lock = InstanceLock(Path({str(lock_path)!r}))
         assert lock.try_acquire()
         path = ProxyPath(unit={unit!r})

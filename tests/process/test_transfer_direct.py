@@ -49,8 +49,8 @@ from tandem.transfer.frames import (
     expand_runs,
     send_frame,
 )
+from tandem.transfer.paths.tcp import TcpPath
 from tandem.transfer.pull_checks import bad_dst
-from tandem.transfer.tcp_path import TcpPath
 from tests.support import transfer_fakes
 from tests.support.transfer_fakes import HookControl, SenderProcess, fake_kv, fake_pool
 
@@ -407,7 +407,7 @@ def test_pool_over_external_storage_is_checked_and_zeroed() -> None:
 def test_proxy_refuses_write_rows_slots_outside_its_registrations() -> None:
     """The sidecar checks a write_rows request's slots before touching a GPU (answer: TransferError,
     sent back as `{ok: false}`; nothing is written)."""
-    from tandem.transfer.proxy import _slots, encode_slots
+    from tandem.transfer.paths.proxy_sidecar import _slots, encode_slots
 
     slots = np.asarray([4, 5, 6, 20, 21, 63], dtype=np.int64)
     assert list(_slots(encode_slots(slots), 64, "dst")) == list(slots)

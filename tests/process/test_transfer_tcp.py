@@ -38,7 +38,7 @@ from tandem.transfer import (
 )
 from tandem.transfer.auth import unit_secret
 from tandem.transfer.control import control_dir
-from tandem.transfer.tcp_path import MAGIC, SECRET_NAME, TcpArena, TcpPath, TcpPeerArena
+from tandem.transfer.paths.tcp import MAGIC, SECRET_NAME, TcpArena, TcpPath, TcpPeerArena
 from tests.support.transfer_fakes import SenderProcess, fake_kv, sender_child, wait_for
 
 LAYOUT = WireLayout(2, 2, 16, "float32")  # 512 bytes per token

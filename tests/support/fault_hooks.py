@@ -1,7 +1,8 @@
 """The fault drills' copy hook, plugged into P through `tandem.faults.hook` (backend/engines/faults.py).
 
 `make_copy_hook(options)` -> the hook P's transfer sender calls on each copy, after its checksum and
-before it crosses. Options (JSON, `tandem.faults.options`):
+before it crosses (direct mode: on a copy of the first row, which lands over D's first slot after the
+production write if the hook altered it; transfer/copier.py). Options (JSON, `tandem.faults.options`):
 - `delay_every`, `delay_s`: every Nth copy sleeps that long (D's deadline passes while the write is
   still pending);
 - `corrupt_every`: every Nth copy has one staged byte flipped after its checksum (D must catch it);

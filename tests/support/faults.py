@@ -222,7 +222,7 @@ class FaultUnit:
             run_dir = self.workdir / "run"  # the server's XDG_RUNTIME_DIR (see TritonProcess.start)
             run_dir.mkdir(mode=0o700, exist_ok=True)
             self.proxy = subprocess.Popen(
-                [sys.executable, "-m", "tandem.transfer.proxy", "--unit", str(self.unit_name)],
+                [sys.executable, "-m", "tandem.transfer.paths.proxy_sidecar", "--unit", str(self.unit_name)],
                 stdout=subprocess.PIPE,
                 text=True,
                 env={**os.environ, "XDG_RUNTIME_DIR": str(run_dir)},

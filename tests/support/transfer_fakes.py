@@ -22,8 +22,8 @@ import torch
 
 from tandem.transfer.errors import PathUnavailable
 from tandem.transfer.layout import WireLayout
-from tandem.transfer.paths import LocalArena, PeerArena, TransferPath
-from tandem.transfer.registry import path_factories
+from tandem.transfer.paths.base import LocalArena, PeerArena, TransferPath
+from tandem.transfer.paths.registry import path_factories
 from tandem.transfer.sender import TransferSender
 from tandem.transfer.state import Ticket
 

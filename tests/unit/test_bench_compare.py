@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 from pathlib import Path
 
 from tandem.bench import compare as bench_compare
+from tandem.bench import util as benchutil
 
 
 def _result(values: list[float | None]) -> dict:
@@ -39,3 +41,18 @@ def test_a_stage_nobody_has_is_an_error(tmp_path: Path) -> None:
     a = tmp_path / "a.json"
     a.write_text(json.dumps(_result([None])))
     assert bench_compare.main([str(a), "--stage", "d_entry->d_admit", "--out", str(tmp_path / "x.png")]) == 2
+
+
+def test_a_result_is_read_plain_or_gzip_compressed(tmp_path) -> None:
+    """docs/benchmarks keeps its large records as NAME.json.gz: readers take either form, and a
+    NAME.json that is absent is read from NAME.json.gz."""
+    plain = tmp_path / "r.json"
+    benchutil.write_json(plain, {"meta": {"command": "x"}, "v": [1, 2]})
+    packed = tmp_path / "r.json.gz"
+    packed.write_bytes(gzip.compress(plain.read_bytes()))
+    assert (
+        benchutil.read_json(plain) == benchutil.read_json(packed) == {"meta": {"command": "x"}, "v": [1, 2]}
+    )
+    plain.unlink()
+    assert benchutil.read_json(plain)["v"] == [1, 2]
+    assert benchutil.png_beside(packed) == benchutil.png_beside(plain) == tmp_path / "r.png"

@@ -63,12 +63,12 @@ def test_plot_prefill_draws_labelled_results_and_refuses_unlabelled_ones(tmp_pat
     is a usage error (exit 2)."""
     docs = Path(__file__).parents[2] / "docs" / "benchmarks"
     png = tmp_path / "p.png"
-    argv = ["--plot-prefill", str(png), f"before={docs / 'prefill-qwen3-4b-shape-h200-before.json'}"]
-    argv.append(f"after={docs / 'prefill-qwen3-4b-shape-h200.json'}")
+    argv = ["--plot-prefill", str(png), f"before={docs / 'prefill-qwen3-4b-shape-h200-before.json.gz'}"]
+    argv.append(f"after={docs / 'prefill-qwen3-4b-shape-h200.json.gz'}")
     assert bench_decoder.main(argv) == 0
     assert png.stat().st_size > 10_000
     with pytest.raises(SystemExit) as exc:
-        bench_decoder.main(["--plot-prefill", str(png), str(docs / "prefill-qwen3-4b-shape-h200.json")])
+        bench_decoder.main(["--plot-prefill", str(png), str(docs / "prefill-qwen3-4b-shape-h200.json.gz")])
     assert exc.value.code == 2
 
 

@@ -113,16 +113,15 @@ def _fp8_case(batch: int, kvh: int, group: int, hd: int, s: int, dtype: torch.dt
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("group", [1, 3, 4, 8])
 @pytest.mark.parametrize(("batch", "s", "page"), [(1, 17, 16), (5, 300, 1), (3, 2048, 16), (48, 1100, 16)])
-@pytest.mark.parametrize("variant", [4, 5])
 def test_decode_attention_reads_an_e4m3_pool(
-    dtype: torch.dtype, head_dim: int, group: int, batch: int, s: int, page: int, variant: int
+    dtype: torch.dtype, head_dim: int, group: int, batch: int, s: int, page: int
 ) -> None:
     q, kv8, scales, slots, lengths = _fp8_case(batch, 8, group, head_dim, s, dtype, page, batch * s + group)
-    assert kv_cuda.decode_attention_supported(q, kv8, variant)
+    assert kv_cuda.decode_attention_supported(q, kv8)
     want = kv_cuda.reference_decode_attention(
         q.float(), kv8.float() * scales[:, None, :, None], slots, lengths, head_dim**-0.5
     )
-    got = kv_cuda.decode_attention(q, kv8, slots, lengths, head_dim**-0.5, variant=variant, kv_scales=scales)
+    got = kv_cuda.decode_attention(q, kv8, slots, lengths, head_dim**-0.5, kv_scales=scales)
     assert got.dtype == dtype and got.shape == q.shape
     torch.testing.assert_close(got.float(), want, atol=TOL[dtype], rtol=TOL[dtype])
 

@@ -23,7 +23,7 @@ from tandem.transfer import (
     select_path,
 )
 from tandem.transfer.frames import FrameReader, MsgType, decode, encode
-from tandem.transfer.paths import HostShmPath
+from tandem.transfer.paths.host_shm import HostShmPath
 from tests.support.transfer_fakes import FailingPath
 
 

@@ -27,7 +27,7 @@ from tandem.transfer._conn import Connection
 from tandem.transfer.checksum import format_checksum
 from tandem.transfer.control import InstanceLock, endpoint_paths, listen_unix
 from tandem.transfer.frames import PROTOCOL_VERSION, MsgType
-from tandem.transfer.paths import HostPeerArena
+from tandem.transfer.paths.host_shm import HostPeerArena
 from tests.support import transfer_fakes
 from tests.support.transfer_fakes import fake_kv
 
