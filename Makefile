@@ -15,6 +15,8 @@ GRPC_ADDRESS ?= $(BIND_ADDRESS)
 HTTP_ADDRESS ?= $(BIND_ADDRESS)
 METRICS_ADDRESS ?= $(BIND_ADDRESS)
 GATEWAY_PORT ?= 8080
+# What the unit keeps across restarts (registered voices: $(STATE_DIR)/voices): this checkout's own.
+STATE_DIR ?= $(CURDIR)/.state
 
 .PHONY: setup serve test lint typecheck unit process integration cuda clean
 
@@ -34,7 +36,7 @@ serve: setup
 	stop=; unit=; trap 'stop=1; [ -n "$$unit" ] && kill -TERM $$unit 2>/dev/null' TERM; trap ':' INT; \
 	$(VENV)/bin/tandem-gateway --triton 127.0.0.1:$(GRPC_PORT) --host $(BIND_ADDRESS) --port $(GATEWAY_PORT) \
 		--metrics-url http://127.0.0.1:$(METRICS_PORT)/metrics & gw=$$!; \
-	$(VENV)/bin/tandem-unit -- --model-repository model_repository \
+	$(VENV)/bin/tandem-unit --state-dir $(STATE_DIR) -- --model-repository model_repository \
 		--grpc-address $(GRPC_ADDRESS) --grpc-port $(GRPC_PORT) \
 		--http-address $(HTTP_ADDRESS) --http-port $(HTTP_PORT) \
 		--metrics-address $(METRICS_ADDRESS) --metrics-port $(METRICS_PORT) & unit=$$!; \

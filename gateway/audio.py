@@ -12,7 +12,8 @@
 - `speed` != 1: the PCM goes through FFmpeg's `atempo` (`encode.Tempo`) before any of the above.
 - `stream_format=sse`: every piece of the chosen format (the WAV header in the first) is one
   `speech.audio.delta` event with the bytes base64-encoded, then one `speech.audio.done` event with
-  `usage.output_tokens` (rows generated); an error after the first audio is an `error` event.
+  OpenAI's `usage` (`input_tokens`: the prompt rows the input made, `output_tokens`: rows
+  generated, `total_tokens`); an error after the first audio is an `error` event.
   With `stream_format=audio` the bytes go out as they are (chunked transfer encoding), and an error
   after the first audio ends the response without its terminating chunk (the caller sees a
   truncated body), since the HTTP status has been sent.
@@ -123,8 +124,10 @@ class Framer:
             )
         return data
 
-    def end(self, rows: int) -> bytes:
-        """What `atempo` and the encoder still hold, then (SSE) the `speech.audio.done` event."""
+    def end(self, rows: int, input_tokens: int = 0) -> bytes:
+        """What `atempo` and the encoder still hold, then (SSE) the `speech.audio.done` event with
+        OpenAI's usage: `input_tokens` the prompt rows the input made, `output_tokens` the rows
+        generated, `total_tokens` their sum."""
         tail = self._frame(self._tempo.finish()) if self._tempo is not None else b""
         if self._encoder is not None:
             last = self._encoder.finish()
@@ -132,7 +135,8 @@ class Framer:
                 last = _sse({"type": "speech.audio.delta", "audio": base64.b64encode(last).decode()})
             tail += last
         if self.stream is StreamFormat.SSE:
-            return tail + _sse({"type": "speech.audio.done", "usage": {"output_tokens": rows}})
+            usage = {"input_tokens": input_tokens, "output_tokens": rows, "total_tokens": input_tokens + rows}
+            return tail + _sse({"type": "speech.audio.done", "usage": usage})
         return tail
 
     def error(self, err: ClientError) -> bytes | None:

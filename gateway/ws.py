@@ -31,6 +31,7 @@ import json
 import logging
 import re
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal, Protocol
 
@@ -43,6 +44,7 @@ from tandem.gateway.errors import ClientCode
 from tandem.gateway.sentences import TEXT_EXECUTOR, BufferFull, SentenceQueue
 from tandem.gateway.session import SpeechSession
 from tandem.gateway.stream import AudioPiece, GatewayError, SpeechModel
+from tandem.gateway.tenants import ws_caller
 
 log = logging.getLogger("tandem.gateway.ws")
 PATH = "/v1/audio/speech/stream-input"
@@ -360,8 +362,13 @@ class Connection:
             turn.segments = self.session.started - started
 
 
-def install(app: FastAPI, speaker: Speaker) -> None:
+def install(app: FastAPI, speaker_for: Callable[[str], Speaker]) -> None:
+    """The route; `speaker_for(tenant)` is what a socket of that tenant speaks through."""
+
     @app.websocket(PATH)
     async def stream_input(ws: WebSocket) -> None:
+        tenant = await ws_caller(ws)  # refused: answered 401 there (gateway/tenants.py)
+        if tenant is None:
+            return
         await ws.accept()
-        await Connection(ws, speaker).run()
+        await Connection(ws, speaker_for(tenant)).run()

@@ -62,6 +62,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import FrameType
 
+from tandem.backend.voices.store import STATE_DIR_ENV, default_state_dir
 from tandem.serving import mps, process_tree
 from tandem.serving.api_key import UNIT_PARAMETER, ApiKeyError, resolve, unit_dir, unit_of
 from tandem.serving.health import HealthUnavailable, UnitHealth, fetch_health
@@ -241,6 +242,9 @@ class Supervisor:
         self.repos = option_values(self.args, "--model-repository", "--model-store")
         self.http = http_base(self.args)
         self.state_path = self.dir / "unit-state.json"
+        # What the unit keeps across restarts (registered voices): its own directory, never one
+        # shared by every unit of the OS user (backend/voices/store.py reads STATE_DIR_ENV).
+        self.state_dir = Path(opts.state_dir) if opts.state_dir else default_state_dir(self.unit, os.environ)
         self.reloads: dict[str, int] = {}
         self._write_state()
         # per server lifetime (reset by start_server)
@@ -342,6 +346,7 @@ class Supervisor:
             raise GiveUp(2) from exc
         env = mps.server_env(env, self.mps)
         env[STATE_ENV] = str(self.state_path)
+        env[STATE_DIR_ENV] = str(self.state_dir.resolve())
         self.remove_regions()  # a server of this unit killed before (we hold the unit's lock)
         self.started_at = time.time()
         self.proc = subprocess.Popen(
@@ -650,6 +655,12 @@ def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
         type=float,
         default=8.0,
         help="Triton's --exit-timeout-secs unless given: how long a stopping server drains requests",
+    )
+    parser.add_argument(
+        "--state-dir",
+        default=None,
+        help="what the unit keeps across restarts (registered voices: DIR/voices, unless the models set "
+        "tandem.voices.dir); default: $XDG_STATE_HOME/tandem/units/<unit>",
     )
     parser.add_argument("--probe-interval", type=float, default=2.0, help="seconds between liveness probes")
     parser.add_argument("--probe-timeout", type=float, default=3.0, help="seconds each probe may take")
