@@ -17,6 +17,7 @@ import sys
 
 from tandem.gateway.aliases import Aliases
 from tandem.gateway.app import GatewaySettings, create_app
+from tandem.gateway.forwarded import parse_trusted
 from tandem.gateway.serve import ServerLimits, serve
 from tandem.gateway.tenants import ENV, ApiKeys
 
@@ -77,7 +78,14 @@ def main(argv: list[str] | None = None) -> int:
         "--max-connections-per-client",
         type=int,
         default=d.max_per_client,
-        help="connections from one peer address past which a new one is refused (behind a proxy: as the cap)",
+        help="connections from one peer address past which a new one is refused (503); from a trusted"
+        " proxy, requests in flight per forwarded client",
+    )
+    ap.add_argument(
+        "--trusted-proxies",
+        default="",
+        help="IPs/CIDRs (comma-separated) of routers whose X-Forwarded-For names the client: the cap per"
+        " client keys on it, never on the router (gateway/forwarded.py); default none: the header is ignored",
     )
     ap.add_argument(
         "--header-timeout", type=float, default=d.header_timeout_s, help="seconds a request's head may take"
@@ -95,6 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         aliases = Aliases.from_file(args.aliases) if args.aliases else Aliases()
         keys = ApiKeys.from_file(args.api_keys) if args.api_keys else ApiKeys({})
+        trusted = parse_trusted(args.trusted_proxies)
     except ValueError as exc:
         ap.error(str(exc))
     host = args.triton.rsplit(":", 1)[0]
@@ -115,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         header_timeout_s=args.header_timeout,
         body_timeout_s=args.body_timeout,
         write_timeout_s=args.write_timeout,
+        trusted_proxies=trusted,
     )
     serve(create_app(settings), args.host, args.port, limits)
     return 0
