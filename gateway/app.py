@@ -305,8 +305,9 @@ class Gateway:
             raise refuse(ClientCode.INVALID_ARG, "input is empty", "input")
         first_id, session = self.session(model, body.voice_name, body.seed, tenant)
         pieces = _spoken(session, text)
-        if body.response_format == "wav" and "stream_format" not in body.model_fields_set:
-            return await self.respond_whole_wav(pieces, model, body.speed, received, first_id, request)
+        if body.response_format in WHOLE and "stream_format" not in body.model_fields_set:
+            fmt = AudioFormat(body.response_format)
+            return await self.respond_whole(pieces, model, fmt, body.speed, received, first_id, request)
         framer = Framer(
             AudioFormat(body.response_format),
             StreamFormat(body.stream_format),
@@ -320,21 +321,26 @@ class Gateway:
         pieces = self.stream(req)
         return await self.respond_pieces(pieces, framer, received, req.stream_id, self.label(req.model))
 
-    async def respond_whole_wav(
+    async def respond_whole(
         self,
         pieces: AsyncGenerator[AudioPiece, None],
         model: SpeechModel,
+        fmt: AudioFormat,
         speed: float,
         received: float,
         stream_id: int,
         request: Request | None = None,
     ) -> Response:
-        """A `wav` asked for without `stream_format`: the whole file in one body, its header with the
-        real length and a Content-Length (the OpenAI SDK's `speech.create(...).write_to_file` and
-        Python's `wave` read it exactly); an error at any point is a JSON error with its status.
-        `stream_format: "audio"` streams the wav instead, with the header's sizes unknown. A caller
-        who hangs up meanwhile (`request` disconnected, checked at each piece) ends the session."""
-        pcm = Framer(AudioFormat.PCM, StreamFormat.AUDIO, model.sample_rate, speed=speed)
+        """A `wav` or `flac` asked for without `stream_format`: the whole file in one body, its
+        header with the real length (WAV's sizes; FLAC's STREAMINFO total samples) and a
+        Content-Length (the OpenAI SDK's `speech.create(...).write_to_file` and Python's `wave` read
+        it exactly); an error at any point is a JSON error with its status. `stream_format: "audio"`
+        streams the file instead, its length unknown. A caller who hangs up meanwhile (`request`
+        disconnected, checked at each piece) ends the session."""
+        wav = fmt is AudioFormat.WAV
+        pcm = Framer(
+            AudioFormat.PCM if wav else fmt, StreamFormat.AUDIO, model.sample_rate, speed=speed, whole=True
+        )
         data: list[bytes] = []
         rows, first = 0, True
         self.metrics.streams.labels(model=model.name).inc()
@@ -354,12 +360,10 @@ class Gateway:
             await pieces.aclose()
         body = b"".join(data)
         self.metrics.count(200, model.name)
-        headers = {"X-Tandem-Stream-Id": str(stream_id), "X-Sample-Rate": str(model.sample_rate)}
-        return Response(
-            wav_header(model.sample_rate, len(body)) + body,
-            media_type=MEDIA_TYPES[AudioFormat.WAV],
-            headers=headers,
-        )
+        headers = {"X-Tandem-Stream-Id": str(stream_id), "X-Sample-Rate": str(pcm.output_rate)}
+        if wav:
+            body = wav_header(model.sample_rate, len(body)) + body
+        return Response(body, media_type=MEDIA_TYPES[fmt], headers=headers)
 
     async def respond_pieces(
         self,
@@ -378,7 +382,7 @@ class Gateway:
             await pieces.aclose()
             raise
         self.metrics.first_audio.labels(model=model).observe(time.monotonic() - received)
-        headers = {"X-Tandem-Stream-Id": str(stream_id), "X-Sample-Rate": str(framer.sample_rate)}
+        headers = {"X-Tandem-Stream-Id": str(stream_id), "X-Sample-Rate": str(framer.output_rate)}
         return StreamingResponse(
             self._body(first, pieces, framer, model), media_type=framer.media_type, headers=headers
         )
@@ -450,6 +454,9 @@ class TenantSpeaker:
         self, model: SpeechModel, voice: str, seed: int | None
     ) -> tuple[int, SpeechSession[AudioPiece]]:
         return self.gateway.session(model, voice, seed, self.tenant)
+
+
+WHOLE = ("wav", "flac")  # answered whole, with their length, unless a stream_format is asked for
 
 
 def _whole(text: SentenceQueue, whole: str) -> None:

@@ -18,8 +18,10 @@ import socket
 import time
 import wave
 from collections.abc import Iterator
+from pathlib import Path
 from urllib.parse import urlsplit
 
+import av
 import numpy as np
 import openai
 import pytest
@@ -361,3 +363,32 @@ def test_a_caller_who_hangs_up_on_a_whole_wav_ends_its_session(gateway, server):
     wait_metric(server.metrics_url, "tandem_inflight_streams", lambda v: v == 0, timeout_s=5, model="decode")
     ran = decode_streams() - before_d
     assert 1 <= ran < parts, (ran, parts)
+
+
+def test_the_readmes_raw_tritonclient_example_speaks(server):
+    """The README's raw `tritonclient` example, run as written against this server."""
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    code = readme.split("Raw `tritonclient`", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    scope: dict[str, object] = {}
+    exec(code.replace("localhost:8001", server.url), scope)
+    pcm = np.concatenate(scope["pcm"])
+    assert pcm.dtype == np.float32 and pcm.size >= SAMPLES_PER_ROW and np.abs(pcm).max() > 0
+
+
+def test_headers_say_the_rate_sent_and_a_whole_flac_has_its_length(sdk):
+    """Opus is 48 kHz whatever the model's rate, and X-Sample-Rate says so; a flac asked for
+    without stream_format is whole: Content-Length, and STREAMINFO's total samples (what FFmpeg
+    reads as the duration) is every sample."""
+    opus = sdk.audio.speech.create(model="tts", input="Hi.", voice="tara", response_format="opus")
+    assert opus.response.headers["x-sample-rate"] == "48000"
+    with av.open(io.BytesIO(opus.content)) as c:
+        assert c.streams.audio[0].rate == 48000
+    flac = sdk.audio.speech.create(model="tts", input="Hi.", voice="tara", response_format="flac")
+    assert flac.response.headers["x-sample-rate"] == str(SAMPLE_RATE)
+    assert int(flac.response.headers["content-length"]) == len(flac.content)
+    with av.open(io.BytesIO(flac.content)) as c:
+        stream = c.streams.audio[0]
+        assert stream.duration is not None and stream.duration * stream.time_base * SAMPLE_RATE == (
+            HTTP_ROWS * SAMPLES_PER_ROW
+        )
+        assert sum(f.samples for f in c.decode(stream)) == HTTP_ROWS * SAMPLES_PER_ROW
