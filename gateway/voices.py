@@ -125,7 +125,9 @@ def _check_name(name: object) -> str:
         raise refuse(ClientCode.INVALID_ARG, "name is required (a form field)", "name")
     if not NAME.fullmatch(name):
         raise refuse(
-            ClientCode.INVALID_ARG, f"name {name[:80]!r} is not a voice name: 1-64 of A-Z, a-z, 0-9, '_' and '-'", "name"
+            ClientCode.INVALID_ARG,
+            f"name {name[:80]!r} is not a voice name: 1-64 of A-Z, a-z, 0-9, '_' and '-'",
+            "name",
         )
     return name
 
