@@ -335,7 +335,7 @@ def test_ws_errors_name_what_is_wrong_and_hurt_no_other_socket(gateway):
         assert (e["code"], e["param"]) == ("NOT_FOUND", "model")
         bad.send(b"\x00\x01")
         assert "binary frames are not accepted" in _event(bad)["message"]
-        _send(bad, type="config", model="tts", voice="alloy", response_format="pcm")
+        _send(bad, type="config", model="tts", voice="bob", response_format="pcm")
         assert _event(bad)["type"] == "ready"
         _send(bad, type="config", model="tts", voice="tara")
         assert "config was sent already" in _event(bad)["message"]
@@ -349,7 +349,7 @@ def test_ws_errors_name_what_is_wrong_and_hurt_no_other_socket(gateway):
         _send(bad, type="flush")
         _, done, events = _until_done(bad)
         assert [(ev["code"], ev["param"], ev["turn"]) for ev in events] == [("INVALID_ARG", "voice", 0)]
-        assert "VOICE 'alloy' is not one" in events[0]["message"] and done["cancelled"] is True
+        assert "VOICE 'bob' is not one" in events[0]["message"] and done["cancelled"] is True
 
         _send(good, type="flush")
         audio, done, others = _until_done(good)
