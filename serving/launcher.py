@@ -19,9 +19,11 @@ leaves them open and prints a warning at every start; `TANDEM_API_KEY_FILE` take
 
 On a machine with no NVIDIA device (`/dev/nvidiactl` absent) the launcher says so in one line and
 starts the server in CPU mode: no pinned memory pool, no CUDA pool, no GPU metrics (the flags it
-adds unless the caller gave them), so Triton probes no CUDA driver and no NVML; the one CUDA line
-Triton still writes at start on such a machine (`CudaDriverHelper has not been initialized.`, an
-error line for nothing wrong) is dropped from its stderr by a filter process (`_drop_lines`).
+adds unless the caller gave them), so Triton probes no CUDA driver and no NVML; the CUDA error lines
+Triton still writes on such a machine for nothing wrong (`CudaDriverHelper has not been
+initialized.` at start, `unable to create stream for tts: CUDA driver version is insufficient ...`
+when the ensemble loads; `CPU_NOISE`) are dropped from its stderr: by a filter process here
+(`_drop_lines`), by a relay thread under tandem-unit (`relay_lines`).
 
 The server runs under umask 077 (here before the exec, in `tandem-unit` before its start), so that the
 python backend's `/dev/shm` regions, which carry request tensors, are mode 0600.
@@ -36,6 +38,7 @@ import signal
 import sys
 from collections.abc import Mapping
 from pathlib import Path
+from typing import BinaryIO
 
 from tandem.serving.api_key import UNLOCKED_WARNING, ApiKeyError, resolve
 
@@ -100,7 +103,13 @@ CPU_FLAGS = (
     "--cuda-memory-pool-byte-size=0:0",
     "--allow-gpu-metrics=false",
 )
-CPU_NOISE = (b"CudaDriverHelper has not been initialized.",)  # Triton's, on every CPU machine
+# Triton's error lines on every CPU machine, for nothing wrong: at start, and when an ensemble
+# (`tts`) loads and asks for a CUDA stream it never uses there. Dropped only where no NVIDIA device is.
+CPU_NOISE = (
+    b"CudaDriverHelper has not been initialized.",
+    b"CUDA driver version is insufficient for CUDA runtime version",
+)
+CPU_MODE_LINE = "CPU mode (no NVIDIA device): no pinned memory, CUDA pool or GPU metrics"
 
 
 def cpu_machine(dev: Path = Path("/dev")) -> bool:
@@ -131,6 +140,21 @@ def _drop_lines(fd: int, drop: tuple[bytes, ...]) -> None:
     os.close(r)
     os.dup2(w, fd)
     os.close(w)
+
+
+def drop_cpu_noise() -> None:
+    """In the process about to exec the server: its stderr without `CPU_NOISE` (`_drop_lines`)."""
+    _drop_lines(2, CPU_NOISE)
+
+
+def relay_lines(src: BinaryIO, dst: BinaryIO, drop: tuple[bytes, ...]) -> None:
+    """Copy `src`'s lines to `dst` but those holding one of `drop`, until EOF (tandem-unit's thread
+    for its server's stderr: the supervisor outlives the server, so no line is lost)."""
+    with src:
+        for line in src:
+            if not any(d in line for d in drop):
+                dst.write(line)
+                dst.flush()
 
 
 def build_command(argv: list[str]) -> tuple[str, list[str], dict[str, str]]:
@@ -167,12 +191,8 @@ def main() -> None:
         raise SystemExit(2) from exc
     os.umask(0o077)  # the server's files and /dev/shm regions are its user's alone (docs/security.md)
     if cpu_machine():
-        print(
-            "tritonserver launcher: CPU mode (no NVIDIA device): no pinned memory, CUDA pool or GPU metrics",
-            file=sys.stderr,
-            flush=True,
-        )
-        _drop_lines(2, CPU_NOISE)
+        print(f"tritonserver launcher: {CPU_MODE_LINE}", file=sys.stderr, flush=True)
+        drop_cpu_noise()
     os.execve(binary, args, env)
 
 

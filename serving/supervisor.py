@@ -66,7 +66,14 @@ from tandem.backend.voices.store import STATE_DIR_ENV, default_state_dir
 from tandem.serving import mps, process_tree
 from tandem.serving.api_key import UNIT_PARAMETER, ApiKeyError, resolve, unit_dir, unit_of
 from tandem.serving.health import HealthUnavailable, UnitHealth, fetch_health
-from tandem.serving.launcher import LauncherError, build_command
+from tandem.serving.launcher import (
+    CPU_MODE_LINE,
+    CPU_NOISE,
+    LauncherError,
+    build_command,
+    cpu_machine,
+    relay_lines,
+)
 from tandem.serving.repository import model_parameter
 from tandem.serving.stub_guard import STATE_ENV
 
@@ -349,9 +356,21 @@ class Supervisor:
         env[STATE_DIR_ENV] = str(self.state_dir.resolve())
         self.remove_regions()  # a server of this unit killed before (we hold the unit's lock)
         self.started_at = time.time()
+        cpu = cpu_machine()
+        if cpu and self.starts == 0:
+            log(CPU_MODE_LINE)
         self.proc = subprocess.Popen(
-            argv, executable=binary, env=env, start_new_session=True, preexec_fn=_server_preexec_fn()
+            argv,
+            executable=binary,
+            env=env,
+            start_new_session=True,
+            preexec_fn=_server_preexec_fn(),
+            stderr=subprocess.PIPE if cpu else None,
         )
+        if self.proc.stderr is not None:  # CPU: relay the server's stderr without its CUDA line
+            threading.Thread(
+                target=relay_lines, args=(self.proc.stderr, sys.stderr.buffer, CPU_NOISE), daemon=True
+            ).start()
         self.starts += 1
         self.health = None
         self.down_since = None
