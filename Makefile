@@ -15,6 +15,8 @@ GRPC_ADDRESS ?= $(BIND_ADDRESS)
 HTTP_ADDRESS ?= $(BIND_ADDRESS)
 METRICS_ADDRESS ?= $(BIND_ADDRESS)
 GATEWAY_PORT ?= 8080
+# What the unit keeps across restarts (registered voices: $(STATE_DIR)/voices): this checkout's own.
+STATE_DIR ?= $(CURDIR)/.state
 
 .PHONY: setup serve test lint typecheck unit process integration cuda clean
 
@@ -22,9 +24,9 @@ setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml setup.py $(wildcard csrc/*.cpp csrc/*.h)
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade "pip>=24" "setuptools>=70" wheel "pybind11>=2.12"
-	$(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q --no-build-isolation -e ".[server,dev]"
+	$(PY) -m pip install --progress-bar on --upgrade "pip>=24" "setuptools>=70" wheel "pybind11>=2.12"
+	$(PY) -m pip install --progress-bar on "$(TORCH_SPEC)"
+	$(PY) -m pip install --progress-bar on --no-build-isolation -e ".[server,dev]"
 	touch $@
 
 # The unit under tandem-unit, and tandem-gateway (OpenAI's speech API) beside it on GATEWAY_PORT.
@@ -34,10 +36,13 @@ serve: setup
 	stop=; unit=; trap 'stop=1; [ -n "$$unit" ] && kill -TERM $$unit 2>/dev/null' TERM; trap ':' INT; \
 	$(VENV)/bin/tandem-gateway --triton 127.0.0.1:$(GRPC_PORT) --host $(BIND_ADDRESS) --port $(GATEWAY_PORT) \
 		--metrics-url http://127.0.0.1:$(METRICS_PORT)/metrics & gw=$$!; \
-	$(VENV)/bin/tandem-unit -- --model-repository model_repository \
+	$(VENV)/bin/tandem-unit --state-dir $(STATE_DIR) -- --model-repository model_repository \
 		--grpc-address $(GRPC_ADDRESS) --grpc-port $(GRPC_PORT) \
 		--http-address $(HTTP_ADDRESS) --http-port $(HTTP_PORT) \
 		--metrics-address $(METRICS_ADDRESS) --metrics-port $(METRICS_PORT) & unit=$$!; \
+	$(PY) -m tandem.cli.ready --pid $$unit --gateway http://$(BIND_ADDRESS):$(GATEWAY_PORT) \
+		--grpc $(GRPC_ADDRESS):$(GRPC_PORT) --http $(HTTP_ADDRESS):$(HTTP_PORT) \
+		--metrics $(METRICS_ADDRESS):$(METRICS_PORT) & \
 	[ -n "$$stop" ] && kill -TERM $$unit; \
 	wait $$unit; rc=$$?; while kill -0 $$unit 2>/dev/null; do wait $$unit; rc=$$?; done; \
 	kill -TERM $$gw 2>/dev/null; while kill -0 $$gw 2>/dev/null; do wait $$gw; done; exit $$rc

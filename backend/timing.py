@@ -34,6 +34,11 @@ STAGES = (
 )
 
 
+# Not a stamp: a count that rides with them, the request's prompt rows (set where the prompt is read,
+# P or tts_mono), so the final `TIMINGS` tells the caller its input's size (the gateway's
+# `usage.input_tokens`). `waterfall` reads only STAGES, so it is never taken for a time.
+PROMPT_ROWS = "prompt_rows"
+
 # The stages that add up to the client's time to first audio.
 FIRST_AUDIO_STAGES = STAGES[: STAGES.index("client_first_audio") + 1]
 

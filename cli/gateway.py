@@ -2,7 +2,7 @@
 
     tandem-gateway --triton HOST:GRPC_PORT --port HTTP_PORT [--metrics-url URL] [--models tts,tts_mono]
                    [--max-connections N] [--max-connections-per-client N] [--header-timeout S]
-                   [--body-timeout S]
+                   [--body-timeout S] [--aliases FILE] [--api-keys FILE]
 
 Speaks Triton gRPC streaming to the models (one stream id per request, set for the caller) and
 streams their audio to HTTP callers as it is produced; `gateway/app.py` documents the routes,
@@ -12,10 +12,14 @@ streams their audio to HTTP callers as it is produced; `gateway/app.py` document
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
+from tandem.gateway.aliases import Aliases
 from tandem.gateway.app import GatewaySettings, create_app
+from tandem.gateway.forwarded import parse_trusted
 from tandem.gateway.serve import ServerLimits, serve
+from tandem.gateway.tenants import ENV, ApiKeys
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -52,6 +56,18 @@ def main(argv: list[str] | None = None) -> int:
         default=8192,
         help="a WebSocket turn's unspoken characters at most (a text frame past it is refused)",
     )
+    ap.add_argument(
+        "--aliases",
+        default=None,
+        help="JSON file of model and voice aliases replacing the defaults (tts-1 -> the first of --models,"
+        " OpenAI's voice names -> the model's built-in voices; gateway/aliases.py)",
+    )
+    ap.add_argument(
+        "--api-keys",
+        default=os.environ.get(ENV) or None,
+        help=f"file of `TENANT KEY` lines: callers need `Authorization: Bearer KEY` and see only their"
+        f" tenant's voices (default: ${ENV}; neither: open development mode; gateway/tenants.py)",
+    )
     d = ServerLimits()
     ap.add_argument(
         "--max-connections",
@@ -63,7 +79,14 @@ def main(argv: list[str] | None = None) -> int:
         "--max-connections-per-client",
         type=int,
         default=d.max_per_client,
-        help="connections from one peer address past which a new one is refused (behind a proxy: as the cap)",
+        help="connections from one peer address past which a new one is refused (503); from a trusted"
+        " proxy, requests in flight per forwarded client",
+    )
+    ap.add_argument(
+        "--trusted-proxies",
+        default="",
+        help="IPs/CIDRs (comma-separated) of routers whose X-Forwarded-For names the client: the cap per"
+        " client keys on it, never on the router (gateway/forwarded.py); default none: the header is ignored",
     )
     ap.add_argument(
         "--header-timeout", type=float, default=d.header_timeout_s, help="seconds a request's head may take"
@@ -78,6 +101,12 @@ def main(argv: list[str] | None = None) -> int:
         help="seconds a client may read nothing while a response or WebSocket waits to send, then cut",
     )
     args = ap.parse_args(argv)
+    try:
+        aliases = Aliases.from_file(args.aliases) if args.aliases else Aliases()
+        keys = ApiKeys.from_file(args.api_keys) if args.api_keys else ApiKeys({})
+        trusted = parse_trusted(args.trusted_proxies)
+    except ValueError as exc:
+        ap.error(str(exc))
     host = args.triton.rsplit(":", 1)[0]
     settings = GatewaySettings(
         triton_url=args.triton,
@@ -87,6 +116,8 @@ def main(argv: list[str] | None = None) -> int:
         lost_after_s=args.lost_after,
         ws_idle_timeout_s=args.ws_idle_timeout,
         ws_max_pending_chars=args.ws_max_pending_chars,
+        aliases=aliases,
+        api_keys=keys,
     )
     limits = ServerLimits(
         max_connections=args.max_connections,
@@ -94,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         header_timeout_s=args.header_timeout,
         body_timeout_s=args.body_timeout,
         write_timeout_s=args.write_timeout,
+        trusted_proxies=trusted,
     )
     serve(create_app(settings), args.host, args.port, limits)
     return 0

@@ -7,6 +7,9 @@
     tandem-repo --out /srv/repo --checkpoint /models/orpheus-3b --dtype bfloat16 \\
         --prefill-gpus 0 --decode-gpus 1
 
+    # text in, audio out, offline on a CPU: a small random Orpheus-format checkpoint and SNAC:
+    tandem-repo --out /tmp/trial-repo --trial-orpheus /tmp/trial-models
+
     # Orpheus (family detected from the checkpoint, or --family orpheus) with its SNAC 24 kHz codec;
     # its streams sample under Orpheus' audio-token grammar, tokenizer or none:
     tandem-repo --out /srv/repo --checkpoint /models/orpheus-3b --codec /models/snac_24khz \
@@ -115,6 +118,13 @@ def main(argv: list[str] | None = None) -> int:
     src = ap.add_mutually_exclusive_group()
     src.add_argument("--preset", default=None)
     src.add_argument("--checkpoint", default=None)
+    src.add_argument(
+        "--trial-orpheus",
+        type=Path,
+        metavar="DIR",
+        help="write a small random Orpheus-format checkpoint (with a tokenizer.json built by `tokenizers`) "
+        "and random SNAC 24 kHz into DIR and serve them: text in, audio (noise) out, offline, on a CPU",
+    )
     ap.add_argument("--codec", help="SNAC directory (config.json + pytorch_model.bin) for the vocoder seam")
     ap.add_argument(
         "--family",
@@ -152,6 +162,9 @@ def main(argv: list[str] | None = None) -> int:
         help="any other tandem.* parameter, e.g. decode:tandem.transfer.deadline_s=2",
     )
     args = ap.parse_args(argv)
+    if args.trial_orpheus is not None:
+        args.checkpoint, args.codec, trial_sets = _trial_orpheus(args.trial_orpheus, args.codec)
+        args.set = [*trial_sets, *args.set]  # the caller's --set wins
 
     params: dict[str, dict[str, str]] = {m: {} for m in ENGINES}
     params["frontend"] = {}  # the text front end reads the model's config (no weights) and its tokenizer
@@ -215,6 +228,21 @@ def main(argv: list[str] | None = None) -> int:
     dtype = args.dtype or cfg.dtype
     print(f"wrote {args.out} ({cfg.name}: W={cfg.row_width}, V={cfg.vocab_size}, dtype {dtype}; {summary})")
     return 0
+
+
+def _trial_orpheus(root: Path, codec: str | None) -> tuple[str, str, list[str]]:
+    """Write the trial checkpoint (`backend/text/trial.py`, Orpheus' voices listed) and, unless
+    `codec` is given, random SNAC 24 kHz under `root`: (checkpoint, codec, the --set items a CPU
+    wants: no start-up calibration and no rate admission for a 156,940-id head)."""
+    from tandem.backend.codec.snac import write_random
+    from tandem.backend.text.trial import orpheus_checkpoint
+
+    checkpoint = orpheus_checkpoint(root / "orpheus", voices=True)
+    if codec is None:
+        codec = str(write_random(root / "snac_24khz"))
+    sets = ["decode:tandem.batch.calibrate_steps=0", "decode:tandem.batch.rate_admission=false"]
+    print(f"wrote the trial Orpheus checkpoint {checkpoint} and SNAC {codec} (random weights)")
+    return str(checkpoint), codec, sets
 
 
 if __name__ == "__main__":

@@ -40,7 +40,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import tritonclient.grpc.aio as aio
@@ -50,6 +50,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
 
+from tandem.gateway.aliases import Aliases
 from tandem.gateway.audio import MEDIA_TYPES, AudioFormat, Framer, StreamFormat, wav_header
 from tandem.gateway.encode import SPEED_MAX, SPEED_MIN
 from tandem.gateway.errors import HTTP_STATUS, ClientCode, ClientError
@@ -74,6 +75,7 @@ from tandem.gateway.stream import (
     stream_audio,
     text_inputs,
 )
+from tandem.gateway.tenants import OPEN, ApiKeys, Tenant, Unauthorized, voice_id
 from tandem.gateway.voice_client import MODEL as VOICES_MODEL
 from tandem.gateway.voice_users import VoiceUsers
 from tandem.gateway.voices import install as install_voice_routes
@@ -103,6 +105,8 @@ class GatewaySettings:
     retry_s: float = 1.0  # how often start-up asks Triton for the models' configs until it answers
     ws_idle_timeout_s: float = 60.0  # a WebSocket's default inactivity_timeout (gateway/ws.py)
     ws_max_pending_chars: int = 8192  # a WebSocket turn's unspoken text at most (gateway/ws.py)
+    aliases: Aliases = field(default_factory=Aliases)  # OpenAI's model and voice names (gateway/aliases.py)
+    api_keys: ApiKeys = field(default_factory=lambda: ApiKeys({}))  # none: open mode (gateway/tenants.py)
 
 
 class VoiceRef(BaseModel):
@@ -179,6 +183,7 @@ class Gateway:
     def model(self, name: str) -> SpeechModel:
         if self.models is None:
             raise refuse(ClientCode.UNAVAILABLE, f"Triton at {self.settings.triton_url} is not ready yet")
+        name = self.settings.aliases.model(name, tuple(self.models))
         if name not in self.models:
             raise refuse(
                 ClientCode.NOT_FOUND,
@@ -250,13 +255,29 @@ class Gateway:
     def ws_limits(self) -> tuple[float, int]:
         return self.settings.ws_idle_timeout_s, self.settings.ws_max_pending_chars
 
+    def voice(self, model: SpeechModel, voice: str, tenant: str) -> str:
+        """The voice the unit speaks for `tenant`'s `voice` on `model`: an alias's target
+        (`gateway/aliases.py`), a built-in voice as it is, a registered one in the tenant's
+        namespace (`gateway/tenants.py`)."""
+        voice = self.settings.aliases.voice(voice, model.voices)
+        if not voice or voice in model.voices:
+            return voice
+        if "." in voice:  # the namespace separator: a caller names only its own voices
+            raise refuse(ClientCode.INVALID_ARG, f"voice {voice!r} is not a voice name (no '.')", "voice")
+        return voice_id(tenant, voice)
+
+    def for_tenant(self, tenant: str) -> TenantSpeaker:
+        """What a WebSocket of `tenant` speaks through (`gateway/ws.py`'s Speaker)."""
+        return TenantSpeaker(self, tenant)
+
     def session(
-        self, model: SpeechModel, voice: str, seed: int | None
+        self, model: SpeechModel, voice: str, seed: int | None, tenant: str = OPEN
     ) -> tuple[int, SpeechSession[AudioPiece]]:
-        """A speech session speaking with `voice` and `seed` on `model`; its first stream id (the
+        """A speech session speaking with `tenant`'s `voice` and `seed` on `model`; its first stream id (the
         next segments' ids follow it; a segment tried again after a shed gets a fresh one). The
         caller closes the session (`SpeechSession.close`) when it is over: until then a deletion of
         its voice waits (`gateway/voice_users.py`)."""
+        voice = self.voice(model, voice, tenant)
         base = (new_stream_id() >> 1) + 1  # non-zero, with room for a session's consecutive ids below 2**63
         opened: set[int] = set()
 
@@ -271,10 +292,12 @@ class Gateway:
         return base, session
 
     def label(self, model: str) -> str:
-        """`model` as the metrics' label: a name this gateway serves, else NO_MODEL."""
+        """`model` as the metrics' label: a name this gateway serves (an alias counts as its model),
+        else NO_MODEL."""
+        model = self.settings.aliases.model(model, self.settings.models)
         return model if model in self.settings.models else NO_MODEL
 
-    async def speech(self, body: SpeechBody, request: Request | None = None) -> Response:
+    async def speech(self, body: SpeechBody, request: Request | None = None, tenant: str = OPEN) -> Response:
         received = time.monotonic()
         model = self.model(body.model)
         check_speech(body.speed, body.instructions)
@@ -283,10 +306,11 @@ class Gateway:
         await asyncio.get_running_loop().run_in_executor(TEXT_EXECUTOR, _whole, text, body.input)
         if text.done:
             raise refuse(ClientCode.INVALID_ARG, "input is empty", "input")
-        first_id, session = self.session(model, body.voice_name, body.seed)
+        first_id, session = self.session(model, body.voice_name, body.seed, tenant)
         pieces = _spoken(session, text)
-        if body.response_format == "wav" and "stream_format" not in body.model_fields_set:
-            return await self.respond_whole_wav(pieces, model, body.speed, received, first_id, request)
+        if body.response_format in WHOLE and "stream_format" not in body.model_fields_set:
+            fmt = AudioFormat(body.response_format)
+            return await self.respond_whole(pieces, model, fmt, body.speed, received, first_id, request)
         framer = Framer(
             AudioFormat(body.response_format),
             StreamFormat(body.stream_format),
@@ -300,21 +324,26 @@ class Gateway:
         pieces = self.stream(req)
         return await self.respond_pieces(pieces, framer, received, req.stream_id, self.label(req.model))
 
-    async def respond_whole_wav(
+    async def respond_whole(
         self,
         pieces: AsyncGenerator[AudioPiece, None],
         model: SpeechModel,
+        fmt: AudioFormat,
         speed: float,
         received: float,
         stream_id: int,
         request: Request | None = None,
     ) -> Response:
-        """A `wav` asked for without `stream_format`: the whole file in one body, its header with the
-        real length and a Content-Length (the OpenAI SDK's `speech.create(...).write_to_file` and
-        Python's `wave` read it exactly); an error at any point is a JSON error with its status.
-        `stream_format: "audio"` streams the wav instead, with the header's sizes unknown. A caller
-        who hangs up meanwhile (`request` disconnected, checked at each piece) ends the session."""
-        pcm = Framer(AudioFormat.PCM, StreamFormat.AUDIO, model.sample_rate, speed=speed)
+        """A `wav` or `flac` asked for without `stream_format`: the whole file in one body, its
+        header with the real length (WAV's sizes; FLAC's STREAMINFO total samples) and a
+        Content-Length (the OpenAI SDK's `speech.create(...).write_to_file` and Python's `wave` read
+        it exactly); an error at any point is a JSON error with its status. `stream_format: "audio"`
+        streams the file instead, its length unknown. A caller who hangs up meanwhile (`request`
+        disconnected, checked at each piece) ends the session."""
+        wav = fmt is AudioFormat.WAV
+        pcm = Framer(
+            AudioFormat.PCM if wav else fmt, StreamFormat.AUDIO, model.sample_rate, speed=speed, whole=True
+        )
         data: list[bytes] = []
         rows, first = 0, True
         self.metrics.streams.labels(model=model.name).inc()
@@ -334,12 +363,10 @@ class Gateway:
             await pieces.aclose()
         body = b"".join(data)
         self.metrics.count(200, model.name)
-        headers = {"X-Tandem-Stream-Id": str(stream_id), "X-Sample-Rate": str(model.sample_rate)}
-        return Response(
-            wav_header(model.sample_rate, len(body)) + body,
-            media_type=MEDIA_TYPES[AudioFormat.WAV],
-            headers=headers,
-        )
+        headers = {"X-Tandem-Stream-Id": str(stream_id), "X-Sample-Rate": str(pcm.output_rate)}
+        if wav:
+            body = wav_header(model.sample_rate, len(body)) + body
+        return Response(body, media_type=MEDIA_TYPES[fmt], headers=headers)
 
     async def respond_pieces(
         self,
@@ -358,7 +385,7 @@ class Gateway:
             await pieces.aclose()
             raise
         self.metrics.first_audio.labels(model=model).observe(time.monotonic() - received)
-        headers = {"X-Tandem-Stream-Id": str(stream_id), "X-Sample-Rate": str(framer.sample_rate)}
+        headers = {"X-Tandem-Stream-Id": str(stream_id), "X-Sample-Rate": str(framer.output_rate)}
         return StreamingResponse(
             self._body(first, pieces, framer, model), media_type=framer.media_type, headers=headers
         )
@@ -366,18 +393,18 @@ class Gateway:
     async def _body(
         self, first: AudioPiece | None, pieces: AsyncGenerator[AudioPiece, None], framer: Framer, model: str
     ) -> AsyncIterator[bytes]:
-        status, rows = "499", 0  # unless the stream ends one way or the other below
+        status, rows, prompt_rows = "499", 0, 0  # unless the stream ends one way or the other below
         self.metrics.streams.labels(model=model).inc()
         try:
             if first is not None:
-                rows += first.rows
+                rows, prompt_rows = rows + first.rows, prompt_rows + first.prompt_rows
                 if data := framer.piece(first.pcm):
                     yield data
                 async for piece in pieces:
-                    rows += piece.rows
+                    rows, prompt_rows = rows + piece.rows, prompt_rows + piece.prompt_rows
                     if data := framer.piece(piece.pcm):
                         yield data
-            if data := framer.end(rows):
+            if data := framer.end(rows, prompt_rows):
                 yield data
             status = "200"
         except GatewayError as exc:
@@ -415,6 +442,29 @@ class Gateway:
             reasons.append("the served models' configs are not read yet")
         ok = not reasons
         return JSONResponse({"status": "ok" if ok else "unavailable", "reasons": reasons}, 200 if ok else 503)
+
+
+@dataclass(frozen=True)
+class TenantSpeaker:
+    """The gateway as one tenant's WebSocket sees it: its sessions speak the tenant's voices."""
+
+    gateway: Gateway
+    tenant: str
+
+    @property
+    def ws_limits(self) -> tuple[float, int]:
+        return self.gateway.ws_limits
+
+    def model(self, name: str) -> SpeechModel:
+        return self.gateway.model(name)
+
+    def session(
+        self, model: SpeechModel, voice: str, seed: int | None
+    ) -> tuple[int, SpeechSession[AudioPiece]]:
+        return self.gateway.session(model, voice, seed, self.tenant)
+
+
+WHOLE = ("wav", "flac")  # answered whole, with their length, unless a stream_format is asked for
 
 
 def _whole(text: SentenceQueue, whole: str) -> None:
@@ -461,6 +511,14 @@ def create_app(settings: GatewaySettings) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        if settings.api_keys.open:
+            log.warning(
+                "gateway: open development mode: no API keys (--api-keys), every caller is served "
+                "without one and shares one set of registered voices"
+            )
+        else:
+            tenants = len(set(settings.api_keys.tenants.values()))
+            log.info("gateway: %d API keys of %d tenants", len(settings.api_keys.tenants), tenants)
         await gw.start()
         try:
             yield
@@ -469,6 +527,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
 
     app = FastAPI(title="tandem-gateway", lifespan=lifespan)
     app.state.gateway = gw
+    app.state.api_keys = settings.api_keys
     count = gw.metrics.count
     install_http_errors(app, count)  # 404, 405, 413, unparsable bodies, 500: OpenAI's JSON
     # A Content-Length over the route's max_body_size (SPEECH_BODY_BYTES where a route has none) is
@@ -481,6 +540,12 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     async def _gateway_error(request: Request, exc: GatewayError) -> JSONResponse:
         count(HTTP_STATUS[exc.error.code], getattr(request.state, "model", NO_MODEL))
         return error_response(exc.error, exc.param)
+
+    @app.exception_handler(Unauthorized)
+    async def _unauthorized(_: Request, exc: Unauthorized) -> JSONResponse:
+        count(401)
+        body = error_body(401, str(exc), None, "invalid_api_key")
+        return JSONResponse(body, 401, {"WWW-Authenticate": "Bearer"})
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -499,12 +564,12 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         return error_response(ClientError(ClientCode.INVALID_ARG, detail), param)
 
     install_voice_routes(app)  # POST/GET/DELETE /v1/voices (gateway/voices.py)
-    install_ws_route(app, gw)  # WS /v1/audio/speech/stream-input (gateway/ws.py)
+    install_ws_route(app, gw.for_tenant)  # WS /v1/audio/speech/stream-input (gateway/ws.py)
 
     @app.post("/v1/audio/speech", max_body_size=SPEECH_BODY_BYTES)
-    async def speech(body: SpeechBody, request: Request) -> Response:
+    async def speech(body: SpeechBody, request: Request, tenant: Tenant) -> Response:
         request.state.model = gw.label(body.model)  # for the metrics of a refusal (_gateway_error)
-        return await gw.speech(body, request)
+        return await gw.speech(body, request, tenant)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

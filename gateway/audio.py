@@ -3,16 +3,19 @@
 - `pcm`: raw 16-bit signed little-endian mono samples at the model's `sample_rate` (OpenAI's is
   fixed at 24 kHz; here the model's rate is in the `X-Sample-Rate` response header).
 - `wav`: a 44-byte RIFF/WAVE header, then the same samples. Asked for without `stream_format`, the
-  gateway answers the whole file at once (`Gateway.respond_whole_wav`): the header has the real
+  gateway answers the whole file at once (`Gateway.respond_whole`): the header has the real
   length. Streamed (`stream_format` `audio` or `sse`), the length is unknown when the first bytes go
   out, so both RIFF sizes are 0xFFFFFFFF (the streaming convention players accept); a complete
   file's length is then the bytes received.
 - `mp3`, `opus`, `aac`, `flac`: FFmpeg's encoders and muxers through PyAV (`gateway/encode.py`),
-  each piece's bytes as the muxer writes them; the response's last bytes come with `end`.
+  each piece's bytes as the muxer writes them; the response's last bytes come with `end`. A `flac`
+  asked for without `stream_format` is answered whole like `wav` (`whole`): its STREAMINFO then has
+  the total samples. `X-Sample-Rate` is the rate of what is sent (`output_rate`: Opus 48 kHz).
 - `speed` != 1: the PCM goes through FFmpeg's `atempo` (`encode.Tempo`) before any of the above.
 - `stream_format=sse`: every piece of the chosen format (the WAV header in the first) is one
   `speech.audio.delta` event with the bytes base64-encoded, then one `speech.audio.done` event with
-  `usage.output_tokens` (rows generated); an error after the first audio is an `error` event.
+  OpenAI's `usage` (`input_tokens`: the prompt rows the input made, `output_tokens`: rows
+  generated, `total_tokens`); an error after the first audio is an `error` event.
   With `stream_format=audio` the bytes go out as they are (chunked transfer encoding), and an error
   after the first audio ends the response without its terminating chunk (the caller sees a
   truncated body), since the HTTP status has been sent.
@@ -91,6 +94,7 @@ class Framer:
     sample_rate: int
     first: bool = True
     speed: float = 1.0
+    whole: bool = False  # the encoded file given out whole by `end` (a length in its header: FLAC)
     _tempo: Tempo | None = field(default=None, init=False, repr=False)
     _encoder: Encoder | None = field(default=None, init=False, repr=False)
 
@@ -98,7 +102,13 @@ class Framer:
         if self.speed != 1.0:
             self._tempo = Tempo(self.sample_rate, self.speed)
         if self.audio.value in CODECS:
-            self._encoder = Encoder(self.audio.value, self.sample_rate)
+            self._encoder = Encoder(self.audio.value, self.sample_rate, whole=self.whole)
+
+    @property
+    def output_rate(self) -> int:
+        """The rate of the audio the caller gets (`X-Sample-Rate`): the encoder's (Opus: 48 kHz),
+        else the PCM's."""
+        return self._encoder.rate if self._encoder is not None else self.sample_rate
 
     @property
     def media_type(self) -> str:
@@ -123,8 +133,10 @@ class Framer:
             )
         return data
 
-    def end(self, rows: int) -> bytes:
-        """What `atempo` and the encoder still hold, then (SSE) the `speech.audio.done` event."""
+    def end(self, rows: int, input_tokens: int = 0) -> bytes:
+        """What `atempo` and the encoder still hold, then (SSE) the `speech.audio.done` event with
+        OpenAI's usage: `input_tokens` the prompt rows the input made, `output_tokens` the rows
+        generated, `total_tokens` their sum."""
         tail = self._frame(self._tempo.finish()) if self._tempo is not None else b""
         if self._encoder is not None:
             last = self._encoder.finish()
@@ -132,7 +144,8 @@ class Framer:
                 last = _sse({"type": "speech.audio.delta", "audio": base64.b64encode(last).decode()})
             tail += last
         if self.stream is StreamFormat.SSE:
-            return tail + _sse({"type": "speech.audio.done", "usage": {"output_tokens": rows}})
+            usage = {"input_tokens": input_tokens, "output_tokens": rows, "total_tokens": input_tokens + rows}
+            return tail + _sse({"type": "speech.audio.done", "usage": usage})
         return tail
 
     def error(self, err: ClientError) -> bytes | None:

@@ -11,6 +11,7 @@ import collections
 import logging
 import os
 import resource
+from collections.abc import Container
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -26,7 +27,9 @@ FD_RESERVE = 64  # files the gateway opens after start: uploads spooled to disk,
 @dataclass(frozen=True)
 class ServerLimits:
     max_connections: int = 4096
-    max_per_client: int = 512  # behind a proxy every client has its address: raise it to the cap
+    max_per_client: int = (
+        512  # per peer address; behind a router, per forwarded client (gateway/forwarded.py)
+    )
     header_timeout_s: float = 10.0
     body_timeout_s: float = 60.0
     drain_s: float = 2.0
@@ -36,6 +39,9 @@ class ServerLimits:
     write_timeout_s: float = 30.0  # a client that reads nothing for this long while output waits
     linger_cap: int = 256
     backlog: int = 2048  # uvicorn's default listen backlog
+    trusted_proxies: tuple[
+        str, ...
+    ] = ()  # IPs/CIDRs whose X-Forwarded-For is believed (gateway/forwarded.py)
 
 
 def raise_fd_limit() -> int:
@@ -81,8 +87,11 @@ _CUT_LOG = {
 class ConnectionGuard:
     """The open-connection counts one server shares across its connections, and their metrics."""
 
-    def __init__(self, limits: ServerLimits, metrics: GatewayMetrics | None = None) -> None:
+    def __init__(
+        self, limits: ServerLimits, metrics: GatewayMetrics | None = None, trusted: Container[str] = ()
+    ) -> None:
         self.limits = limits
+        self.trusted = trusted  # peers whose connections carry many clients: no cap per peer
         self.metrics = metrics
         self.open = 0
         self.lingering = 0
@@ -93,7 +102,7 @@ class ConnectionGuard:
         lim = self.limits
         if self.open >= lim.max_connections:
             return "cap", f"{self.open} connections are open, the cap is {lim.max_connections}"
-        if self.per_client[host] >= lim.max_per_client:
+        if self.per_client[host] >= lim.max_per_client and host not in self.trusted:
             return (
                 "client_cap",
                 f"{host} holds {self.per_client[host]}, the cap per client is {lim.max_per_client}",

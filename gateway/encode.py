@@ -16,6 +16,7 @@ in small pieces (a response's audio at a time; an mp3 of 1 s of 24 kHz audio tak
 
 from __future__ import annotations
 
+import io
 from dataclasses import dataclass
 from fractions import Fraction
 
@@ -69,9 +70,11 @@ def _samples(pcm: np.ndarray, sample_format: str) -> np.ndarray:
 
 
 class Encoder:
-    """One streamed file of `fmt` (a key of CODECS) from mono PCM at `sample_rate`."""
+    """One streamed file of `fmt` (a key of CODECS) from mono PCM at `sample_rate`. `whole`: the
+    file is given out once, by `finish`, from a seekable buffer, so the muxer can go back and write
+    what it learns at the end (FLAC's STREAMINFO: the total samples and the MD5)."""
 
-    def __init__(self, fmt: str, sample_rate: int) -> None:
+    def __init__(self, fmt: str, sample_rate: int, whole: bool = False) -> None:
         spec = CODECS[fmt]
         self.spec = spec
         self.rate = spec.rate or sample_rate
@@ -81,7 +84,9 @@ class Encoder:
             else None
         )
         self._sink = _Sink()
-        self._out = av.open(self._sink, mode="w", format=spec.container, options=dict(spec.options))
+        self._whole = io.BytesIO() if whole else None
+        out = self._whole if self._whole is not None else self._sink
+        self._out = av.open(out, mode="w", format=spec.container, options=dict(spec.options))
         stream = self._out.add_stream(spec.codec, rate=self.rate)
         assert isinstance(stream, AudioStream)
         stream.layout = "mono"
@@ -102,7 +107,7 @@ class Encoder:
         for i in range(0, n, self._frame):
             self._send(self._pending[i : i + self._frame])
         self._pending = self._pending[n:]
-        return self._sink.take()
+        return self._sink.take()  # empty when whole: `finish` gives the file
 
     def finish(self) -> bytes:
         """The last short frame, the encoder's delayed packets and the container's trailer."""
@@ -116,7 +121,7 @@ class Encoder:
         for packet in self._stream.encode(None):
             self._out.mux(packet)
         self._out.close()
-        return self._sink.take()
+        return self._whole.getvalue() if self._whole is not None else self._sink.take()
 
     def _send(self, x: np.ndarray) -> None:
         frame = av.AudioFrame.from_ndarray(

@@ -66,6 +66,7 @@ from tandem.gateway.connection_guard import (
     open_files,
     raise_fd_limit,
 )
+from tandem.gateway.forwarded import ClientCap, Trusted
 from tandem.gateway.http_errors import raw_response
 from tandem.gateway.logs import configure
 
@@ -343,10 +344,15 @@ def serve(app: FastAPI, host: str, port: int, limits: ServerLimits | None = None
     fd_limit = raise_fd_limit()
     lim = effective(limits or ServerLimits(), fd_limit, open_files())
     metrics = getattr(getattr(app.state, "gateway", None), "metrics", None)
-    guard = ConnectionGuard(lim, metrics)
+    guard = ConnectionGuard(lim, metrics, Trusted(lim.trusted_proxies))
     protocol = type("GatewayProtocol", (GuardedH11Protocol,), {"guard": guard})
+    # Behind a router: uvicorn rewrites the client from a trusted peer's X-Forwarded-For, and
+    # ClientCap caps each forwarded client (gateway/forwarded.py).
+    asgi: Any = ClientCap(app, guard) if lim.trusted_proxies else app
     config = uvicorn.Config(
-        app,
+        asgi,
+        proxy_headers=bool(lim.trusted_proxies),
+        forwarded_allow_ips=list(lim.trusted_proxies) or None,
         host=host,
         port=port,
         http=protocol,
@@ -357,6 +363,12 @@ def serve(app: FastAPI, host: str, port: int, limits: ServerLimits | None = None
         backlog=lim.backlog,
         h11_max_incomplete_event_size=lim.max_header_bytes,
     )
+    if lim.trusted_proxies:
+        log.info(
+            "gateway: trusted proxies %s: their X-Forwarded-For names the client, capped at %d in flight",
+            ", ".join(lim.trusted_proxies),
+            lim.max_per_client,
+        )
     log.info(
         "gateway: at most %d connections, WebSockets included (%d per client address; open-files limit"
         " %d), request head within %g s, body within %g s, a stalled reader cut after %g s",

@@ -23,6 +23,8 @@ field the caller sent (`voice`, `input`), the error's `param`.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import json
 import secrets
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
@@ -68,6 +70,7 @@ class SpeechModel:
     row_width: int
     inputs: frozenset[str]
     path: frozenset[str] = frozenset()  # the model and, for an ensemble, the models of its steps
+    voices: tuple[str, ...] = ()  # built-in voices in their configured order (none: any, or no list)
 
     @property
     def takes_text(self) -> bool:
@@ -93,13 +96,48 @@ class SpeechModel:
         )
 
 
+VOICES_PARAM = "tandem.frontend.voices"
+
+
+def _voices(config: Mapping[str, Any]) -> tuple[str, ...] | None:
+    """The built-in voices a config lists (None: it lists none; `*`, any voice, lists none either)."""
+    raw = ((config.get("parameters") or {}).get(VOICES_PARAM) or {}).get("string_value")
+    if raw is None:
+        return None
+    voices = tuple(v.strip() for v in raw.split(",") if v.strip())
+    return () if "*" in voices else voices
+
+
 async def discover(client: aio.InferenceServerClient, names: tuple[str, ...]) -> dict[str, SpeechModel]:
-    """Each named model's config; raises (tritonclient's exception) while Triton cannot answer."""
+    """Each named model's config (and, for an ensemble, its steps' built-in voices); raises
+    (tritonclient's exception) while Triton cannot answer."""
     out = {}
     for name in names:
-        cfg = await client.get_model_config(name, as_json=True)
-        out[name] = SpeechModel.from_config(cfg["config"])
+        config = (await client.get_model_config(name, as_json=True))["config"]
+        model = SpeechModel.from_config(config)
+        voices = _voices(config)
+        for step in sorted(model.path - {name}) if voices is None else ():
+            voices = _voices((await client.get_model_config(step, as_json=True))["config"])
+            if voices is not None:
+                break
+        out[name] = dataclasses.replace(model, voices=voices or ())
     return out
+
+
+PROMPT_ROWS = "prompt_rows"  # the final TIMINGS' count of prompt rows (backend/timing.py's key)
+
+
+def _prompt_rows(timings: np.ndarray | None) -> int:
+    """The prompt's rows a final response's `TIMINGS` carries (0 when it carries none)."""
+    if timings is None or not timings.size:
+        return 0
+    raw = timings.reshape(-1)[0]
+    try:
+        stamps = json.loads(raw.decode() if isinstance(raw, bytes) else str(raw) or "{}")
+    except ValueError:
+        return 0
+    value = stamps.get(PROMPT_ROWS, 0) if isinstance(stamps, dict) else 0
+    return value if isinstance(value, int) else 0
 
 
 def _bytes_input(name: str, value: str) -> grpcclient.InferInput:
@@ -152,10 +190,13 @@ def new_stream_id() -> int:
 
 @dataclass(frozen=True)
 class AudioPiece:
-    """One response's audio: float32 PCM in [-1, 1] and the rows it was made of."""
+    """One response's audio: float32 PCM in [-1, 1] and the rows it was made of; on the stream's
+    last piece, its prompt's rows (`PROMPT_ROWS`, from the final `TIMINGS`; 0 elsewhere
+    or when the unit did not say)."""
 
     pcm: np.ndarray
     rows: int
+    prompt_rows: int = 0
 
 
 @dataclass(frozen=True)
@@ -280,8 +321,11 @@ async def stream_audio(
             audio = result.as_numpy("AUDIO")
             tokens = result.as_numpy("TOKENS")
             completed = done
-            if audio is not None and audio.size:
-                yield AudioPiece(audio, 0 if tokens is None else int(tokens.shape[0]))
+            prompt_rows = _prompt_rows(result.as_numpy("TIMINGS")) if done else 0
+            if (audio is not None and audio.size) or prompt_rows:
+                empty = audio is None or not audio.size
+                pcm = np.zeros(0, np.float32) if empty else audio
+                yield AudioPiece(pcm, 0 if tokens is None else int(tokens.shape[0]), prompt_rows)
     finally:
         finished.set()
         if pending is not None and not pending.done():

@@ -65,7 +65,7 @@ class VoiceClient:
     def register(
         self, name: str, transcript: str, audio: bytes, timeout_s: float = REGISTER_TIMEOUT_S
     ) -> dict[str, Any]:
-        """The stored voice's summary (name, transcript, duration_s, frames, codes, codec, seconds)."""
+        """The stored voice's summary (id, transcript, duration_s, frames, codes, codec, seconds)."""
         return self._call(voice_inputs("register", name, transcript, audio), timeout_s)
 
     def list(self, timeout_s: float = 30.0) -> list[dict[str, Any]]:

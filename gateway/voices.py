@@ -4,14 +4,16 @@
   FFmpeg reads): 201 with the stored voice (`id`, `transcript`, `duration_s`, `frames`, `codes`,
   `codec`, `created`, `seconds`: decode/encode/store times). The unit encodes the reference once
   with the codec's own encoder (seconds per second of audio on a CPU), so the answer takes that long.
-- `GET /v1/voices`: OpenAI-style list of the model's built-in voices (`builtin` true) and the
-  registered ones (`builtin` false).
+- `GET /v1/voices` (and `GET /v1/audio/voices`, the path vLLM-Omni's clients ask): OpenAI-style
+  list of the model's built-in voices (`builtin` true, each with the OpenAI names that speak it:
+  `aliases`, `gateway/aliases.py`) and the registered ones (`builtin` false).
+- `GET /v1/voices/{name}`: one of them (404 NOT_FOUND when there is none).
 - `DELETE /v1/voices/{name}`: 200 `{"id", "object": "voice", "deleted": true}`. A voice that
   sessions of this gateway speak with is gone for new sessions at once and deleted on the unit when
   the last of them ends (`gateway/voice_users.py`), so a response speaking with it is not cut.
 
 Every error is the gateway's OpenAI error JSON (`app.error_response`), `param` the form field:
-400 INVALID_ARG (a field missing or malformed, not audio, too short or long, a built-in name),
+400 INVALID_ARG (a field missing or malformed, not audio, too short or long, a built-in name or an alias),
 409 ALREADY_EXISTS (the name is taken), 404 NOT_FOUND (no such registered voice, or the unit serves
 no `voices` model), 503 UNAVAILABLE. The Triton side is the `voices` model (`gateway/voice_client.py`
 builds its inputs); its refusals name NAME, TRANSCRIPT, AUDIO, here `name`, `transcript`, `file`.
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,14 +41,17 @@ from starlette.formparsers import MultiPartException
 from starlette.types import Message, Receive
 from tritonclient.utils import InferenceServerException
 
-from tandem.gateway.errors import ClientCode, classify
+from tandem.gateway.aliases import OPENAI_VOICES
+from tandem.gateway.errors import ClientCode, ClientError, classify
 from tandem.gateway.stream import GatewayError, refuse
+from tandem.gateway.tenants import OPEN, Tenant, own_name, voice_id
 from tandem.gateway.voice_client import MODEL, REGISTER_TIMEOUT_S, result_json, voice_inputs
 
 FORM_SLACK = 64 * 1024  # the form's other fields and multipart framing
 UPLOAD_CEILING = 64 * 2**20
 FORM_PARAMS = {"NAME": "name", "TRANSCRIPT": "transcript", "AUDIO": "file", "ACTION": None}
 CALL_TIMEOUT_S = 30.0
+NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # a caller's voice name (the store's, without a namespace)
 
 router = APIRouter()
 log = logging.getLogger("tandem.gateway")
@@ -79,12 +85,16 @@ def _client(request: Request) -> aio.InferenceServerClient:
     return client
 
 
-async def _call(request: Request, inputs: list[Any], timeout_s: float) -> dict[str, Any]:
+async def _call(request: Request, inputs: list[Any], timeout_s: float, tenant: str = OPEN) -> dict[str, Any]:
+    """The `voices` model's answer; its refusal as a GatewayError naming the form field, the
+    voice named as `tenant` names it."""
     try:
         result = await _client(request).infer(MODEL, inputs, client_timeout=timeout_s)
     except InferenceServerException as exc:
         error = classify(str(exc.message()), exc.status())
         first = error.detail.split(" ", 1)[0]
+        if tenant:  # the unit names the stored voice, `'acme.bob'`: the caller named it `'bob'`
+            error = ClientError(error.code, error.detail.replace(f"'{tenant}.", "'"))
         raise GatewayError(error, FORM_PARAMS.get(first)) from None
     return result_json(result.as_numpy("RESULT")[0])
 
@@ -104,10 +114,22 @@ async def _limits(request: Request) -> VoiceLimits:
     return limits
 
 
-def _card(voice: dict[str, Any]) -> dict[str, Any]:
-    out = {"id": voice["name"], "object": "voice"}
-    out.update({k: v for k, v in voice.items() if k != "name"})
-    return out
+def _card(voice: dict[str, Any], name: str) -> dict[str, Any]:
+    """The unit's `voice` as the caller sees it, `id` its own `name` for it."""
+    return {**voice, "id": name, "object": "voice"}
+
+
+def _check_name(name: object) -> str:
+    """A caller's voice name: `[A-Za-z0-9_-]{1,64}` (the unit adds the tenant's namespace)."""
+    if not isinstance(name, str) or not name:
+        raise refuse(ClientCode.INVALID_ARG, "name is required (a form field)", "name")
+    if not NAME.fullmatch(name):
+        raise refuse(
+            ClientCode.INVALID_ARG,
+            f"name {name[:80]!r} is not a voice name: 1-64 of A-Z, a-z, 0-9, '_' and '-'",
+            "name",
+        )
+    return name
 
 
 class _OverLimit(Exception):
@@ -130,7 +152,7 @@ def _capped(receive: Receive, limit: int) -> Receive:
 
 
 @router.post("/v1/voices", status_code=201, max_body_size=UPLOAD_CEILING)
-async def register(request: Request) -> JSONResponse:
+async def register(request: Request, tenant: Tenant) -> JSONResponse:
     limits = await _limits(request)
     users = request.app.state.gateway.voice_users
     length = request.headers.get("content-length", "")
@@ -153,9 +175,7 @@ async def register(request: Request) -> JSONResponse:
     except MultiPartException as exc:
         raise refuse(ClientCode.INVALID_ARG, f"the form (multipart: name, transcript, file): {exc}") from None
     try:
-        name, transcript, upload = form.get("name"), form.get("transcript"), form.get("file")
-        if not isinstance(name, str) or not name:
-            raise refuse(ClientCode.INVALID_ARG, "name is required (a form field)", "name")
+        name, transcript, upload = _check_name(form.get("name")), form.get("transcript"), form.get("file")
         if not isinstance(transcript, str) or not transcript.strip():
             raise refuse(
                 ClientCode.INVALID_ARG, "transcript is required: what the recording says", "transcript"
@@ -171,35 +191,75 @@ async def register(request: Request) -> JSONResponse:
             )
     finally:
         await form.close()
-    if users.deleting(name):
+    if request.app.state.gateway.settings.aliases.is_voice_alias(name):
+        raise refuse(
+            ClientCode.INVALID_ARG,
+            f"name {name!r} is an alias of a built-in voice (see GET /v1/voices); choose another name",
+            "name",
+        )
+    stored = voice_id(tenant, name)
+    if users.deleting(stored):
         raise refuse(
             ClientCode.ALREADY_EXISTS,
             f"name: {name!r} is being deleted once the requests speaking with it end; retry then",
             "name",
         )
-    result = await _call(request, voice_inputs("register", name, transcript, data), REGISTER_TIMEOUT_S)
-    return JSONResponse(_card(result), status_code=201)
+    result = await _call(
+        request, voice_inputs("register", stored, transcript, data), REGISTER_TIMEOUT_S, tenant
+    )
+    return JSONResponse(_card(result, name), status_code=201)
+
+
+async def _cards(request: Request, tenant: str) -> list[dict[str, Any]]:
+    """The built-in voices and `tenant`'s registered ones."""
+    result = await _call(request, voice_inputs("list"), CALL_TIMEOUT_S)
+    cards = []
+    for v in result["voices"]:
+        name = v["id"] if v.get("builtin") else own_name(tenant, v["id"])
+        if name is not None:
+            cards.append(_card(v, name))
+    builtin = tuple(c["id"] for c in cards if c.get("builtin"))
+    aliases = request.app.state.gateway.settings.aliases
+    for card in cards:
+        if card.get("builtin"):
+            card["aliases"] = [
+                a
+                for a in (tuple(aliases.voices) or OPENAI_VOICES)
+                if aliases.voice(a, builtin) == card["id"] != a
+            ]
+    return cards
 
 
 @router.get("/v1/voices")
-async def list_voices(request: Request) -> dict[str, Any]:
-    result = await _call(request, voice_inputs("list"), CALL_TIMEOUT_S)
-    return {"object": "list", "data": [_card(v) for v in result["voices"]]}
+@router.get("/v1/audio/voices")
+async def list_voices(request: Request, tenant: Tenant) -> dict[str, Any]:
+    return {"object": "list", "data": await _cards(request, tenant)}
+
+
+@router.get("/v1/voices/{name}")
+async def get_voice(request: Request, name: str, tenant: Tenant) -> dict[str, Any]:
+    for card in await _cards(request, tenant):
+        if card["id"] == name:
+            return card
+    raise refuse(
+        ClientCode.NOT_FOUND, f"name: {name!r} is not a voice here (GET /v1/voices lists them)", "name"
+    )
 
 
 @router.delete("/v1/voices/{name}")
-async def delete(request: Request, name: str) -> dict[str, Any]:
+async def delete(request: Request, name: str, tenant: Tenant) -> dict[str, Any]:
     gateway = request.app.state.gateway
     users = gateway.voice_users
-    if users.deleting(name):
+    stored = voice_id(tenant, _check_name(name))
+    if users.deleting(stored):
         raise refuse(ClientCode.NOT_FOUND, f"name: {name!r} is not a registered voice (deleted)", "name")
-    if users.sessions[name] > 0:
+    if users.sessions[stored] > 0:
         listed = await _call(request, voice_inputs("list"), CALL_TIMEOUT_S)
-        registered = {v["name"] for v in listed["voices"] if not v.get("builtin")}
-        if name in registered:  # else the unit's own refusal below (a built-in or unknown name)
-            users.defer_delete(name, lambda: _delete_later(gateway, name))
+        registered = {v["id"] for v in listed["voices"] if not v.get("builtin")}
+        if stored in registered:  # else the unit's own refusal below (a built-in or unknown name)
+            users.defer_delete(stored, lambda: _delete_later(gateway, stored))
             return {"id": name, "object": "voice", "deleted": True}
-    await _call(request, voice_inputs("delete", name), CALL_TIMEOUT_S)
+    await _call(request, voice_inputs("delete", stored), CALL_TIMEOUT_S, tenant)
     return {"id": name, "object": "voice", "deleted": True}
 
 

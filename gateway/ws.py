@@ -29,7 +29,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import MutableMapping
+from collections.abc import Callable, MutableMapping
 from typing import Any, Protocol
 
 from fastapi import FastAPI, WebSocket, WebSocketDisconnect
@@ -39,6 +39,7 @@ from tandem.gateway.encode import CODECS
 from tandem.gateway.errors import ClientCode
 from tandem.gateway.session import SpeechSession
 from tandem.gateway.stream import AudioPiece, GatewayError, SpeechModel
+from tandem.gateway.tenants import ws_caller
 from tandem.gateway.ws_context import Context, Voice
 from tandem.gateway.ws_frames import (  # noqa: F401  (re-exported: the frames' limits)
     MAX_DEPTH,
@@ -274,8 +275,13 @@ class Connection:
         )
 
 
-def install(app: FastAPI, speaker: Speaker) -> None:
+def install(app: FastAPI, speaker_for: Callable[[str], Speaker]) -> None:
+    """The route; `speaker_for(tenant)` is what a socket of that tenant speaks through."""
+
     @app.websocket(PATH)
     async def stream_input(ws: WebSocket) -> None:
+        tenant = await ws_caller(ws)  # refused: answered 401 there (gateway/tenants.py)
+        if tenant is None:
+            return
         await ws.accept()
-        await Connection(ws, speaker).run()
+        await Connection(ws, speaker_for(tenant)).run()

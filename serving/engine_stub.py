@@ -25,7 +25,7 @@ from tandem.backend.engines.handoff import Handoff
 from tandem.backend.errors import InvalidInput, TandemError
 from tandem.backend.metrics import METRICS, STUB_METRICS, WORKER_METRICS, Engine, MetricsSink
 from tandem.backend.model.config import ModelConfig
-from tandem.backend.timing import Timings
+from tandem.backend.timing import PROMPT_ROWS, Timings
 from tandem.backend.worker.channel import Array, EngineKind, Reply, Submit
 from tandem.serving import triton_io as io
 from tandem.serving.cancel_board import CancelBoard
@@ -178,6 +178,7 @@ class EngineStub:
         prompt, params = io.read_request(
             self._pb, request, self.cfg, self.settings.limits, self.frontend, self.defaults
         )
+        timings.mark(PROMPT_ROWS, at=int(prompt.shape[0]))
         return functools.partial(
             _submit,
             stream_id=io.stream_id(request),

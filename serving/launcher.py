@@ -17,6 +17,14 @@ logging, trace, statistics) with the unit's API key (`serving/api_key.py`, docs/
 leaves them open and prints a warning at every start; `TANDEM_API_KEY_FILE` takes the key from a file
 (a mounted Secret) instead of the one generated in the unit's directory.
 
+On a machine with no NVIDIA device (`/dev/nvidiactl` absent) the launcher says so in one line and
+starts the server in CPU mode: no pinned memory pool, no CUDA pool, no GPU metrics (the flags it
+adds unless the caller gave them), so Triton probes no CUDA driver and no NVML; the CUDA error lines
+Triton still writes on such a machine for nothing wrong (`CudaDriverHelper has not been
+initialized.` at start, `unable to create stream for tts: CUDA driver version is insufficient ...`
+when the ensemble loads; `CPU_NOISE`) are dropped from its stderr: by a filter process here
+(`_drop_lines`), by a relay thread under tandem-unit (`relay_lines`).
+
 The server runs under umask 077 (here before the exec, in `tandem-unit` before its start), so that the
 python backend's `/dev/shm` regions, which carry request tensors, are mode 0600.
 """
@@ -26,9 +34,11 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
+import signal
 import sys
 from collections.abc import Mapping
 from pathlib import Path
+from typing import BinaryIO
 
 from tandem.serving.api_key import UNLOCKED_WARNING, ApiKeyError, resolve
 
@@ -88,11 +98,72 @@ def locked(argv: list[str], env: Mapping[str, str]) -> list[str]:
     return [*argv, *lock.server_args()]
 
 
+CPU_FLAGS = (
+    "--pinned-memory-pool-byte-size=0",
+    "--cuda-memory-pool-byte-size=0:0",
+    "--allow-gpu-metrics=false",
+)
+# Triton's error lines on every CPU machine, for nothing wrong: at start, and when an ensemble
+# (`tts`) loads and asks for a CUDA stream it never uses there. Dropped only where no NVIDIA device is.
+CPU_NOISE = (
+    b"CudaDriverHelper has not been initialized.",
+    b"CUDA driver version is insufficient for CUDA runtime version",
+)
+CPU_MODE_LINE = "CPU mode (no NVIDIA device): no pinned memory, CUDA pool or GPU metrics"
+
+
+def cpu_machine(dev: Path = Path("/dev")) -> bool:
+    """No NVIDIA device node: nothing CUDA can use."""
+    return not (dev / "nvidiactl").exists()
+
+
+def with_cpu_mode(argv: list[str]) -> list[str]:
+    """`argv` with `CPU_FLAGS` added where the caller did not set that option."""
+    given = {a.split("=", 1)[0] for a in argv}
+    return [*argv, *(f for f in CPU_FLAGS if f.split("=", 1)[0] not in given)]
+
+
+def _drop_lines(fd: int, drop: tuple[bytes, ...]) -> None:
+    """Route `fd` through a child process that copies every line but those holding one of `drop`.
+    The child ignores SIGINT/SIGTERM (the server's shutdown lines still pass) and ends at EOF,
+    when the server's last copy of the pipe closes."""
+    r, w = os.pipe()
+    if os.fork() == 0:  # the filter
+        os.close(w)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        with os.fdopen(r, "rb", buffering=0) as src:
+            for line in src:
+                if not any(d in line for d in drop):
+                    os.write(fd, line)
+        os._exit(0)
+    os.close(r)
+    os.dup2(w, fd)
+    os.close(w)
+
+
+def drop_cpu_noise() -> None:
+    """In the process about to exec the server: its stderr without `CPU_NOISE` (`_drop_lines`)."""
+    _drop_lines(2, CPU_NOISE)
+
+
+def relay_lines(src: BinaryIO, dst: BinaryIO, drop: tuple[bytes, ...]) -> None:
+    """Copy `src`'s lines to `dst` but those holding one of `drop`, until EOF (tandem-unit's thread
+    for its server's stderr: the supervisor outlives the server, so no line is lost)."""
+    with src:
+        for line in src:
+            if not any(d in line for d in drop):
+                dst.write(line)
+                dst.flush()
+
+
 def build_command(argv: list[str]) -> tuple[str, list[str], dict[str, str]]:
     """Return (binary, argv, env) for the real server; the argv carries the API lock (see `locked`),
     so the returned argv holds the key: never print it unredacted (`ApiLock.redact`)."""
     env = dict(os.environ)
     argv = locked(argv, env)
+    if cpu_machine():
+        argv = with_cpu_mode(argv)
     bin_dir = str(Path(sys.executable).parent)
     env["PATH"] = bin_dir + os.pathsep + env.get("PATH", "")
     explicit = env.get("TANDEM_TRITONSERVER_BINARY")
@@ -119,6 +190,9 @@ def main() -> None:
         print(f"tritonserver launcher: {exc}", file=sys.stderr)
         raise SystemExit(2) from exc
     os.umask(0o077)  # the server's files and /dev/shm regions are its user's alone (docs/security.md)
+    if cpu_machine():
+        print(f"tritonserver launcher: {CPU_MODE_LINE}", file=sys.stderr, flush=True)
+        drop_cpu_noise()
     os.execve(binary, args, env)
 
 

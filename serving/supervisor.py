@@ -62,17 +62,27 @@ import select
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from types import FrameType
 
+from tandem.backend.voices.store import STATE_DIR_ENV, default_state_dir
 from tandem.serving import mps, process_tree
 from tandem.serving.api_key import UNIT_PARAMETER, ApiKeyError, resolve, unit_dir, unit_of
 from tandem.serving.control_api import ControlApi
 from tandem.serving.health import VOICES_MODELS, HealthUnavailable, UnitHealth, fetch_health
-from tandem.serving.launcher import LauncherError, build_command
+from tandem.serving.launcher import (
+    CPU_MODE_LINE,
+    CPU_NOISE,
+    LauncherError,
+    build_command,
+    cpu_machine,
+    relay_lines,
+)
 from tandem.serving.readiness import ReadinessMark
 from tandem.serving.repository import model_parameter
 from tandem.serving.server_args import (
@@ -215,6 +225,9 @@ class Supervisor:
         self.readiness = ReadinessMark(self.control, log)
         if not strict_readiness(self.args):
             log("--strict-readiness is off: the unit cannot hold /v2/health/ready false while speech is down")
+        # What the unit keeps across restarts (registered voices): its own directory, never one
+        # shared by every unit of the OS user (backend/voices/store.py reads STATE_DIR_ENV).
+        self.state_dir = Path(opts.state_dir) if opts.state_dir else default_state_dir(self.unit, os.environ)
         # per server lifetime (reset by start_server)
         self.tree: list[int] = []
         self.stub_pids: frozenset[int] = frozenset()
@@ -306,11 +319,24 @@ class Supervisor:
             raise GiveUp(2) from exc
         env = mps.server_env(env, self.mps)
         env[STATE_ENV] = str(self.state.path)
+        env[STATE_DIR_ENV] = str(self.state_dir.resolve())
         self.remove_regions()  # a server of this unit killed before (we hold the unit's lock)
         self.started_at = time.time()
+        cpu = cpu_machine()
+        if cpu and self.starts == 0:
+            log(CPU_MODE_LINE)
         self.proc = subprocess.Popen(
-            argv, executable=binary, env=env, start_new_session=True, preexec_fn=_server_preexec_fn()
+            argv,
+            executable=binary,
+            env=env,
+            start_new_session=True,
+            preexec_fn=_server_preexec_fn(),
+            stderr=subprocess.PIPE if cpu else None,
         )
+        if self.proc.stderr is not None:  # CPU: relay the server's stderr without its CUDA line
+            threading.Thread(
+                target=relay_lines, args=(self.proc.stderr, sys.stderr.buffer, CPU_NOISE), daemon=True
+            ).start()
         self.starts += 1
         self.health = None
         self.down_since = None
@@ -625,6 +651,12 @@ def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
         type=float,
         default=8.0,
         help="Triton's --exit-timeout-secs unless given: how long a stopping server drains requests",
+    )
+    parser.add_argument(
+        "--state-dir",
+        default=None,
+        help="what the unit keeps across restarts (registered voices: DIR/voices, unless the models set "
+        "tandem.voices.dir); default: $XDG_STATE_HOME/tandem/units/<unit>",
     )
     parser.add_argument("--probe-interval", type=float, default=2.0, help="seconds between liveness probes")
     parser.add_argument("--probe-timeout", type=float, default=3.0, help="seconds each probe may take")

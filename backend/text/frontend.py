@@ -134,8 +134,13 @@ class TextFrontend:
                 self._prefixes.pop(voice, None)  # deleted: its prefix goes too
         if record is not None or ANY_VOICE in self.voices:
             return record
-        there = ", ".join([*self.voices, *(self.store.names() if self.store else [])]) or "none"
-        raise InvalidInput(f"VOICE {voice!r} is not one of this model's voices: {there}")
+        # Only the built-in voices and those of the caller's namespace (a tenant's, `SPACE.NAME`),
+        # named as the caller names them: another tenant's voices are none of its business.
+        space, dot, own = voice.rpartition(".")
+        registered = [n.rpartition(".") for n in (self.store.names() if self.store else [])]
+        mine = [n for s, d, n in registered if (s, d) == (space, dot)]
+        there = ", ".join([*self.voices, *mine]) or "none"
+        raise InvalidInput(f"VOICE {own!r} is not one of this model's voices: {there}")
 
     def _text_ids(self, text: str, voice: str = "") -> list[int]:
         ids = self.tokenizer.encode(f"{voice}: {text}" if voice else text)

@@ -51,7 +51,7 @@ def decode_reference(data: bytes, sample_rate: int, min_seconds: float, max_seco
     try:
         container = av.open(io.BytesIO(data), mode="r")
     except (av.error.FFmpegError, ValueError, OSError) as exc:
-        raise InvalidInput(f"AUDIO is not an audio file FFmpeg can read ({exc})") from None
+        raise InvalidInput(f"AUDIO is not an audio file FFmpeg can read ({_reason(exc)})") from None
     with container:
         if not container.streams.audio:
             raise InvalidInput(f"AUDIO holds no audio stream (a {container.format.name} file)")
@@ -77,6 +77,15 @@ def decode_reference(data: bytes, sample_rate: int, min_seconds: float, max_seco
     return Reference(np.ascontiguousarray(out, dtype=np.float32), sample_rate, rate, seconds)
 
 
+def _reason(exc: Exception) -> str:
+    """What FFmpeg says is wrong, without PyAV's errno and '<none>' file name (`[Errno 1094995529]
+    Invalid data found when processing input: '<none>'` says "Invalid data found when processing
+    input")."""
+    if isinstance(exc, (av.error.FFmpegError, OSError)) and exc.strerror:
+        return str(exc.strerror)
+    return str(exc) or type(exc).__name__
+
+
 def _decode_mono(
     container: av.container.InputContainer, stream: av.AudioStream, rate: int, limit_s: float
 ) -> np.ndarray:
@@ -100,7 +109,7 @@ def _decode_mono(
             for mixed in mixer.resample(None):
                 parts.append(_mono(mixed))
     except (av.error.FFmpegError, ValueError) as exc:
-        raise InvalidInput(f"AUDIO is unreadable: {exc}") from None
+        raise InvalidInput(f"AUDIO is unreadable: {_reason(exc)}") from None
     if not parts:
         raise InvalidInput("AUDIO holds no samples")
     pcm = np.concatenate(parts).astype(np.float32, copy=False)

@@ -111,7 +111,7 @@ class VoiceRegistrar:
             job.sink.fail(err)
 
     def listing(self) -> dict[str, object]:
-        builtin = [{"name": v, "builtin": True} for v in self.builtin if v != "*"]
+        builtin = [{"id": v, "builtin": True} for v in self.builtin if v != "*"]
         return {"voices": [*builtin, *(r.summary() for r in self.store.records())]}
 
     def _queue_registration(self, job: VoiceJob) -> None:

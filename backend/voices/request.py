@@ -69,7 +69,7 @@ def parse_voice_request(
     check_name(name)
     # Case-insensitively: `TARA` beside the built-in `tara` would be two voices a listing and a
     # caller's eye cannot tell apart.
-    if name.casefold() in {b.casefold() for b in builtin}:
+    if name.rpartition(".")[2].casefold() in {b.casefold() for b in builtin}:
         verb = "registered" if action is Action.REGISTER else "deleted"
         raise InvalidInput(f"NAME {name!r} is a built-in voice of this model; it cannot be {verb}")
     if action is Action.DELETE:

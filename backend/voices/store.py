@@ -5,7 +5,10 @@ encoding, `backend/voices/registrar.py`); the prompt prefix the family's cloning
 them is built by the reader (`backend/text/cloning.py`), so the store holds no tokenizer's ids.
 
 Layout: `<dir>/<name>.voice`, a JSON document (`VoiceRecord`, msgspec). Names are
-`[A-Za-z0-9_-]{1,64}` (`check_name`), so a name never leaves the directory (`../x` is refused).
+`[A-Za-z0-9_-]{1,64}`, optionally in a namespace, `SPACE.NAME` with SPACE of the same characters
+(`check_name`): the gateway keeps each tenant's voices under the tenant's name, `acme.bob`
+(`gateway/tenants.py`). No part is empty or holds a dot, so a name never leaves the directory
+(`../x` is refused) and never starts with the dot of a temporary file.
 
 Writes are atomic and crash-safe (`add`): the record goes to a temporary file in the same directory
 (`.<name>.<random>.tmp`, O_EXCL), which is fsynced, then hard-linked to its final name and unlinked,
@@ -41,7 +44,7 @@ from tandem.backend.errors import AlreadyExists, InvalidInput, NotFound
 
 log = logging.getLogger("tandem")
 
-NAME_PATTERN = re.compile(r"[A-Za-z0-9_-]{1,64}")
+NAME_PATTERN = re.compile(r"(?:[A-Za-z0-9_-]{1,64}\.)?[A-Za-z0-9_-]{1,64}")
 SUFFIX = ".voice"
 _TMP = ".tmp"
 SWEEP_AGE_S = 3600.0  # temporary files older than this are a crashed writer's
@@ -70,7 +73,7 @@ class VoiceRecord(msgspec.Struct, frozen=True):
     def summary(self, builtin: bool = False) -> dict[str, object]:
         """What a listing shows of it (no codes)."""
         return {
-            "name": self.name,
+            "id": self.name,
             "builtin": builtin,
             "transcript": self.transcript,
             "duration_s": round(self.duration_s, 3),
@@ -88,15 +91,35 @@ _decoder = msgspec.json.Decoder(VoiceRecord)
 def check_name(name: str, field: str = "NAME") -> str:
     """`name` if it is a voice name; InvalidInput naming `field` otherwise."""
     if not NAME_PATTERN.fullmatch(name):
-        raise InvalidInput(f"{field} {name[:80]!r} is not a voice name: 1-64 of A-Z, a-z, 0-9, '_' and '-'")
+        raise InvalidInput(
+            f"{field} {name[:80]!r} is not a voice name: 1-64 of A-Z, a-z, 0-9, '_' and '-'"
+            " (in a namespace: SPACE.NAME)"
+        )
     return name
 
 
-def default_dir(environ: Mapping[str, str]) -> Path:
-    """Where voices live when `tandem.voices.dir` is "": the XDG state directory (kept across
-    reboots), `$XDG_STATE_HOME/tandem/voices`, else `~/.local/state/tandem/voices`."""
+STATE_DIR_ENV = "TANDEM_STATE_DIR"  # the unit's state directory, set by tandem-unit (--state-dir)
+
+
+def _xdg_state(environ: Mapping[str, str]) -> Path:
     state = environ.get("XDG_STATE_HOME") or os.path.join(environ.get("HOME") or "~", ".local", "state")
-    return Path(os.path.expanduser(state)) / "tandem" / "voices"
+    return Path(os.path.expanduser(state))
+
+
+def default_state_dir(unit: str, environ: Mapping[str, str]) -> Path:
+    """`tandem-unit`'s state directory without `--state-dir`: `$XDG_STATE_HOME/tandem/units/<unit>`
+    (else `~/.local/state/...`), one per unit name."""
+    return _xdg_state(environ) / "tandem" / "units" / unit
+
+
+def default_dir(environ: Mapping[str, str]) -> Path:
+    """Where voices live when `tandem.voices.dir` is "": the unit's state directory's `voices`
+    (`$TANDEM_STATE_DIR/voices`, which tandem-unit sets); a tritonserver started without tandem-unit
+    and without that variable falls back to `$XDG_STATE_HOME/tandem/voices`, one per OS user."""
+    unit = environ.get(STATE_DIR_ENV)
+    if unit:
+        return Path(os.path.expanduser(unit)) / "voices"
+    return _xdg_state(environ) / "tandem" / "voices"
 
 
 def resolve_dir(setting: str, environ: Mapping[str, str]) -> Path:

@@ -18,11 +18,14 @@ import socket
 import time
 import wave
 from collections.abc import Iterator
+from pathlib import Path
 from urllib.parse import urlsplit
 
+import av
 import numpy as np
 import openai
 import pytest
+import tritonclient.grpc as grpcclient
 
 from tandem.backend.codec.config import VocoderConfig
 from tandem.backend.settings import Limits
@@ -57,7 +60,7 @@ def test_models_list_and_retrieve(sdk):
     assert {m.id for m in sdk.models.list()} == {"tts", "tts_mono"}
     assert sdk.models.retrieve("tts_mono").id == "tts_mono"
     with pytest.raises(openai.NotFoundError) as e:
-        sdk.models.retrieve("tts-1")
+        sdk.models.retrieve("nope")
     assert e.value.code == "NOT_FOUND"
 
 
@@ -100,7 +103,7 @@ def test_bad_requests_get_openai_errors_with_400(sdk, kwargs, param, needle):
 
 def test_unknown_model_is_404(sdk):
     with pytest.raises(openai.NotFoundError) as e:
-        sdk.audio.speech.create(model="tts-1", input="Hello", voice="alloy")
+        sdk.audio.speech.create(model="nope", input="Hello", voice="alloy")
     assert e.value.code == "NOT_FOUND" and e.value.param == "model"
     assert "served: tts, tts_mono" in e.value.body["message"]  # type: ignore[index]
 
@@ -116,6 +119,45 @@ def test_malformed_bodies_are_400_naming_the_field(gateway):
         f"{gateway}/v1/audio/speech", {"model": "tts", "input": "x" * 4097, "voice": "v"}
     )
     assert status == 400 and body["error"]["param"] == "input", body
+
+
+def test_an_openai_client_as_written_gets_audio(sdk, gateway, server):
+    """`model="tts-1", voice="alloy"` as OpenAI's examples have them: the unit itself refuses
+    `alloy`; through the gateway tts-1 is the default model (`tts`) and OpenAI's voice names its
+    built-in voices in order, alloy tara and ash leah (gateway/aliases.py), which the voice list
+    shows."""
+    with TTSClient(server.url, "tts") as c:
+        refused = c.run(None, TEXT="Hello there.", VOICE="alloy", MAX_TOKENS=4)
+    assert refused.error_code is ClientCode.INVALID_ARG and "VOICE 'alloy'" in refused.error
+    for model, voice in (("tts-1", "alloy"), ("gpt-4o-mini-tts", "ash"), ("tts-1-hd", "verse")):
+        audio = sdk.audio.speech.create(model=model, voice=voice, input="Hello there.", response_format="pcm")
+        assert len(audio.content) == 2 * HTTP_ROWS * SAMPLES_PER_ROW
+    status, listed = http_get(f"{gateway}/v1/audio/voices")
+    builtin = {v["id"]: v["aliases"] for v in listed["data"] if v["builtin"]}
+    assert status == 200 and list(builtin)[:2] == ["tara", "leah"], listed
+    assert builtin["tara"] == ["alloy", "sage"] and builtin["leah"] == ["ash", "shimmer"]
+    assert http_get(f"{gateway}/v1/voices/tara")[1]["aliases"] == builtin["tara"]
+    status, body = http_get(f"{gateway}/v1/voices/nobody")
+    assert status == 404 and body["error"]["param"] == "name", body
+
+
+def test_sse_done_carries_openais_usage(sdk, server):
+    """`input_tokens` is the prompt the unit made of the input: what `frontend` makes of the same
+    text and voice, asked directly."""
+    with sdk.audio.speech.with_streaming_response.create(
+        model="tts-1", input="Hello there.", voice="alloy", response_format="pcm", stream_format="sse"
+    ) as resp:
+        body = resp.read()
+    done = json.loads(body.decode().strip().split("\n\n")[-1].removeprefix("data: "))
+    with grpcclient.InferenceServerClient(server.url) as c:
+        inputs = []
+        for name, value in (("TEXT", "Hello there."), ("VOICE", "tara")):
+            t = grpcclient.InferInput(name, [1], "BYTES")
+            t.set_data_from_numpy(np.array([value.encode()], dtype=np.object_))
+            inputs.append(t)
+        prompt_rows = c.infer("frontend", inputs).as_numpy("ROWS").shape[0]
+    usage = {"input_tokens": prompt_rows, "output_tokens": HTTP_ROWS, "total_tokens": prompt_rows + HTTP_ROWS}
+    assert done == {"type": "speech.audio.done", "usage": usage}
 
 
 @pytest.mark.parametrize("model", ["tts", "tts_mono"])
@@ -154,7 +196,7 @@ def test_the_gateway_metrics_say_which_model(gateway, sdk):
     ok, refused = requests("200", "tts_mono"), requests("404", "-")
     sdk.audio.speech.create(model="tts_mono", input="Hi.", voice="tara", response_format="pcm")
     with pytest.raises(openai.NotFoundError):  # a name it does not serve is counted under "-"
-        sdk.audio.speech.create(model="tts-1", input="Hi.", voice="tara", response_format="pcm")
+        sdk.audio.speech.create(model="nope", input="Hi.", voice="tara", response_format="pcm")
     assert requests("200", "tts_mono") == ok + 1 and requests("404", "-") == refused + 1
     text = metrics_text(f"{gateway}/metrics")
     assert metric_value(text, "tandem_gateway_first_audio_seconds_count", model="tts_mono") >= 1
@@ -321,3 +363,32 @@ def test_a_caller_who_hangs_up_on_a_whole_wav_ends_its_session(gateway, server):
     wait_metric(server.metrics_url, "tandem_inflight_streams", lambda v: v == 0, timeout_s=5, model="decode")
     ran = decode_streams() - before_d
     assert 1 <= ran < parts, (ran, parts)
+
+
+def test_the_readmes_raw_tritonclient_example_speaks(server):
+    """The README's raw `tritonclient` example, run as written against this server."""
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    code = readme.split("Raw `tritonclient`", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    scope: dict[str, object] = {}
+    exec(code.replace("localhost:8001", server.url), scope)
+    pcm = np.concatenate(scope["pcm"])
+    assert pcm.dtype == np.float32 and pcm.size >= SAMPLES_PER_ROW and np.abs(pcm).max() > 0
+
+
+def test_headers_say_the_rate_sent_and_a_whole_flac_has_its_length(sdk):
+    """Opus is 48 kHz whatever the model's rate, and X-Sample-Rate says so; a flac asked for
+    without stream_format is whole: Content-Length, and STREAMINFO's total samples (what FFmpeg
+    reads as the duration) is every sample."""
+    opus = sdk.audio.speech.create(model="tts", input="Hi.", voice="tara", response_format="opus")
+    assert opus.response.headers["x-sample-rate"] == "48000"
+    with av.open(io.BytesIO(opus.content)) as c:
+        assert c.streams.audio[0].rate == 48000
+    flac = sdk.audio.speech.create(model="tts", input="Hi.", voice="tara", response_format="flac")
+    assert flac.response.headers["x-sample-rate"] == str(SAMPLE_RATE)
+    assert int(flac.response.headers["content-length"]) == len(flac.content)
+    with av.open(io.BytesIO(flac.content)) as c:
+        stream = c.streams.audio[0]
+        assert stream.duration is not None and stream.duration * stream.time_base * SAMPLE_RATE == (
+            HTTP_ROWS * SAMPLES_PER_ROW
+        )
+        assert sum(f.samples for f in c.decode(stream)) == HTTP_ROWS * SAMPLES_PER_ROW

@@ -30,6 +30,7 @@ from tritonclient.utils import InferenceServerException
 
 from tandem.serving import process_tree
 from tandem.serving.api_key import GRPC_HEADER, HEADER, resolve
+from tandem.serving.launcher import cpu_machine
 from tests.support.helpers import decode, handoff, prompt, run
 from tests.support.server import REPO, TritonProcess, free_port
 
@@ -277,7 +278,12 @@ def test_make_serve_starts_locked_on_loopback(tmp_path: Path, stop: str) -> None
     """... and stops whole: SIGTERM to make's process group (Ctrl-C's way), or to make alone (a
     process manager's): the recipe's shell forwards it to tandem-unit and stops the gateway."""
     venv = Path(sys.executable).parent.parent
-    ports = {"GRPC_PORT": free_port(), "HTTP_PORT": free_port(), "METRICS_PORT": free_port()}
+    ports = {
+        "GRPC_PORT": free_port(),
+        "HTTP_PORT": free_port(),
+        "METRICS_PORT": free_port(),
+        "GATEWAY_PORT": free_port(),
+    }
     run_dir = tmp_path / "run"
     run_dir.mkdir(mode=0o700)
     env = {**os.environ, "XDG_RUNTIME_DIR": str(run_dir)}
@@ -292,6 +298,7 @@ def test_make_serve_starts_locked_on_loopback(tmp_path: Path, stop: str) -> None
         "serve",
         f"VENV={venv}",
         *(f"{k}={v}" for k, v in ports.items()),
+        f"STATE_DIR={tmp_path / 'state'}",
     ]
     with open(log, "wb") as out:
         make = subprocess.Popen(
@@ -324,6 +331,22 @@ def test_make_serve_starts_locked_on_loopback(tmp_path: Path, stop: str) -> None
                 with pytest.raises(ConnectionRefusedError):
                     socket.create_connection((outward, port), timeout=5).close()
         assert str(key) not in log.read_text(errors="replace")
+        # one line says the unit and the gateway are ready, with the gateway's URL (cli/ready.py);
+        # on a CPU machine one line says CPU mode and no CUDA/NVML error line shows (launcher)
+        gateway = f"http://127.0.0.1:{ports['GATEWAY_PORT']}/v1"
+        while "tandem: ready:" not in log.read_text(errors="replace"):
+            assert make.poll() is None and time.monotonic() < deadline + 120, log.read_text()[-3000:]
+            time.sleep(0.5)
+        text = log.read_text(errors="replace")
+        assert f"tandem: ready: OpenAI speech API {gateway} " in text
+        if cpu_machine():
+            assert text.count("CPU mode (no NVIDIA device)") >= 1
+            for noise in (
+                "CudaDriverHelper",
+                "CUDA driver version is insufficient",
+                "Failed to initialize NVML",
+            ):
+                assert noise not in text, noise
     finally:
         # make's whole process group (make, its shell, tandem-gateway, tandem-unit), and afterwards
         # whatever was below it: tandem-unit's server runs in a session of its own.

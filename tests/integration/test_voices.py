@@ -90,8 +90,8 @@ def test_register_over_http_and_grpc_and_list(unit: Unit) -> None:
     with VoiceClient(unit.server.url) as vc:
         flac = encoded_bytes(speech_like(2.0, 24000, seed=1), 24000)
         got = vc.register("bo_b-2", "Another voice reads this.", flac)
-        assert got["name"] == "bo_b-2" and got["frames"] == 42
-        listed = {v["name"]: v["builtin"] for v in vc.list()}
+        assert got["id"] == "bo_b-2" and got["frames"] == 42
+        listed = {v["id"]: v["builtin"] for v in vc.list()}
     assert listed == {**dict.fromkeys(BUILTIN, True), "ana": False, "bo_b-2": False}
     status, body = http_call("GET", f"{unit.base}/v1/voices")
     assert status == 200 and body["object"] == "list"
@@ -243,7 +243,7 @@ def test_bad_voice_requests_over_http(unit: Unit) -> None:
     assert status == 404 and body["error"]["code"] == "NOT_FOUND" and body["error"]["param"] == "name"
     sdk = openai.OpenAI(base_url=f"{unit.base}/v1", api_key="unused", max_retries=0)
     with pytest.raises(openai.BadRequestError) as e:
-        sdk.audio.speech.create(model="tts", input="Hello there.", voice="alloy")
+        sdk.audio.speech.create(model="tts", input="Hello there.", voice="bob")
     assert e.value.body["param"] == "voice" and "tara, leah" in e.value.body["message"]  # type: ignore[index]
 
 

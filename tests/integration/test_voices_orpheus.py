@@ -73,7 +73,7 @@ def test_built_in_voices_are_enforced_for_a_real_checkpoint(orpheus: TritonProce
         assert f"VOICE 'bob' is not one of this model's voices: {', '.join(ORPHEUS_VOICES)}" in bad.error  # type: ignore[attr-defined]
     sdk = openai.OpenAI(base_url=f"{gateway}/v1", api_key="unused", max_retries=0)
     with pytest.raises(openai.BadRequestError) as e:
-        sdk.audio.speech.create(model="tts", input="Hello there.", voice="alloy", response_format="wav")
+        sdk.audio.speech.create(model="tts", input="Hello there.", voice="bob", response_format="wav")
     assert e.value.body["param"] == "voice"  # type: ignore[index]
 
 

@@ -63,10 +63,18 @@ def multipart(fields: dict[str, str], file: bytes | None, filename: str = "ref.w
 
 
 def http_call(
-    method: str, url: str, body: bytes | None = None, content_type: str | None = None, timeout: float = 300.0
+    method: str,
+    url: str,
+    body: bytes | None = None,
+    content_type: str | None = None,
+    timeout: float = 300.0,
+    key: str | None = None,
 ) -> tuple[int, dict[str, Any]]:
-    """An HTTP request: (status, JSON body), an error's included."""
+    """An HTTP request (with `Authorization: Bearer key` when `key` is given): (status, JSON body),
+    an error's included."""
     headers = {"Content-Type": content_type} if content_type else {}
+    if key is not None:
+        headers["Authorization"] = f"Bearer {key}"
     req = urllib.request.Request(url, body, headers, method=method)
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
@@ -76,14 +84,20 @@ def http_call(
 
 
 def register_http(
-    base: str, name: str, transcript: str | None, file: bytes | None, timeout: float = 300.0
+    base: str,
+    name: str,
+    transcript: str | None,
+    file: bytes | None,
+    timeout: float = 300.0,
+    key: str | None = None,
 ) -> tuple[int, dict[str, Any]]:
-    """POST /v1/voices on the gateway at `base` (a field given as None is left out)."""
+    """POST /v1/voices on the gateway at `base` (a field given as None is left out; `key`: the
+    caller's API key)."""
     fields = {"name": name} if name is not None else {}
     if transcript is not None:
         fields["transcript"] = transcript
     body, ctype = multipart(fields, file)
-    return http_call("POST", f"{base}/v1/voices", body, ctype, timeout)
+    return http_call("POST", f"{base}/v1/voices", body, ctype, timeout, key)
 
 
 def wav_channels(channels: int, seconds: float = 2.0, rate: int = 16000) -> bytes:

@@ -20,7 +20,7 @@ from tandem.serving.api_key import (
     resolve,
     unit_of,
 )
-from tandem.serving.launcher import LauncherError, build_command
+from tandem.serving.launcher import CPU_FLAGS, LauncherError, build_command, cpu_machine, with_cpu_mode
 from tandem.serving.repository import render, repository_unit
 from tandem.serving.supervisor import Supervisor, parse
 from tandem.transfer.control import control_dir
@@ -127,7 +127,8 @@ def test_the_opt_out_is_explicit_and_warns_at_every_start(
     monkeypatch.setenv("TANDEM_TRITONSERVER_BINARY", "/bin/true")
     monkeypatch.setenv(LOCK_ENV, "off")
     _, argv, _ = build_command(["--model-repository", str(REPO)])
-    assert argv == ["/bin/true", "--model-repository", str(REPO)]
+    cpu = CPU_FLAGS if cpu_machine() else ()  # CPU mode's own flags (launcher.with_cpu_mode)
+    assert argv == ["/bin/true", "--model-repository", str(REPO), *cpu]
     err = capsys.readouterr().err
     assert "WARNING: TANDEM_API_LOCK=off" in err and "answer anyone" in err
     monkeypatch.setenv(LOCK_ENV, "no")
@@ -192,3 +193,18 @@ def test_the_default_unit_is_the_engines_default(tmp_path: Path) -> None:
     assert parse_settings(triton_parameters(derived)).transfer.unit == unit_of([f"--model-repository={repo}"])
     named = json.dumps({"parameters": {"tandem.transfer.unit": {"string_value": "u7"}}})
     assert with_unit(named, str(repo / "decode")) == named
+
+
+def test_cpu_mode_adds_the_flags_that_skip_cuda_probing_unless_given(tmp_path):
+    """On a machine without /dev/nvidiactl the launcher turns off what makes Triton probe CUDA and
+    NVML (each option only where the caller did not set it)."""
+    assert cpu_machine(tmp_path) and not cpu_machine(_with_nvidiactl(tmp_path / "gpu"))
+    assert with_cpu_mode(["--model-repository=r"]) == ["--model-repository=r", *CPU_FLAGS]
+    mine = with_cpu_mode(["--pinned-memory-pool-byte-size=1024"])
+    assert mine[0] == "--pinned-memory-pool-byte-size=1024" and len(mine) == len(CPU_FLAGS)
+
+
+def _with_nvidiactl(dev):
+    dev.mkdir()
+    (dev / "nvidiactl").touch()
+    return dev

@@ -255,10 +255,77 @@ def test_the_api_key_comes_from_the_mounted_secret():
     assert not _one("StatefulSet", "tandem-unit")["spec"]["template"]["spec"].get("shareProcessNamespace")
 
 
-def test_checkpoint_claim_is_defined():
-    volumes = _one("StatefulSet", "tandem-unit")["spec"]["template"]["spec"]["volumes"]
-    claim = next(v["persistentVolumeClaim"]["claimName"] for v in volumes if "persistentVolumeClaim" in v)
-    assert _one("PersistentVolumeClaim", claim)["spec"]["accessModes"] == ["ReadOnlyMany"]
+def _claims(pod: dict[str, Any]) -> dict[str, str]:
+    """volume name -> claim name of a pod spec's PVC volumes."""
+    return {
+        v["name"]: v["persistentVolumeClaim"]["claimName"]
+        for v in pod["volumes"]
+        if "persistentVolumeClaim" in v
+    }
+
+
+def test_checkpoint_claim_is_defined_and_a_job_fills_it():
+    """The units mount the checkpoints read-only; the fill Job writes them where the server's
+    `tandem-repo --checkpoint --codec` reads them."""
+    pod = _one("StatefulSet", "tandem-unit")["spec"]["template"]["spec"]
+    claim = _claims(pod)["models"]
+    assert "ReadOnlyMany" in _one("PersistentVolumeClaim", claim)["spec"]["accessModes"]
+    mount = next(m for m in _server()["volumeMounts"] if m["name"] == "models")
+    assert mount["readOnly"]
+    job = _one("Job", "tandem-fill-checkpoints")["spec"]["template"]["spec"]
+    assert _claims(job) == {"models": claim}
+    fill = job["containers"][0]
+    assert (
+        not fill["volumeMounts"][0].get("readOnly")
+        and fill["volumeMounts"][0]["mountPath"] == mount["mountPath"]
+    )
+    script = fill["args"][0]
+    args = shlex.split(_server()["args"][0].split("&&")[0])
+    for flag in ("--checkpoint", "--codec"):
+        assert f'local_dir="{args[args.index(flag) + 1]}"' in script, flag
+    compile(script, "fill", "exec")  # the Job's Python parses
+
+
+def test_registered_voices_live_on_a_shared_volume():
+    """Voices outlive the pod and every unit sees them: the unit's --state-dir is a ReadWriteMany
+    claim's mount (backend/voices/store.py: <state dir>/voices)."""
+    pod = _one("StatefulSet", "tandem-unit")["spec"]["template"]["spec"]
+    mount = next(m for m in _server()["volumeMounts"] if m["name"] == "voices")
+    assert _one("PersistentVolumeClaim", _claims(pod)["voices"])["spec"]["accessModes"] == ["ReadWriteMany"]
+    unit = shlex.split(_server()["args"][0].split("exec ", 1)[1])
+    assert unit[unit.index("--state-dir") + 1] == mount["mountPath"]
+
+
+def test_the_gateway_takes_tenant_keys_from_a_secret_and_trusts_only_the_router():
+    pod = _one("StatefulSet", "tandem-unit")["spec"]["template"]["spec"]
+    gw = _container(_one("StatefulSet", "tandem-unit"), "gateway")
+    cmd = gw["command"]
+    keys = next(v for v in pod["volumes"] if v["name"] == "gateway-keys")
+    mount = next(m for m in gw["volumeMounts"] if m["name"] == "gateway-keys")
+    assert keys["secret"]["secretName"] == "tandem-gateway-keys" and mount["readOnly"]
+    assert cmd[cmd.index("--api-keys") + 1] == mount["mountPath"] + "/keys"
+    assert "--trusted-proxies" in cmd
+    # the trust rests on the policy: port 8080 admits the router's pods alone
+    rules = _one("NetworkPolicy")["spec"]["ingress"]
+    to_8080 = [r for r in rules if any(p["port"] == 8080 for p in r["ports"])]
+    assert [r["from"] for r in to_8080] == [[{"podSelector": {"matchLabels": {"app": "tandem-router"}}}]]
+
+
+def test_the_router_upgrades_websockets_and_forwards_the_client():
+    """The rendered Envoy config (the file kustomize's configMapGenerator ships), parsed by Envoy's
+    v3 API: the HTTP listener upgrades WebSockets (WS /v1/audio/speech/stream-input) and puts the
+    client's own address in X-Forwarded-For."""
+    from envoy_data_plane.envoy.extensions.filters.network.http_connection_manager.v3 import (
+        HttpConnectionManager,
+    )
+
+    boot = _envoy_bootstrap(_envoy())
+    http = next(lst for lst in boot.static_resources.listeners if lst.name == "http")
+    hcm = HttpConnectionManager().parse(http.filter_chains[0].filters[0].typed_config.value)
+    assert [u.upgrade_type for u in hcm.upgrade_configs] == ["websocket"]
+    assert hcm.use_remote_address
+    generated = _kustomization()["configMapGenerator"][0]["files"]
+    assert generated == ["envoy.yaml=router/envoy.yaml"]
 
 
 def test_keda_scales_on_one_query_that_counts_draining_units_as_full():

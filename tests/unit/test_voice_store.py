@@ -80,7 +80,9 @@ def test_a_corrupt_file_reads_as_absent(tmp_path: Path) -> None:
     assert VoiceStore(tmp_path).get("ana") is None
 
 
-@pytest.mark.parametrize("name", ["../x", "a/b", "", "x" * 65, "é", "a b", ".hidden", "ana.voice"])
+@pytest.mark.parametrize(
+    "name", ["../x", "a/b", "", "x" * 65, "é", "a b", ".hidden", "a.b.c", "a..b", "acme.", ".x"]
+)
 def test_names_outside_the_pattern_are_refused(tmp_path: Path, name: str) -> None:
     with pytest.raises(InvalidInput, match=r"\[INVALID_ARG\] NAME .* is not a voice name"):
         check_name(name)
