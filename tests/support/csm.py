@@ -89,14 +89,31 @@ def csm_config(**override: Any) -> Any:
     return transformers.CsmConfig(**{**args, **override})
 
 
+def randomize_codebooks(model: torch.nn.Module, seed: int) -> None:
+    """Give Mimi's codebooks random centroids: transformers initialises them to zero (real ones are
+    trained), which would quantise every input to code 0 and decode every code alike."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for module in model.modules():
+            if type(module).__name__ == "MimiEuclideanCodebook":
+                module.embed_sum.copy_(torch.randn(module.embed_sum.shape, generator=g))
+                module.cluster_usage.fill_(1.0)
+                module._embed = None
+
+
 def write_csm(path: Path, seed: int = 0, **override: Any) -> Any:
-    """A tiny CSM checkpoint in `path` (weights scrambled so every layer matters); returns the model
-    (eval, float32) for reference forwards."""
+    """A tiny CSM checkpoint in `path` (the decoders' weights scrambled so every layer matters; Mimi's
+    as initialised, its codebooks random); returns the model (eval, float32) for
+    reference forwards."""
     import transformers
 
     torch.manual_seed(seed)
     model = transformers.CsmForConditionalGeneration(csm_config(**override))
-    scramble(model, seed)
+    scramble(model.backbone_model, seed)
+    scramble(model.depth_decoder, seed + 1)
+    scramble(model.embed_text_tokens, seed + 2)
+    scramble(model.lm_head, seed + 3)
+    randomize_codebooks(model.codec_model, seed + 4)
     model.eval()
     model.save_pretrained(path)
     return model
@@ -108,5 +125,6 @@ def write_mimi(path: Path, seed: int = 0) -> Any:
 
     torch.manual_seed(seed)
     model = transformers.MimiModel(mimi_config()).eval()
+    randomize_codebooks(model, seed)
     model.save_pretrained(path)
     return model
