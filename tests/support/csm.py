@@ -51,7 +51,8 @@ def mimi_config(**override: Any) -> Any:
     return transformers.MimiConfig(**{**args, **override})
 
 
-def csm_config(**override: Any) -> Any:
+def csm_config(depth_override: dict[str, Any] | None = None, **override: Any) -> Any:
+    """The tiny CSM config; `depth_override` changes fields of its depth decoder's."""
     import transformers
 
     depth = {
@@ -65,6 +66,7 @@ def csm_config(**override: Any) -> Any:
         "num_key_value_heads": 2,
         "max_position_embeddings": CODEBOOKS + 1,
         "rope_parameters": ROPE,
+        **(depth_override or {}),
     }
     args: dict[str, Any] = {
         "num_codebooks": CODEBOOKS,
@@ -101,14 +103,16 @@ def randomize_codebooks(model: torch.nn.Module, seed: int) -> None:
                 module._embed = None
 
 
-def write_csm(path: Path, seed: int = 0, **override: Any) -> Any:
+def write_csm(
+    path: Path, seed: int = 0, depth_override: dict[str, Any] | None = None, **override: Any
+) -> Any:
     """A tiny CSM checkpoint in `path` (the decoders' weights scrambled so every layer matters; Mimi's
     as initialised, its codebooks random); returns the model (eval, float32) for
     reference forwards."""
     import transformers
 
     torch.manual_seed(seed)
-    model = transformers.CsmForConditionalGeneration(csm_config(**override))
+    model = transformers.CsmForConditionalGeneration(csm_config(depth_override, **override))
     scramble(model.backbone_model, seed)
     scramble(model.depth_decoder, seed + 1)
     scramble(model.embed_text_tokens, seed + 2)
