@@ -38,6 +38,7 @@ from tandem.backend.text.families import (
     FAMILIES,
     FAMILY_CODECS,
     PRESET_FAMILIES,
+    check_csm_codec,
     checkpoint_config,
     detect_family,
 )
@@ -83,6 +84,8 @@ def _codec_parameters(args: argparse.Namespace, cfg: ModelConfig, params: dict[s
         codec["tandem.codec.layout"] = codec_layout
     try:
         settings = parse_settings({k.removeprefix("tandem."): v for k, v in codec.items()})
+        if family == "csm":
+            check_csm_codec(Path(args.checkpoint), Path(args.codec))
     except ValueError as exc:
         raise SystemExit(f"tandem-repo: --codec: {exc}") from None
     spec = codec_spec(settings)

@@ -125,6 +125,28 @@ def csm_shape(hf: dict[str, Any], dtype: str | None = None) -> CsmShape:
     )
 
 
+def check_codec(shape: CsmShape, mimi: dict[str, Any], where: str) -> None:
+    """Raises ValueError naming the field when the Mimi whose config.json is `mimi` (read from
+    `where`) cannot decode this CSM's frames: fewer quantizers than its codebooks, codes past its
+    vocabulary, or another codec than the one its `codec_config` names (sampling rate, codebook
+    size, quantizers)."""
+    n, vocab = shape.rows.codebooks, shape.rows.codebook_vocab
+    if int(mimi.get("num_quantizers", 0)) < n:
+        raise ValueError(
+            f"{where}: field 'num_quantizers' is {mimi.get('num_quantizers')!r}, below the {n} codebooks"
+        )
+    if int(mimi.get("codebook_size", vocab + 1)) > vocab:
+        raise ValueError(
+            f"{where}: field 'codebook_size' is {mimi.get('codebook_size')!r}, past vocab_size {vocab}"
+        )
+    for field in ("sampling_rate", "codebook_size", "num_quantizers"):
+        if shape.codec and field in shape.codec and shape.codec[field] != mimi.get(field):
+            raise ValueError(
+                f"{where}: field {field!r} is {mimi.get(field)!r}; the checkpoint's codec_config.{field} "
+                f"is {shape.codec[field]!r}"
+            )
+
+
 def is_csm(path: str | os.PathLike[str]) -> bool:
     """True when `path`'s config.json names model_type `csm` (read only; no check of the rest)."""
     try:

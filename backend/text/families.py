@@ -19,7 +19,7 @@ from tandem.backend.codec.orpheus import AUDIO_BASE, CODEBOOK, SLOTS
 from tandem.backend.model.checkpoint import config_from_hf
 from tandem.backend.model.config import ModelConfig
 from tandem.backend.model.csm_checkpoint import MODEL_TYPE as CSM_MODEL_TYPE
-from tandem.backend.model.csm_checkpoint import csm_shape
+from tandem.backend.model.csm_checkpoint import check_codec, csm_shape
 
 FAMILIES = {
     "orpheus": "SNAC 24 kHz: the hubertsiuzdak/snac_24khz directory",
@@ -72,3 +72,10 @@ def checkpoint_config(checkpoint: Path) -> ModelConfig:
     if config.get("model_type") == CSM_MODEL_TYPE:
         return csm_shape(config).backbone
     return config_from_hf(config)
+
+
+def check_csm_codec(checkpoint: Path, codec: Path) -> None:
+    """ValueError naming the field when the Mimi in `codec` cannot decode the CSM in `checkpoint`'s
+    frames (`check_codec`)."""
+    shape = csm_shape(json.loads((checkpoint / "config.json").read_text()))
+    check_codec(shape, json.loads((codec / "config.json").read_text()), f"{codec / 'config.json'}")

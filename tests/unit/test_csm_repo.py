@@ -96,3 +96,20 @@ def test_a_csm_checkpoint_whose_parts_disagree_is_refused_by_field(
     (bad / "config.json").write_text(json.dumps(config))
     with pytest.raises(SystemExit, match=r"depth_decoder_config\.num_codebooks"):
         main(["--out", str(tmp_path / "c"), "--checkpoint", str(bad), "--codec", str(mimi)])
+
+
+def test_a_mimi_that_cannot_decode_the_csm_is_refused_by_field(
+    dirs: tuple[Path, Path], tmp_path: Path
+) -> None:
+    import json
+
+    ckpt, mimi = dirs
+    for field, value in (("num_quantizers", CODEBOOKS - 1), ("codebook_size", 128), ("sampling_rate", 16000)):
+        other = tmp_path / f"mimi-{field}"
+        other.mkdir()
+        config = json.loads((mimi / "config.json").read_text())
+        config[field] = value
+        (other / "config.json").write_text(json.dumps(config))
+        (other / "model.safetensors").write_bytes((mimi / "model.safetensors").read_bytes())
+        with pytest.raises(SystemExit, match=f"field '{field}'"):
+            main(["--out", str(tmp_path / f"repo-{field}"), "--checkpoint", str(ckpt), "--codec", str(other)])
