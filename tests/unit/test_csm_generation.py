@@ -2,7 +2,9 @@
 Mimi frames, its end frame) and the text to speak, packed as Sesame lays it out, gives under greedy
 decoding exactly the frames transformers' `CsmForConditionalGeneration.generate` gives for the same
 conversation (transformers encodes the reference audio with its own Mimi and merges it itself);
-seeded sampling is a function of the seed alone, and frames batched together equal frames made alone.
+seeded sampling is a function of the seed alone, and frames batched together equal frames made alone;
+and those frames, streamed through D's framing and the Mimi codec in chunks, sound as transformers'
+`generate(output_audio=True)` does (>= 80 dB SNR: the codec's lookback truncation, docs/codecs.md).
 """
 
 from __future__ import annotations
@@ -11,11 +13,14 @@ import numpy as np
 import pytest
 import torch
 
+from tandem.backend.codec.base import Framing
+from tandem.backend.codec.csm import CsmLayout
+from tandem.backend.codec.mimi import MimiCodec, mimi_spec
 from tandem.backend.generation.sampling import SamplingParams
 from tandem.backend.model.csm_checkpoint import CsmModel, load_csm
-from tandem.backend.model.csm_frames import CsmFrames, generate
+from tandem.backend.model.csm_frames import CsmFrames, frame_rows, generate
 from tandem.backend.text.csm import Utterance, prompt_rows
-from tests.support.csm import CODEBOOKS, TEXT_VOCAB, write_csm
+from tests.support.csm import CODEBOOKS, MIMI_CODES, TEXT_VOCAB, write_csm
 
 transformers = pytest.importorskip("transformers")
 BOS, EOS, AUDIO, AUDIO_EOS = 1, 4, 2, 3  # the tiny config's ids (tests/support/csm.py)
@@ -87,3 +92,36 @@ def test_prompt_rows_refuse_what_does_not_fit(csm: tuple[torch.nn.Module, CsmMod
         prompt_rows([Utterance(_text(1, 2), np.full((3, CODEBOOKS), rows.codebook_vocab))], rows, eos)
     with pytest.raises(ValueError, match="text ids must lie"):
         prompt_rows([Utterance(np.array([TEXT_VOCAB]))], rows, eos)
+
+
+@torch.no_grad()
+def test_streamed_speech_sounds_as_transformers_audio(tmp_path_factory: pytest.TempPathFactory) -> None:
+    # A CSM whose vocabulary is Mimi's 64 codes (the special ids inside it): random weights would
+    # otherwise sample CSM's extra ids, which no Mimi decodes (a trained CSM does not emit them).
+    path = tmp_path_factory.mktemp("csm64")
+    model = write_csm(path, seed=7, depth_override={"vocab_size": MIMI_CODES}, vocab_size=MIMI_CODES,
+                      codebook_pad_token_id=MIMI_CODES - 1)  # fmt: skip
+    ours = load_csm(path)
+    text = _text(6, 5)
+    expected = model.generate(
+        input_ids=torch.from_numpy(text)[None],
+        attention_mask=torch.ones(1, text.size, dtype=torch.long),
+        max_new_tokens=12,
+        do_sample=False,
+        depth_decoder_do_sample=False,
+        output_audio=True,
+    )[0].numpy()
+    rows = torch.from_numpy(prompt_rows([Utterance(text)], ours.shape.rows, ours.shape.codebook_eos))
+    generated = frame_rows(generate(ours, rows, 12, SamplingParams())).numpy()
+    mimi = tmp_path_factory.mktemp("mimi")
+    model.codec_model.save_pretrained(mimi)  # the checkpoint's own Mimi, as a codec directory
+    codec = MimiCodec(mimi, mimi_spec(mimi, "csm", 8, 0, 1), torch.device("cpu"))
+    track = Framing(CsmLayout(ours.shape.codebook_eos), 8, 0).track(CODEBOOKS + 1)
+    parts = []
+    for at in range(0, generated.shape[0], 3):
+        track.push(generated[at : at + 3])
+        parts.extend(codec.decode([track.window(final=at + 3 >= generated.shape[0])]))
+    streamed = np.concatenate(parts)
+    assert expected.shape == streamed.shape == (12 * 1920,) and np.abs(expected).max() > 0
+    err = np.sum((streamed - expected).astype(np.float64) ** 2)
+    assert 10 * np.log10(np.sum(expected.astype(np.float64) ** 2) / max(err, 1e-30)) >= 80.0
