@@ -19,22 +19,32 @@ The published `row_width`/`vocab_size` of `tts` and `tts_mono` are rewritten to 
 `sample_rate`/`rows_per_second` to the codec's, since the models refuse to load when they disagree;
 so are the dims of every row tensor ([-1, W]) and codec-frame tensor ([-1, K]): one variable
 dimension each, or Triton lets a negative dimension through to the stub (serving/repository.py).
-`--codec DIR` puts SNAC (config.json + pytorch_model.bin) behind D, the vocoder and `tts_mono`, and
-cuts chunks in whole frames: the first one (1 + lookahead) frames, so it already sounds.
+`--codec DIR` puts the family's codec behind D, the vocoder and `tts_mono` (SNAC: config.json +
+pytorch_model.bin, for Orpheus and a model of no family; Mimi: config.json + model.safetensors, for
+CSM), and cuts chunks in whole frames: the first one (1 + lookahead) frames, so it already sounds.
+
+    # Sesame CSM (detected from its config.json) with Mimi; rendered, not yet served by the engines
+    # (docs/codecs.md, "CSM"):
+    tandem-repo --out /srv/repo --checkpoint /models/csm-1b --codec /models/mimi
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 from tandem.backend.codec.base import format_rate
 from tandem.backend.codec.builder import codec_spec, layout
-from tandem.backend.model.checkpoint import config_from_hf
 from tandem.backend.model.config import ModelConfig, preset
 from tandem.backend.settings import parse_settings
-from tandem.backend.text.families import FAMILIES, PRESET_FAMILIES, detect_family
+from tandem.backend.text.families import (
+    FAMILIES,
+    FAMILY_CODECS,
+    PRESET_FAMILIES,
+    check_csm_codec,
+    checkpoint_config,
+    detect_family,
+)
 from tandem.serving.repository import gpu_group, render, tensor_dims
 
 SOURCE = Path(__file__).resolve().parent.parent / "model_repository"
@@ -46,7 +56,9 @@ VOICE_USERS = ("frontend", "tts_mono", "voices")  # built-in voices and the stor
 # config.json does not list.
 FAMILY_VOICES = {"orpheus": "tara,leah,jess,leo,dan,mia,zac,zoe"}
 CHUNK_FRAMES_MAX = 16  # frames per chunk once grown (1.37 s of Orpheus audio)
-ORPHEUS_DEFAULT_ROWS = 1200  # a request's length when it names none (the OpenAI body never does)
+# A request's length when it names none (the OpenAI body never does): Orpheus' own engine asks for
+# 1,200 tokens (14.6 s of audio), Sesame's generator for 90 s of audio (1,125 frames at 12.5/s).
+FAMILY_DEFAULT_ROWS = {"orpheus": 1200, "csm": 1125}
 # The models that read the family: the text front end (its template), P and tts_mono (the grammar
 # they sample under and hand on to D).
 ORPHEUS_FAMILY_USERS = ("frontend", "prefill", "tts_mono")
@@ -66,12 +78,17 @@ def _codec_parameters(args: argparse.Namespace, cfg: ModelConfig, params: dict[s
         raise SystemExit(f"tandem-repo: the {family} family needs its codec: --codec DIR ({need})")
     if family == "orpheus" and cfg.row_width != 1:
         raise SystemExit(f"tandem-repo: Orpheus emits one id per row, but the model has W={cfg.row_width}")
+    if family == "csm" and not (args.checkpoint and detect_family(Path(args.checkpoint)) == "csm"):
+        raise SystemExit("tandem-repo: --family csm needs a CSM checkpoint (config.json model_type 'csm')")
     codec: dict[str, str] = {}
     if args.codec:
-        codec = {"tandem.codec.kind": "snac", "tandem.codec.path": str(Path(args.codec).resolve())}
-        codec["tandem.codec.layout"] = "orpheus"
+        kind, codec_layout = FAMILY_CODECS.get(family or "", FAMILY_CODECS["orpheus"])
+        codec = {"tandem.codec.kind": kind, "tandem.codec.path": str(Path(args.codec).resolve())}
+        codec["tandem.codec.layout"] = codec_layout
     try:
         settings = parse_settings({k.removeprefix("tandem."): v for k, v in codec.items()})
+        if family == "csm":
+            check_csm_codec(Path(args.checkpoint), Path(args.codec))
     except ValueError as exc:
         raise SystemExit(f"tandem-repo: --codec: {exc}") from None
     spec = codec_spec(settings)
@@ -83,9 +100,9 @@ def _codec_parameters(args: argparse.Namespace, cfg: ModelConfig, params: dict[s
     if voices is not None:
         for m in VOICE_USERS:
             params.setdefault(m, {})["tandem.frontend.voices"] = voices
-    if family == "orpheus":  # Orpheus' own engine asks for up to 1,200 tokens (14.6 s of audio) by default
+    if family in FAMILY_DEFAULT_ROWS:
         for m in ("prefill", "tts_mono"):  # the models that validate a request's length
-            params.setdefault(m, {})["tandem.limits.default_new_rows"] = str(ORPHEUS_DEFAULT_ROWS)
+            params.setdefault(m, {})["tandem.limits.default_new_rows"] = str(FAMILY_DEFAULT_ROWS[family])
         # The family, written out rather than left to detection: without a tokenizer (a preset, a
         # checkpoint that ships none) the text front end cannot detect it, and P and tts_mono would
         # then sample over the whole vocabulary; with it they sample under Orpheus' audio-token
@@ -125,11 +142,15 @@ def main(argv: list[str] | None = None) -> int:
         help="write a small random Orpheus-format checkpoint (with a tokenizer.json built by `tokenizers`) "
         "and random SNAC 24 kHz into DIR and serve them: text in, audio (noise) out, offline, on a CPU",
     )
-    ap.add_argument("--codec", help="SNAC directory (config.json + pytorch_model.bin) for the vocoder seam")
+    ap.add_argument(
+        "--codec",
+        help="the family's codec directory for the vocoder seam: SNAC (config.json + pytorch_model.bin), "
+        "or Mimi (config.json + model.safetensors) for CSM",
+    )
     ap.add_argument(
         "--family",
         choices=sorted(FAMILIES),
-        help="the model family; default: detected from --checkpoint, or the preset's "
+        help="the model family; default: detected from --checkpoint (orpheus, csm), or the preset's "
         "(orpheus-3b-shape: orpheus)",
     )
     ap.add_argument("--vocoder-gpus", help="one vocoder instance per listed GPU (the codec decodes there)")
@@ -173,7 +194,10 @@ def main(argv: list[str] | None = None) -> int:
         for m in VOICE_USERS:
             params[m]["tandem.voices.dir"] = str(Path(args.voices_dir).resolve())
     if args.checkpoint:
-        cfg = config_from_hf(json.loads((Path(args.checkpoint) / "config.json").read_text()))
+        try:
+            cfg = checkpoint_config(Path(args.checkpoint))
+        except ValueError as exc:
+            raise SystemExit(f"tandem-repo: --checkpoint: {exc}") from None
         for m in (*ENGINES, "frontend", "voices"):
             params[m]["tandem.model.checkpoint"] = str(Path(args.checkpoint).resolve())
         for m in ("frontend", "tts_mono"):  # "": the checkpoint's own tokenizer.json (none: TEXT refused)

@@ -4,6 +4,8 @@
 - `reference`: `ReferenceVocoder` (tones, no weights), one frame per row, no context; its clock is
   `tandem.vocoder.sample_rate` / `rows_per_second`. The checked-in CPU default.
 - `snac`: SNAC from `tandem.codec.path` (backend/codec/snac.py), Orpheus' layout by default.
+- `mimi`: Mimi from `tandem.codec.path` through `transformers.MimiModel` (backend/codec/mimi.py),
+  CSM's layout by default (backend/codec/csm.py): causal, so no lookahead; 8 frames of lookback.
 No import side effects and no environment reads: every process (P, D, the vocoder, the monolithic
 engine) builds the same spec from the same parameters.
 """
@@ -16,9 +18,10 @@ import torch
 
 from tandem.backend.codec.base import AudioLayout, Codec, CodecSpec, Encoder, Framing, RowLayout
 from tandem.backend.codec.config import CodecSettings, VocoderConfig
+from tandem.backend.codec.csm import CsmLayout
 from tandem.backend.codec.orpheus import OrpheusLayout
 
-KINDS = ("reference", "snac")
+KINDS = ("reference", "snac", "mimi")
 
 
 class CodecConfigured(Protocol):
@@ -31,8 +34,13 @@ class CodecConfigured(Protocol):
     def vocoder(self) -> VocoderConfig: ...
 
 
-LAYOUTS: dict[str, type[RowLayout] | type[OrpheusLayout]] = {"rows": RowLayout, "orpheus": OrpheusLayout}
-_DEFAULTS = {"reference": ("rows", 0, 0), "snac": ("orpheus", 2, 1)}  # layout, lookback, lookahead
+LAYOUTS: dict[str, type[RowLayout] | type[OrpheusLayout] | type[CsmLayout]] = {
+    "rows": RowLayout,
+    "orpheus": OrpheusLayout,
+    "csm": CsmLayout,
+}
+# layout, lookback, lookahead
+_DEFAULTS = {"reference": ("rows", 0, 0), "snac": ("orpheus", 2, 1), "mimi": ("csm", 8, 0)}
 
 
 def layout(name: str) -> AudioLayout:
@@ -56,6 +64,10 @@ def codec_spec(settings: CodecConfigured) -> CodecSpec:
     if c.kind == "reference":
         v = settings.vocoder
         return CodecSpec("reference", name, v.sample_rate, v.samples_per_row, rows_per_frame, back, ahead)
+    if c.kind == "mimi":
+        from tandem.backend.codec.mimi import mimi_spec
+
+        return mimi_spec(c.path, name, back, ahead, rows_per_frame)
     from tandem.backend.codec.snac import snac_spec
 
     return snac_spec(c.path, name, back, ahead, rows_per_frame)
@@ -74,19 +86,27 @@ def build_codec(settings: CodecConfigured, device: torch.device) -> Codec:
         from tandem.backend.codec.reference import ReferenceVocoder
 
         return ReferenceVocoder(settings.vocoder)
+    if spec.kind == "mimi":
+        from tandem.backend.codec.mimi import MimiCodec
+
+        return MimiCodec(settings.codec.path, spec, device)
     from tandem.backend.codec.snac import SnacCodec
 
     return SnacCodec(settings.codec.path, spec, device)
 
 
 def build_encoder(settings: CodecConfigured, device: torch.device) -> Encoder:
-    """The codec's encoder, on `device`, for registering voices (both codecs encode: SNAC with its
-    own encoder, the reference codec by analysing its tones)."""
+    """The codec's encoder, on `device`, for registering voices (every codec encodes: SNAC and Mimi
+    with their own encoders, the reference codec by analysing its tones)."""
     spec = codec_spec(settings)
     if spec.kind == "reference":
         from tandem.backend.codec.reference import ReferenceVocoder
 
         return ReferenceVocoder(settings.vocoder)
+    if spec.kind == "mimi":
+        from tandem.backend.codec.mimi import MimiCodec
+
+        return MimiCodec(settings.codec.path, spec, device)
     from tandem.backend.codec.snac import SnacCodec
 
     return SnacCodec(settings.codec.path, spec, device)

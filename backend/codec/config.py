@@ -26,10 +26,11 @@ class CodecSettings:
     """The codec behind the vocoder seam (backend/codec/base.py, docs/codecs.md). D, the vocoder and the
     monolithic engine must agree on it: D frames the rows, the vocoder decodes the frames.
 
-    kind: "reference" (ReferenceVocoder, no weights; `tandem.vocoder.*` sets its clock) or "snac"
-    (`path`: a directory with SNAC's config.json + pytorch_model.bin). layout: how the LM's rows carry
-    the codes ("" = the kind's own: reference -> rows, snac -> orpheus). lookback/lookahead_frames:
-    context decoded around each chunk (-1 = the kind's default: reference 0/0, snac 2/1)."""
+    kind: "reference" (ReferenceVocoder, no weights; `tandem.vocoder.*` sets its clock), "snac"
+    (`path`: a directory with SNAC's config.json + pytorch_model.bin) or "mimi" (`path`: Mimi's
+    config.json + model.safetensors). layout: how the LM's rows carry the codes ("" = the kind's
+    own: reference -> rows, snac -> orpheus, mimi -> csm). lookback/lookahead_frames: context
+    decoded around each chunk (-1 = the kind's default: reference 0/0, snac 2/1, mimi 8/0)."""
 
     kind: str = "reference"
     path: str = ""

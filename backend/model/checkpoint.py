@@ -81,7 +81,7 @@ def config_from_hf(hf_config: dict[str, Any]) -> ModelConfig:
     )
 
 
-def _shard_files(path: Path) -> list[Path]:
+def shard_files(path: Path) -> list[Path]:
     index = path / "model.safetensors.index.json"
     if index.exists():
         weight_map = json.loads(index.read_text())["weight_map"]
@@ -113,7 +113,7 @@ def load_checkpoint(
     dec = Decoder(cfg, device)
     params = dict(dec.named_parameters())
     seen: set[str] = set()
-    for file in _shard_files(root):
+    for file in shard_files(root):
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
                 if name.endswith(_IGNORED_SUFFIXES) or (name == "lm_head.weight" and cfg.tie_word_embeddings):

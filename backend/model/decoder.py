@@ -43,11 +43,16 @@ _AttendQKV = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Ten
 @dataclass(frozen=True)
 class PrefillItem:
     """One prompt of a `Decoder.prefill_many` call: rows [T, W] at positions start..start+T-1 and the
-    pool slot of every position 0..start+T-1 (positions < start already hold KV)."""
+    pool slot of every position 0..start+T-1 (positions < start already hold KV).
+
+    `embeds` [E, H] (None: none): inputs already in the decoder's hidden space, at positions
+    start..start+E-1 before the rows (which then start at start+E; rows may be [0, W]). CSM's depth
+    decoder reads the backbone's hidden state this way (backend/model/csm.py)."""
 
     rows: torch.Tensor
     slots: torch.Tensor
     start: int
+    embeds: torch.Tensor | None = None
 
 
 class Decoder(nn.Module):
@@ -68,12 +73,8 @@ class Decoder(nn.Module):
         self.cfg = cfg
         dtype = cfg.torch_dtype
         with torch.device("meta"):
-            self.model = Body(cfg, dtype)
-            self.lm_head: nn.Linear | None = (
-                None
-                if cfg.tie_word_embeddings
-                else nn.Linear(cfg.hidden_size, cfg.row_width * cfg.vocab_size, bias=False, dtype=dtype)
-            )
+            self.model = Body(cfg, dtype, self._make_embedding(cfg, dtype))
+            self.lm_head: nn.Linear | None = self._make_head(cfg, dtype)
         self.to_empty(device=device)
         for layer in cast(Sequence[DecoderLayer], self.model.layers):  # to_empty gave each its own storage
             layer.self_attn.fuse()
@@ -86,7 +87,7 @@ class Decoder(nn.Module):
         # `tandem.csrc.triton_ops` (residual add + RMSNorm, qk-norm + RoPE + KV write, SwiGLU); False
         # runs the torch modules one by one (the reference; the CPU always does). Read when a step runs.
         self.fused = True
-        dev = self.model.embed_tokens.weight.device
+        dev = self.device
         inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, dev)  # backend/model/rope.py
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.register_buffer(
@@ -98,6 +99,17 @@ class Decoder(nn.Module):
         self.kv_access = attention.KVAccess()
         self._kv_digest = ""
 
+    def _make_embedding(self, cfg: ModelConfig, dtype: torch.dtype) -> nn.Module:
+        """The input table (built on the meta device): W columns of V ids in one [W*V, H] matrix.
+        A family whose rows embed otherwise overrides this with `_embed` (backend/model/csm.py)."""
+        return nn.Embedding(cfg.row_width * cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+
+    def _make_head(self, cfg: ModelConfig, dtype: torch.dtype) -> nn.Linear | None:
+        """The output head (meta device): [W*V, H], or None when tied to the input table."""
+        if cfg.tie_word_embeddings:
+            return None
+        return nn.Linear(cfg.hidden_size, cfg.row_width * cfg.vocab_size, bias=False, dtype=dtype)
+
     @classmethod
     def random(cls, cfg: ModelConfig, device: torch.device | str = "cpu", seed: int = 0) -> Decoder:
         """Deterministic random weights for tests, benchmarks and the 'tiny' server model.
@@ -108,7 +120,7 @@ class Decoder(nn.Module):
         the same seed on the same device type gives the same weights.
         """
         dec = cls(cfg, device)
-        dev = dec.model.embed_tokens.weight.device
+        dev = dec.device
         gen = torch.Generator(device=dev)
         gen.manual_seed(seed)
         head_std = 2.0 / math.sqrt(cfg.hidden_size)
@@ -161,7 +173,7 @@ class Decoder(nn.Module):
 
     @property
     def device(self) -> torch.device:
-        return self.model.embed_tokens.weight.device
+        return self.model.norm.weight.device
 
     # ---- shared pieces -------------------------------------------------------------------------------
 
@@ -326,6 +338,13 @@ class Decoder(nn.Module):
         `span`'s ids (None: the whole vocabulary), row i the last position of item i. The linear layers
         run once over all rows, attention once per prompt, each prompt over itself only, so results do
         not depend on the other items. Items' slots must not overlap."""
+        return self.head_logits(self.prefill_hidden(pool, items), span)
+
+    @torch.inference_mode()
+    def prefill_hidden(self, pool: KVPool, items: Sequence[PrefillItem]) -> torch.Tensor:
+        """`prefill_many` without the head: the final-normed hidden states [n, H] (model dtype) of
+        each item's last position, for a head the caller picks (CSM's backbone hands its to the depth
+        decoder). Writes the items' KV as `prefill_many` does."""
         self._check_pool(pool)
         if not items:
             raise ValueError("prefill_many needs at least one item")
@@ -334,6 +353,8 @@ class Decoder(nn.Module):
         dev = pool.device
         for it in items:
             x = self._embed(it.rows)
+            if it.embeds is not None:
+                x = torch.cat([it.embeds.to(x.device, x.dtype), x])
             t = x.shape[0]
             if t == 0:
                 raise ValueError("a prefill item has no rows")
@@ -352,7 +373,7 @@ class Decoder(nn.Module):
         with sdpa_kernel(PREFILL_BACKENDS):
             h = self._forward_layers(x, positions, att)
         last = torch.tensor([p.offset + p.rows - 1 for p in parts], device=h.device)
-        return self.head_logits(h.index_select(0, last), span)
+        return h.index_select(0, last)
 
     @torch.inference_mode()
     def decode(
@@ -372,6 +393,13 @@ class Decoder(nn.Module):
         Writes each new row's KV into its slot; each sequence attends only over its own slots, padded to
         the longest context of the batch and masked, so results do not depend on batch companions.
         """
+        return self.head_logits(self.decode_step_hidden(rows, pool, slot_tables, positions), span)
+
+    @torch.inference_mode()
+    def decode_step_hidden(
+        self, rows: torch.Tensor, pool: KVPool, slot_tables: Sequence[torch.Tensor], positions: torch.Tensor
+    ) -> torch.Tensor:
+        """`decode` without the head: the final-normed hidden states [B, H] (model dtype)."""
         self._check_pool(pool)
         b = rows.shape[0]
         if len(slot_tables) != b or positions.numel() != b:
@@ -380,8 +408,7 @@ class Decoder(nn.Module):
         dev = pool.device
         lengths = upload(torch.tensor(lengths_host, dtype=torch.long), dev)
         padded = torch.nn.utils.rnn.pad_sequence([t.to(dev) for t in slot_tables], batch_first=True)
-        h = self.decode_hidden(rows.to(dev), pool, padded, lengths, positions.to(dev, torch.long))
-        return self.head_logits(h, span)
+        return self.decode_hidden(rows.to(dev), pool, padded, lengths, positions.to(dev, torch.long))
 
     @torch.inference_mode()
     def decode_hidden(

@@ -183,10 +183,11 @@ class DecoderLayer(nn.Module):
 
 
 class Body(nn.Module):
-    """The `model.` part of an HF causal LM: embeddings, layers, final norm."""
+    """The `model.` part of an HF causal LM: embeddings (`embed_tokens`: the decoder's input table,
+    `Decoder._make_embedding`), layers, final norm."""
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, embed_tokens: nn.Module) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.row_width * cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        self.embed_tokens = embed_tokens
         self.layers = nn.ModuleList(DecoderLayer(cfg, dtype) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)

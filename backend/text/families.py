@@ -5,6 +5,9 @@ Recognised from the checkpoint's files, never its directory name, or implied by 
 family's shape (`PRESET_FAMILIES`: random weights with no tokenizer, so nothing else could tell):
 - orpheus: a Llama with the Llama-3 text vocabulary plus 7 x 4096 audio tokens (156,940 ids), whose
   tokenizer, when shipped, names id 128266 `<custom_token_10>`.
+- csm: Sesame CSM (config.json model_type `csm`: a backbone and a depth decoder over Mimi frames,
+  backend/model/csm.py), whose codec is Mimi. Its decoder config is the backbone's
+  (`checkpoint_config`): rows of N codes plus a text column.
 """
 
 from __future__ import annotations
@@ -13,8 +16,17 @@ import json
 from pathlib import Path
 
 from tandem.backend.codec.orpheus import AUDIO_BASE, CODEBOOK, SLOTS
+from tandem.backend.model.checkpoint import config_from_hf
+from tandem.backend.model.config import ModelConfig
+from tandem.backend.model.csm_checkpoint import MODEL_TYPE as CSM_MODEL_TYPE
+from tandem.backend.model.csm_checkpoint import check_codec, csm_shape
 
-FAMILIES = {"orpheus": "SNAC 24 kHz: the hubertsiuzdak/snac_24khz directory"}
+FAMILIES = {
+    "orpheus": "SNAC 24 kHz: the hubertsiuzdak/snac_24khz directory",
+    "csm": "Mimi: the kyutai/mimi directory (config.json + model.safetensors)",
+}
+# The codec each family's LM drives: (tandem.codec.kind, tandem.codec.layout).
+FAMILY_CODECS = {"orpheus": ("snac", "orpheus"), "csm": ("mimi", "csm")}
 # The presets (backend/model/config.py) that stand for a family's model: a repository of one is that
 # family's (its codec, its grammar), as a checkpoint of it would be.
 PRESET_FAMILIES = {"orpheus-3b-shape": "orpheus"}
@@ -42,6 +54,8 @@ def detect_family(checkpoint: Path) -> str | None:
         config = json.loads((checkpoint / "config.json").read_text())
     except (OSError, ValueError):
         return None
+    if config.get("model_type") == CSM_MODEL_TYPE:
+        return "csm"
     vocab = int(config.get("vocab_size", 0))
     if config.get("model_type") != "llama" or vocab < AUDIO_BASE + SLOTS * CODEBOOK:
         return None
@@ -49,3 +63,19 @@ def detect_family(checkpoint: Path) -> str | None:
     if named is None:
         return "orpheus" if vocab == _ORPHEUS_VOCAB else None
     return "orpheus" if named else None
+
+
+def checkpoint_config(checkpoint: Path) -> ModelConfig:
+    """The decoder config of the checkpoint in `checkpoint` (its config.json only): a CSM's backbone
+    (its parts checked, `csm_shape`), else the plain HF decoder's. ValueError names a bad field."""
+    config = json.loads((checkpoint / "config.json").read_text())
+    if config.get("model_type") == CSM_MODEL_TYPE:
+        return csm_shape(config).backbone
+    return config_from_hf(config)
+
+
+def check_csm_codec(checkpoint: Path, codec: Path) -> None:
+    """ValueError naming the field when the Mimi in `codec` cannot decode the CSM in `checkpoint`'s
+    frames (`check_codec`)."""
+    shape = csm_shape(json.loads((checkpoint / "config.json").read_text()))
+    check_codec(shape, json.loads((codec / "config.json").read_text()), f"{codec / 'config.json'}")
