@@ -1,6 +1,6 @@
 """What a GPU machine without tandem needs from the carry, checked on the CPU machine that builds it.
 
-The device image has Python 3.12, a CUDA torch, triton, pybind11 and cupy (`DEVICE_HAS`); everything
+The device image has Python 3.12, a CUDA torch, triton, pybind11, cupy and transformers (`DEVICE_HAS`); everything
 else that the device scripts run — tritonserver's python stubs and the engine workers they start
 (every `model_repository/*/model.py` but `voices`), the launcher and `tandem-unit`, `tandem-repo`,
 the benches — must come from the carry (`bench/device/make_carry.sh`): its `site/` folder, which
@@ -47,12 +47,12 @@ LEFT_OUT_MODULES = ("backend/voices/registrar.py",)
 # Modules the server provides to its stubs (the python backend's folder).
 SERVER_PROVIDES = frozenset({"triton_python_backend_utils"})
 # Top-level modules of the device image (bench/device/device_env.sh's machine): torch and what it
-# imports, triton, pybind11, cupy and its fastrlock.
+# imports, triton, pybind11, cupy and its fastrlock; transformers (Mimi's codec, backend/codec/mimi.py).
 DEVICE_HAS = frozenset(
     {
         "torch", "torchgen", "functorch", "triton", "pybind11", "cupy", "cupy_backends", "fastrlock",
         "filelock", "typing_extensions", "sympy", "mpmath", "networkx", "jinja2", "markupsafe", "fsspec",
-        "setuptools", "pkg_resources", "_distutils_hack", "nvidia",
+        "setuptools", "pkg_resources", "_distutils_hack", "nvidia", "transformers",
     }
 )  # fmt: skip
 DEVICE_DISTS = frozenset(

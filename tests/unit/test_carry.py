@@ -32,7 +32,7 @@ def test_a_site_without_a_module_or_with_the_wrong_abi_is_refused(tmp_path: Path
     site = tmp_path / "site"
     site.mkdir()
     missing = {m.name: m.needed_by for m in check(site)}
-    assert missing["msgspec"] == "backend/worker/channel.py"
+    assert "import msgspec" in (ROOT / missing["msgspec"]).read_text()  # named by a module that imports it
     assert "tritonclient" in missing and "torch" not in missing  # the device has torch
     (site / "msgspec").mkdir()
     (site / "pysbd.cpython-311-x86_64-linux-gnu.so").write_bytes(b"")  # built for this machine's 3.11
