@@ -1,11 +1,11 @@
 """What a GPU machine without tandem needs from the carry, checked on the CPU machine that builds it.
 
-The device image has Python 3.12, a CUDA torch, triton, pybind11, cupy and transformers (`DEVICE_HAS`); everything
-else that the device scripts run — tritonserver's python stubs and the engine workers they start
-(every `model_repository/*/model.py` but `voices`), the launcher and `tandem-unit`, `tandem-repo`,
-the benches — must come from the carry (`bench/device/make_carry.sh`): its `site/` folder, which
-the device scripts put first on every interpreter's path through a `.pth` file (Triton's stubs
-ignore PYTHONPATH).
+The device image has Python 3.12, a CUDA torch, triton, pybind11, cupy and transformers
+(`DEVICE_HAS`); everything else that the device scripts run — tritonserver's python stubs and the
+engine workers they start (every `model_repository/*/model.py` but `voices`), the launcher and
+`tandem-unit`, `tandem-repo`, the benches — must come from the carry (`bench/device/make_carry.sh`):
+its `site/` folder, which the device scripts put first on every interpreter's path through a `.pth`
+file (Triton's stubs ignore PYTHONPATH).
 
 This machine's Python is not the device's, so the check cannot import the carry's compiled
 modules: it resolves them. From the entry modules it follows every `tandem` import (module level
