@@ -110,15 +110,21 @@ class TritonProcess:
             )
         client = grpcclient.InferenceServerClient(self.url)
         deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"tritonserver exited ({self.proc.returncode}):\n{self.log_tail()}")
-            try:
-                if client.is_server_ready():
-                    return self
-            except Exception:
-                pass
-            time.sleep(0.5)
+        try:
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"tritonserver exited ({self.proc.returncode}):\n{self.log_tail()}")
+                try:
+                    if client.is_server_ready():
+                        return self
+                except Exception:
+                    pass
+                time.sleep(0.5)
+        except BaseException:
+            # pytest-timeout's Failed (or a Ctrl-C) lands here while the server loads: without this
+            # its whole tree outlives the test and loads the box for every test after it.
+            self.stop()
+            raise
         self.stop()
         raise RuntimeError(f"tritonserver not ready after {timeout_s} s:\n{self.log_tail()}")
 
