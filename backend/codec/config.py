@@ -4,7 +4,10 @@ codec's clock. Parsed by `backend/settings.py` (sections `codec` and `vocoder`);
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -37,3 +40,26 @@ class CodecSettings:
     layout: str = ""
     lookback_frames: int = -1
     lookahead_frames: int = -1
+
+
+def read_codec_dir(
+    path: str | Path, codec: str, config_name: str, weights_name: str
+) -> tuple[Path, dict[str, Any]]:
+    """A codec directory as its package ships it (`tandem.codec.path`): it holds `config_name` and
+    `weights_name`, and the config is a JSON object. (directory, config); raises ValueError naming what
+    is missing or malformed. What each codec checks inside its config is its own."""
+    directory = Path(path)
+    if not str(path) or not directory.is_dir():
+        raise ValueError(
+            f"tandem.codec.path: {str(path)!r} is not a directory ({codec}'s {config_name}, {weights_name})"
+        )
+    for name in (config_name, weights_name):
+        if not (directory / name).is_file():
+            raise ValueError(f"tandem.codec.path: {directory} has no {name}")
+    try:
+        config = json.loads((directory / config_name).read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"tandem.codec.path: cannot read {directory / config_name}: {exc}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{directory / config_name}: not a JSON object")
+    return directory, config

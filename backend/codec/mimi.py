@@ -21,7 +21,6 @@ their own call (padding would change the audio of their last frames through the 
 
 from __future__ import annotations
 
-import json
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -30,6 +29,7 @@ import numpy as np
 import torch
 
 from tandem.backend.codec.base import CodecSpec, CodecWindow
+from tandem.backend.codec.config import read_codec_dir
 
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
@@ -37,16 +37,7 @@ WEIGHTS = "model.safetensors"
 
 def read_config(path: str | Path) -> dict[str, Any]:
     """Mimi's `config.json` in `path`; raises ValueError naming what is missing or malformed."""
-    directory = Path(path)
-    if not str(path) or not directory.is_dir():
-        raise ValueError(f"tandem.codec.path: {str(path)!r} is not a directory (Mimi's {CONFIG}, {WEIGHTS})")
-    for name in (CONFIG, WEIGHTS):
-        if not (directory / name).is_file():
-            raise ValueError(f"tandem.codec.path: {directory} has no {name}")
-    try:
-        config = json.loads((directory / CONFIG).read_text())
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"tandem.codec.path: cannot read {directory / CONFIG}: {exc}") from None
+    directory, config = read_codec_dir(path, "Mimi", CONFIG, WEIGHTS)
     if config.get("model_type") != "mimi":
         raise ValueError(f"{directory / CONFIG}: model_type {config.get('model_type')!r} is not 'mimi'")
     return dict(config)

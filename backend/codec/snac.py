@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from tandem.backend.codec.base import CodecSpec, CodecWindow
+from tandem.backend.codec.config import read_codec_dir
 
 _M = TypeVar("_M", bound=torch.nn.Module)
 CONFIG = "config.json"
@@ -69,16 +70,7 @@ def write_random(path: str | Path, *, noise: bool = True, seed: int = 0) -> Path
 
 def read_config(path: str | Path) -> dict[str, Any]:
     """SNAC's `config.json` in `path`; raises ValueError naming what is missing or malformed."""
-    directory = Path(path)
-    if not str(path) or not directory.is_dir():
-        raise ValueError(f"tandem.codec.path: {str(path)!r} is not a directory (SNAC's {CONFIG}, {WEIGHTS})")
-    for name in (CONFIG, WEIGHTS):
-        if not (directory / name).is_file():
-            raise ValueError(f"tandem.codec.path: {directory} has no {name}")
-    try:
-        config = json.loads((directory / CONFIG).read_text())
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"tandem.codec.path: cannot read {directory / CONFIG}: {exc}") from None
+    directory, config = read_codec_dir(path, "SNAC", CONFIG, WEIGHTS)
     strides = config.get("vq_strides")
     if not (isinstance(strides, list) and strides and all(isinstance(s, int) and s > 0 for s in strides)):
         raise ValueError(f"{directory / CONFIG}: vq_strides must be a list of positive integers")
