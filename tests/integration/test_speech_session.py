@@ -30,6 +30,7 @@ from tandem.gateway.session import segments
 from tests.support.gateway_process import gateway_process, http_post
 from tests.support.helpers import wait_metric
 from tests.support.server import TritonProcess
+from tests.support.ws_turns import until_turn_done
 
 RATE = 22050
 ROWS = Limits().default_new_rows
@@ -227,20 +228,6 @@ def _event(ws: ClientConnection, timeout: float = 60.0) -> dict[str, Any]:
     return json.loads(msg)
 
 
-def _until_done(ws: ClientConnection, timeout: float = 120.0) -> tuple[bytes, dict[str, Any], list[dict]]:
-    """(the turn's audio, its turn_done, the other events) once turn_done arrives."""
-    audio, events = bytearray(), []
-    while True:
-        msg = ws.recv(timeout=timeout)
-        if isinstance(msg, bytes):
-            audio += msg
-            continue
-        event = json.loads(msg)
-        if event["type"] == "turn_done":
-            return bytes(audio), event, events
-        events.append(event)
-
-
 def test_ws_turns_speak_text_pieces_before_the_flush(gateway):
     with _ws(gateway) as ws:
         _send(ws, type="config", model="tts", voice="tara", response_format="pcm", seed=5)
@@ -257,7 +244,7 @@ def test_ws_turns_speak_text_pieces_before_the_flush(gateway):
         assert isinstance(first, bytes) and first
         _send(ws, type="text", text=" you today?")
         _send(ws, type="flush")
-        rest, done, others = _until_done(ws)
+        rest, done, others = until_turn_done(ws)
         assert others == [] and done == {
             "type": "turn_done",
             "turn": 0,
@@ -267,7 +254,7 @@ def test_ws_turns_speak_text_pieces_before_the_flush(gateway):
         assert len(first) + len(rest) == 2 * 2 * SEGMENT_SAMPLES
         _send(ws, type="text", text="A second turn.")
         _send(ws, type="flush")
-        audio, done, _ = _until_done(ws)
+        audio, done, _ = until_turn_done(ws)
         assert done["turn"] == 1 and not done["cancelled"] and len(audio) == 2 * SEGMENT_SAMPLES
         _send(ws, type="close")
 
@@ -279,7 +266,7 @@ def test_ws_each_turn_is_one_file_of_the_format(gateway):
         assert (ready["type"], ready["sample_rate"], ready["format"]) == ("ready", 48000, "opus")
         _send(ws, type="text", text=SHORT)
         _send(ws, type="flush")
-        audio, done, _ = _until_done(ws)
+        audio, done, _ = until_turn_done(ws)
     assert done["usage"]["output_tokens"] == ROWS
     assert _decode(audio) == (48000, round(SEGMENT_SAMPLES * 48000 / RATE))
 
@@ -302,7 +289,7 @@ def test_ws_cancel_ends_the_turns_streams_at_once(gateway, server, model, engine
         assert isinstance(ws.recv(timeout=60), bytes)
         t0 = time.perf_counter()
         _send(ws, type="cancel")
-        _, done, _ = _until_done(ws)
+        _, done, _ = until_turn_done(ws)
         latency = time.perf_counter() - t0
         assert done["cancelled"] is True and done["turn"] == 0
         print(f"cancel -> turn_done: {latency * 1e3:.0f} ms")
@@ -312,7 +299,7 @@ def test_ws_cancel_ends_the_turns_streams_at_once(gateway, server, model, engine
         assert done["usage"]["output_tokens"] < parts * ROWS, (done["usage"], parts)  # the rest never ran
         _send(ws, type="text", text="After the cancel.")  # the socket goes on: a new turn
         _send(ws, type="flush")
-        audio, done, _ = _until_done(ws)
+        audio, done, _ = until_turn_done(ws)
         assert done["turn"] == 1 and not done["cancelled"] and len(audio) == 2 * SEGMENT_SAMPLES
 
 
@@ -355,12 +342,12 @@ def test_ws_errors_name_what_is_wrong_and_hurt_no_other_socket(gateway):
         assert e["param"] == "text" and "the limit is 8192" in e["message"]
         _send(bad, type="text", text="Unknown voice.")
         _send(bad, type="flush")
-        _, done, events = _until_done(bad)
+        _, done, events = until_turn_done(bad)
         assert [(ev["code"], ev["param"], ev["turn"]) for ev in events] == [("INVALID_ARG", "voice", 0)]
         assert "VOICE 'bob' is not one" in events[0]["message"] and done["cancelled"] is True
 
         _send(good, type="flush")
-        audio, done, others = _until_done(good)
+        audio, done, others = until_turn_done(good)
         assert others == [] and not done["cancelled"] and len(audio) == 2 * SEGMENT_SAMPLES
 
 

@@ -29,6 +29,7 @@ from tandem.gateway.session import segments
 from tests.support.gateway_process import gateway_process
 from tests.support.helpers import metric_value
 from tests.support.server import TritonProcess
+from tests.support.ws_turns import until_turn_done
 
 RATE = 22050
 ROWS = Limits().default_new_rows
@@ -66,20 +67,6 @@ def _configure(ws: ClientConnection, **extra: Any) -> dict[str, Any]:
     return ready
 
 
-def _turn(ws: ClientConnection, timeout: float = 120.0) -> tuple[bytes, dict[str, Any], list[dict]]:
-    """(the binary audio, turn_done, the other events) of the next turn to end."""
-    audio, events = bytearray(), []
-    while True:
-        msg = ws.recv(timeout=timeout)
-        if isinstance(msg, bytes):
-            audio += msg
-            continue
-        event = json.loads(msg)
-        if event["type"] == "turn_done":
-            return bytes(audio), event, events
-        events.append(event)
-
-
 def _cuts(gateway: str, reason: str) -> float:
     with urllib.request.urlopen(f"{gateway}/metrics", timeout=10) as r:
         text = r.read().decode()
@@ -108,7 +95,7 @@ def test_a_socket_lives_through_3_idle_minutes_on_pings(gateway):
             ws.recv(timeout=185)
         _send(ws, type="text", text="Still here after three minutes.")
         _send(ws, type="flush")
-        audio, done, others = _turn(ws)
+        audio, done, others = until_turn_done(ws)
         assert others == [] and not done["cancelled"] and len(audio) == 2 * SEGMENT_SAMPLES
         print(f"socket held {time.monotonic() - t0:.0f} s on pings, then spoke")
     assert _cuts(gateway, "body_timeout") == 0
@@ -156,7 +143,7 @@ def test_a_10_minute_call_on_a_compressed_clock(gateway):
         while time.monotonic() - t0 < call_s:
             _send(ws, type="text", text=f"Turn {turns} of the call.")
             _send(ws, type="flush")
-            audio, done, others = _turn(ws)
+            audio, done, others = until_turn_done(ws)
             assert others == [] and done["turn"] == turns and not done["cancelled"], (done, others)
             assert len(audio) == 2 * SEGMENT_SAMPLES
             turns += 1
@@ -190,20 +177,20 @@ def test_a_lone_sentence_speaks_after_a_short_quiet_and_an_abbreviation_waits(ga
             quiet.append(time.perf_counter() - t0)
             assert isinstance(first, bytes)
             _send(ws, type="flush")
-            _, done, _ = _turn(ws)
+            _, done, _ = until_turn_done(ws)
             assert done["usage"]["segments"] == 1
             t0 = time.perf_counter()
             _send(ws, type="text", text=f"Hello number {i}.")
             _send(ws, type="flush")
             assert isinstance(ws.recv(timeout=30), bytes)
             flushed.append(time.perf_counter() - t0)
-            _turn(ws)
+            until_turn_done(ws)
         _send(ws, type="text", text="I met Dr. ")
         with pytest.raises(TimeoutError):  # not a sentence yet: nothing is spoken
             ws.recv(timeout=2)
         _send(ws, type="text", text="Smith today.")
         _send(ws, type="flush")
-        audio, done, _ = _turn(ws)
+        audio, done, _ = until_turn_done(ws)
         assert done["usage"] == {"output_tokens": ROWS, "segments": 1} and len(audio) == 2 * SEGMENT_SAMPLES
     q, f = statistics.median(quiet), statistics.median(flushed)
     print(
@@ -370,5 +357,5 @@ def test_bad_frames_each_get_an_error_and_the_socket_goes_on(gateway):
         _send(binary, type="keepalive")  # accepted, answered by nothing
         _send(binary, type="text", text="The default context speaks.")
         _send(binary, type="flush")
-        audio, done, others = _turn(binary)
+        audio, done, others = until_turn_done(binary)
         assert others == [] and "context_id" not in done and len(audio) == 2 * SEGMENT_SAMPLES
