@@ -51,7 +51,8 @@ def test_sse_framing():
     assert event.startswith(b"data: ") and event.endswith(b"\n\n")
     body = json.loads(event[6:])
     assert body["type"] == "speech.audio.delta" and base64.b64decode(body["audio"]) == pcm16(a)
-    assert json.loads(f.end(7)[6:]) == {"type": "speech.audio.done", "usage": {"output_tokens": 7}}
+    usage = {"input_tokens": 12, "output_tokens": 7, "total_tokens": 19}  # OpenAI's usage fields
+    assert json.loads(f.end(7, input_tokens=12)[6:]) == {"type": "speech.audio.done", "usage": usage}
     err = f.error(ClientError(ClientCode.INTERNAL, "KV transfer failed"))
     assert err is not None
     assert json.loads(err[6:]) == {

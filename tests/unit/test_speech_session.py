@@ -289,9 +289,9 @@ def test_atempo_chain_stays_in_each_filters_range():
 
 def test_the_framer_sends_the_encoders_tail_and_the_sse_usage_last():
     framer = Framer(AudioFormat.MP3, StreamFormat.SSE, 22050, speed=2.0)
-    body = b"".join(framer.piece(p) for p in np.split(_tone(22050, 1.0), 10)) + framer.end(7)
+    body = b"".join(framer.piece(p) for p in np.split(_tone(22050, 1.0), 10)) + framer.end(7, input_tokens=3)
     assert framer.media_type == "text/event-stream"
-    assert body.endswith(b'"usage":{"output_tokens":7}}\n\n')
+    assert body.endswith(b'"usage":{"input_tokens":3,"output_tokens":7,"total_tokens":10}}\n\n')
 
 
 def test_run_pipelined_stops_starting_after_a_failure_and_finishes_the_started():
