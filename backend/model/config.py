@@ -107,7 +107,7 @@ PRESETS: dict[str, ModelConfig] = {
         qk_norm=True,
         max_position_embeddings=8192,
     ),
-    # The seed's decoder shape: 36 x 2 x 8 x 128 x 2 bytes = 144 KiB of KV per token.
+    # Qwen3-4B's decoder shape: 36 x 2 x 8 x 128 x 2 bytes = 144 KiB of KV per token.
     "qwen3-4b-shape": ModelConfig(
         name="qwen3-4b-shape",
         vocab_size=151936,
