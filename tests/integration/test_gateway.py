@@ -216,7 +216,9 @@ def test_text_streams_pcm_and_sse_over_http(sdk):
         assert resp.headers["content-type"].startswith("text/event-stream")
         body = resp.read().decode()
     events = [json.loads(e[6:]) for e in body.split("\n\n") if e.startswith("data: ")]
-    assert events[-1] == {"type": "speech.audio.done", "usage": {"output_tokens": HTTP_ROWS}}
+    done = events[-1]  # usage's input is the prompt the front end made (test_sse_done_carries_openais_usage)
+    assert done["type"] == "speech.audio.done" and done["usage"]["output_tokens"] == HTTP_ROWS, done
+    assert done["usage"]["total_tokens"] == done["usage"]["input_tokens"] + HTTP_ROWS > HTTP_ROWS, done
     audio = b"".join(base64.b64decode(e["audio"]) for e in events[:-1])
     assert len(events) > 2 and len(audio) == 2 * HTTP_ROWS * SAMPLES_PER_ROW
 
@@ -266,7 +268,8 @@ def test_sse_events_carry_the_audio_and_the_row_count(server):
     )
     events = [json.loads(line[6:]) for line in body.decode().split("\n\n") if line.startswith("data: ")]
     assert [e["type"] for e in events[:-1]] == ["speech.audio.delta"] * (len(events) - 1)
-    assert events[-1] == {"type": "speech.audio.done", "usage": {"output_tokens": 40}}
+    usage = {"input_tokens": 25, "output_tokens": 40, "total_tokens": 65}  # the 25-row prompt sent
+    assert events[-1] == {"type": "speech.audio.done", "usage": usage}
     assert b"".join(base64.b64decode(e["audio"]) for e in events[:-1]) == expected
 
 
