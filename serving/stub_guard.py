@@ -63,15 +63,18 @@ PERIOD_S = 1.0
 LATE_S = 0.5  # a beat this much later than its period is logged as a stall of the stub
 # $1 the stub, $2 its server, $3 the stub's /dev/shm region (or ""): SIGKILL the stub once its parent
 # is another, and remove its region (builtins only, but sleep and rm); done when the stub is gone or
-# dead (a zombie its server never reaps).
-WATCH_SH = """s=$1 p=$2 r=$3
+# dead (a zombie its server never reaps). SIGPIPE is ignored and the kill comes before the log line:
+# the server's stderr can be a pipe to `tandem-unit` (its log relay on a CPU machine), which died
+# with it, and a write to it would otherwise end the watcher before its kill.
+WATCH_SH = """trap '' PIPE
+s=$1 p=$2 r=$3
 while read -r line 2>/dev/null < /proc/$s/stat; do
   set -- $line
   [ "$3" = Z ] && exit 0
   if [ "$4" != "$p" ]; then
-    echo "tandem: tritonserver $p is gone; killing its stub $s" >&2
     kill -9 "$s"
     [ -n "$r" ] && rm -f "/dev/shm/$r"
+    echo "tandem: tritonserver $p is gone; killed its stub $s" >&2
     exit 0
   fi
   sleep 1
