@@ -396,10 +396,7 @@ def main(argv: list[str] | None = None) -> int:
     if cal is not None:
         result["calibration"] = {k: v for k, v in cal.items() if k != "model"}
     name = args.name or f"decode-loop-{cfg.name}-{device.type}"
-    benchutil.write_json(args.out / f"{name}.json", result)
-    plot(result, args.out / f"{name}.png")
-    print_tables(result)
-    print(f"\nwrote {args.out / name}.json and .png")
+    benchutil.save_result(args.out, name, result, plot, print_tables)
     return 0
 
 

@@ -580,10 +580,7 @@ def main(argv: list[str] | None = None) -> int:
     if first_call is not None:
         result["prefill_first_call"] = first_call
     name = args.name or f"decoder-{cfg.name}-{device.type}"
-    benchutil.write_json(args.out / f"{name}.json", result)
-    plot(result, args.out / f"{name}.png")
-    print_tables(result)
-    print(f"\nwrote {args.out / name}.json and .png")
+    benchutil.save_result(args.out, name, result, plot, print_tables)
     return 0
 
 

@@ -229,10 +229,7 @@ def main(argv: list[str] | None = None) -> int:
         "method": "teacher-forced on the bf16 greedy run's tokens; cosine of float32 logits per step",
     }
     name = args.name or f"fp8-quality-{cfg.name}-{device.type}"
-    benchutil.write_json(args.out / f"{name}.json", result)
-    plot(result, args.out / f"{name}.png")
-    print_tables(result)
-    print(f"\nwrote {args.out / name}.json and .png")
+    benchutil.save_result(args.out, name, result, plot, print_tables)
     return 0 if all(r["meets_floor"] or not r["floor"] for r in result["variants"].values()) else 1
 
 

@@ -243,10 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     result = {"meta": meta, "runs": runs, "fit": {p: fit(runs, p) for p in PATHS}}
     name = args.name or f"sampler-{cfg.name}-{device.type}"
-    benchutil.write_json(args.out / f"{name}.json", result)
-    plot(result, args.out / f"{name}.png")
-    print_tables(result)
-    print(f"\nwrote {args.out / name}.json and .png")
+    benchutil.save_result(args.out, name, result, plot, print_tables)
     return 0
 
 

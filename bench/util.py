@@ -96,6 +96,20 @@ def write_json(path: Path, payload: dict[str, Any]) -> None:
     path.write_text(json.dumps(payload, indent=2, sort_keys=False) + "\n")
 
 
+def save_result(
+    out: Path,
+    name: str,
+    result: dict[str, Any],
+    plot: Callable[[dict[str, Any], Path], None],
+    print_tables: Callable[[dict[str, Any]], None],
+) -> None:
+    """A bench's last act: `<out>/<name>.json`, its plot `<out>/<name>.png`, its tables on stdout."""
+    write_json(out / f"{name}.json", result)
+    plot(result, out / f"{name}.png")
+    print_tables(result)
+    print(f"\nwrote {out / name}.json and .png")
+
+
 def read_json(path: Path) -> Any:
     """A result `write_json` wrote, plain or gzip-compressed (`.json.gz`: how docs/benchmarks keeps
     its large records). A `.json` path that is absent is read from `<path>.gz` beside it, so the
