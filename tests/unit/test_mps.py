@@ -20,16 +20,6 @@ def _which(present: bool):  # type: ignore[no-untyped-def]
     return lambda name: f"/usr/bin/{name}" if present and name == CONTROL else None
 
 
-@pytest.fixture
-def run_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    run = tmp_path / "run"
-    run.mkdir(mode=0o700)
-    monkeypatch.setenv("XDG_RUNTIME_DIR", str(run))
-    monkeypatch.delenv("TANDEM_API_KEY_FILE", raising=False)
-    monkeypatch.delenv("TANDEM_API_LOCK", raising=False)
-    return run
-
-
 def _placed(tmp_path: Path, name: str, *placement: str) -> Path:
     out = tmp_path / name
     assert make_repository(["--out", str(out), "--preset", "tiny", "--path", "host_shm", *placement]) == 0

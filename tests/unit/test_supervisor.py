@@ -20,16 +20,6 @@ from tandem.serving.supervisor import (
 REPO = Path(__file__).resolve().parents[2] / "model_repository"
 
 
-@pytest.fixture
-def run_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    run = tmp_path / "run"
-    run.mkdir(mode=0o700)
-    monkeypatch.setenv("XDG_RUNTIME_DIR", str(run))
-    monkeypatch.delenv("TANDEM_API_KEY_FILE", raising=False)
-    monkeypatch.delenv("TANDEM_API_LOCK", raising=False)
-    return run
-
-
 def test_loopback_unless_told() -> None:
     assert with_loopback([]) == [
         "--grpc-address=127.0.0.1",
