@@ -69,8 +69,9 @@ process: setup
 integration: setup
 	$(PY) -m pytest tests/integration -q
 
+# --durations: the 25 slowest setups/calls at the end of the output (CI keeps its time under watch).
 test: lint typecheck
-	$(PY) -m pytest tests -q
+	$(PY) -m pytest tests -q --durations=25
 
 clean:
 	rm -rf $(VENV) build *.egg-info csrc/*.so
