@@ -72,6 +72,28 @@ class Intake(Generic[R]):
         except queue.Empty:
             pass
 
+    def queued(self) -> list[R]:
+        """The pending requests in arrival order (the engine's thread), for a scheduler to plan over;
+        those whose client went away are dropped first (answered CANCELLED). They stay pending until
+        `admitted` takes them."""
+        if any(req.sink.cancelled() for req in self._pending):
+            keep: deque[R] = deque()
+            for req in self._pending:
+                if req.sink.cancelled():
+                    self._gone()
+                    req.sink.fail(Cancelled("client cancelled before admission"))
+                else:
+                    keep.append(req)
+            self._pending = keep
+        return list(self._pending)
+
+    def admitted(self, req: R) -> None:
+        """`req`, the first pending request, is admitted: it leaves the intake (its answer is now the
+        engine's)."""
+        assert self._pending and self._pending[0] is req, "requests are admitted in arrival order"
+        self._pending.popleft()
+        self._gone()
+
     def admit(self, try_admit: Callable[[R], bool]) -> Iterator[R]:
         """Offer pending requests in arrival order; stops at the first that `try_admit` cannot place.
 
