@@ -60,3 +60,20 @@ def test_admitted_cancelled_expired_and_failed_requests_free_their_place():
     intake.fail_all(Overloaded("shutting down"))
     assert len(intake) == 0
     intake.submit(_Req())  # nothing is left holding a place
+
+
+def test_a_scheduler_plans_over_the_queued_requests_and_the_engine_admits_them_in_order():
+    """`queued` is what a scheduler plans over (cancelled ones answered and gone); `admitted` takes the
+    head the plan chose, each freeing its place."""
+    intake: Intake[_Req] = Intake(max_queue=3, admission_timeout_s=60.0)
+    a, b, c = _Req(), _Req(), _Req()
+    for req in (a, b, c):
+        intake.submit(req)
+    intake.pull(0)
+    b.sink.gone = True
+    assert intake.queued() == [a, c] and len(b.sink.errors) == 1 and len(intake) == 2
+    intake.admitted(a)
+    assert intake.queued() == [c] and len(intake) == 1
+    with pytest.raises(AssertionError):
+        intake.admitted(a)  # only the head, in arrival order
+    assert not a.sink.errors and not c.sink.errors
