@@ -11,7 +11,6 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
 from typing import Generic, Protocol, TypeVar
 
 from tandem.backend.errors import Cancelled, Overloaded, TandemError
@@ -94,29 +93,9 @@ class Intake(Generic[R]):
         self._pending.popleft()
         self._gone()
 
-    def admit(self, try_admit: Callable[[R], bool]) -> Iterator[R]:
-        """Offer pending requests in arrival order; stops at the first that `try_admit` cannot place.
-
-        Yields the requests that were admitted. Requests that waited past the bound are failed with
-        UNAVAILABLE; cancelled ones are dropped.
-        """
-        now = time.monotonic()
-        while self._pending:
-            req = self._pending[0]
-            if req.sink.cancelled():
-                self._pending.popleft()
-                self._gone()
-                req.sink.fail(Cancelled("client cancelled before admission"))
-                continue
-            if try_admit(req):
-                self._pending.popleft()
-                self._gone()
-                yield req
-                continue
-            break
-        self.expire(now)
-
     def expire(self, now: float) -> None:
+        """Requests pending since before `now - admission_timeout_s` fail with UNAVAILABLE (the engine
+        calls it after each admission round, with the time the round began)."""
         keep: deque[R] = deque()
         for req in self._pending:
             if now - req.received_s > self.admission_timeout_s:
