@@ -23,8 +23,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from tandem.backend.codec.orpheus import AUDIO_BASE, CODEBOOK, SLOTS
 from tandem.backend.codec.snac import write_random
+from tandem.backend.generation.orpheus_ids import AUDIO_BASE, SLOTS
+from tandem.backend.generation.orpheus_ids import CODES_PER_SLOT as CODEBOOK
 from tandem.backend.model.checkpoint import save_checkpoint
 from tandem.backend.model.config import ModelConfig
 from tandem.backend.model.decoder import Decoder
