@@ -56,7 +56,7 @@ lint: setup
 	$(VENV)/bin/ruff format --check .
 
 typecheck: setup
-	$(VENV)/bin/mypy backend transfer serving gateway cli bench
+	$(VENV)/bin/mypy backend transfer serving gateway cli bench wire
 
 # Tests by scope: unit (this process), process (tandem's own processes, no tritonserver), integration
 # (through the real tritonserver and the gateway). docs/architecture.md says what goes where.

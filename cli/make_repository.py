@@ -45,6 +45,7 @@ from tandem.backend.text.families import (
     checkpoint_config,
     detect_family,
 )
+from tandem.serving.api_key import UNIT_PARAMETER
 from tandem.serving.repository import gpu_group, render, tensor_dims
 
 SOURCE = Path(__file__).resolve().parent.parent / "model_repository"
@@ -216,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
             params[m]["tandem.batch.max_batch"] = str(args.max_batch)
     if args.unit:
         for m in ("prefill", "decode"):
-            params[m]["tandem.transfer.unit"] = args.unit
+            params[m][UNIT_PARAMETER] = args.unit
     path = args.path or ("cuda_ipc" if (args.prefill_gpus or args.decode_gpus) else None)
     if path:
         for m in ("prefill", "decode"):

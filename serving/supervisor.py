@@ -250,8 +250,8 @@ class Supervisor:
             raise UnitTaken(
                 f"another tandem-unit serves unit {self.unit!r} ({path} is locked): give this one "
                 f"another unit name (the `{UNIT_PARAMETER}` parameter of its `{self.model}` model, "
-                "e.g. `tandem-repo --set prefill:tandem.transfer.unit=NAME "
-                "--set decode:tandem.transfer.unit=NAME`) "
+                f"e.g. `tandem-repo --set prefill:{UNIT_PARAMETER}=NAME "
+                f"--set decode:{UNIT_PARAMETER}=NAME`) "
                 "or another XDG_RUNTIME_DIR"
             ) from None
         return fd
@@ -671,7 +671,7 @@ def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     )
     parser.add_argument("--poll-interval", type=float, default=0.5, help="seconds between checks")
     parser.add_argument(
-        "--prefill-model", default="prefill", help="the model whose tandem.transfer.unit names the unit"
+        "--prefill-model", default="prefill", help=f"the model whose {UNIT_PARAMETER} names the unit"
     )
     parser.add_argument(
         "--proxy", action="store_true", help="run the unit's tandem-proxy sidecar (the proxy KV path)"

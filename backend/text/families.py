@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tandem.backend.codec.orpheus import AUDIO_BASE, CODEBOOK, SLOTS
+from tandem.backend.generation import orpheus_ids as orpheus
 from tandem.backend.model.checkpoint import config_from_hf
 from tandem.backend.model.config import ModelConfig
 from tandem.backend.model.csm_checkpoint import MODEL_TYPE as CSM_MODEL_TYPE
@@ -30,7 +30,6 @@ FAMILY_CODECS = {"orpheus": ("snac", "orpheus"), "csm": ("mimi", "csm")}
 # The presets (backend/model/config.py) that stand for a family's model: a repository of one is that
 # family's (its codec, its grammar), as a checkpoint of it would be.
 PRESET_FAMILIES = {"orpheus-3b-shape": "orpheus"}
-_ORPHEUS_VOCAB = 156940
 
 
 def _tokenizer_names_audio_base(path: Path) -> bool | None:
@@ -44,8 +43,9 @@ def _tokenizer_names_audio_base(path: Path) -> bool | None:
         return False
     added = {t.get("id"): t.get("content") for t in data.get("added_tokens", [])}
     vocab = data.get("model", {}).get("vocab", {})
-    name = added.get(AUDIO_BASE) or next((k for k, v in vocab.items() if v == AUDIO_BASE), None)
-    return name == f"<custom_token_{AUDIO_BASE - 128256}>"
+    base = orpheus.AUDIO_BASE
+    name = added.get(base) or next((k for k, v in vocab.items() if v == base), None)
+    return name == f"<custom_token_{base - orpheus.CUSTOM_TOKEN_BASE}>"
 
 
 def detect_family(checkpoint: Path) -> str | None:
@@ -57,11 +57,11 @@ def detect_family(checkpoint: Path) -> str | None:
     if config.get("model_type") == CSM_MODEL_TYPE:
         return "csm"
     vocab = int(config.get("vocab_size", 0))
-    if config.get("model_type") != "llama" or vocab < AUDIO_BASE + SLOTS * CODEBOOK:
+    if config.get("model_type") != "llama" or vocab < orpheus.AUDIO_END:
         return None
     named = _tokenizer_names_audio_base(checkpoint)
     if named is None:
-        return "orpheus" if vocab == _ORPHEUS_VOCAB else None
+        return "orpheus" if vocab == orpheus.VOCAB_SIZE else None
     return "orpheus" if named else None
 
 

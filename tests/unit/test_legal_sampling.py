@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from tandem.backend.generation import grammar as grammars
-from tandem.backend.generation.grammar import ORPHEUS_END_OF_SPEECH, Grammar, allowed, legal_ids
+from tandem.backend.generation.grammar import Grammar, allowed, legal_ids
+from tandem.backend.generation.orpheus_ids import END_OF_SPEECH as ORPHEUS_END_OF_SPEECH
 from tandem.backend.generation.sampling import (
     SamplingParams,
     mark_seen,
