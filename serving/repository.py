@@ -3,6 +3,7 @@
 The checked-in `model_repository/` is the CPU default (tiny preset, host shared-memory handoff).
 A deployment or a test derives its own by overriding `tandem.*` parameters per model and, for GPUs,
 the `instance_group` of each model — so there is one source of model definitions, not several.
+What `tandem-repo`'s options override, model by model, is `serving/repository_rules.py`'s.
 """
 
 from __future__ import annotations
