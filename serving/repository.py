@@ -5,6 +5,7 @@ A deployment or a test derives its own by overriding `tandem.*` parameters per m
 the `instance_group` of each model — so there is one source of model definitions, not several. Every
 model's `input [...]` and `output [...]` are the wire contract's (`wire/contract.py`), written at the
 served model's widths (`io_blocks`); the checked-in files are that rendering at the tiny preset's.
+What `tandem-repo`'s options override, model by model, is `serving/repository_rules.py`'s.
 """
 
 from __future__ import annotations
