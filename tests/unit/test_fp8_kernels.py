@@ -84,9 +84,16 @@ def test_rope_kv_write_stores_e4m3_k_and_v_at_the_head_scales(qk_norm: bool, row
     k, kr = (t[0, slots].float() * scales[0][None, :, None] for t in (got_kv, want_kv))
     step = torch.maximum(kr.abs() / 8, scales[0][None, :, None] * 2.0**-9)
     assert ((k - kr).abs() <= 2e-2 + 2e-2 * kr.abs() + step).all()
-    # Most bytes equal torch's: on an H200 (8ef95f8) 0.978-0.980 of them, the rest one E4M3 step off
-    # (bounded above); a wrong scale or a misplaced head would flip nearly all of them.
-    assert (got_kv[0, slots].view(torch.uint8) == want_kv[0, slots].view(torch.uint8)).float().mean() > 0.95
+    # Most bytes equal torch's. Both sides quantise their bf16 K by the same rule (a power-of-two
+    # inverse scale: exact), so a byte differs only where the two bf16 K differ across an E4M3
+    # rounding boundary. bf16 keeps 7 fraction bits, E4M3 3: one E4M3 step spans 2^4 bf16 values and
+    # one boundary, so a K one bf16 ulp off torch's flips its byte with probability 2^-4. Were every
+    # element one ulp off, 1 - 2^-4 = 0.9375 of the bytes would still be equal (over these 37,888
+    # elements, one standard deviation of that share is 0.0012); that is the floor asked. Measured on
+    # an H200 (8ef95f8): 0.978-0.980. A wrong scale (a factor of two moves every exponent) or a
+    # misplaced head leaves nearly none equal.
+    equal = (got_kv[0, slots].view(torch.uint8) == want_kv[0, slots].view(torch.uint8)).float().mean()
+    assert equal >= 1 - 2.0**-4, equal
 
 
 def _fp8_case(batch: int, kvh: int, group: int, hd: int, s: int, dtype: torch.dtype, page: int, seed: int):
