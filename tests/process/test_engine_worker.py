@@ -37,11 +37,13 @@ class Responder:
     rows: list[np.ndarray] = field(default_factory=list)
     error: str | None = None
     done: threading.Event = field(default_factory=threading.Event)
+    decoding: threading.Event = field(default_factory=threading.Event)  # its first rows came back
     at: float = 0.0
 
     def reply(self, reply: Reply) -> None:
         assert reply.rows is not None
         self.rows.append(reply.rows.numpy())
+        self.decoding.set()
         if reply.final:
             self.at = time.monotonic()
             self.done.set()
@@ -89,6 +91,13 @@ def _submit(worker: EngineWorker, rows: int, seed: int = 0) -> Responder:
     return r
 
 
+def _decoding(r: Responder) -> None:
+    """`r`'s stream is mid-way: its first rows came back and its last has not (2,000 rows take the
+    tiny model seconds on a CPU, so a signal sent now meets it decoding)."""
+    assert r.decoding.wait(30), "the stream never started"
+    assert not r.done.is_set(), f"the stream ended already: {sum(len(x) for x in r.rows)} rows, {r.error}"
+
+
 def _worker_pid(worker: EngineWorker) -> int:
     p = worker._proc
     assert p is not None
@@ -119,7 +128,7 @@ def test_serves_stalls_resumes_dies_and_restarts(worker):
 
     pid = _worker_pid(w)
     long = _submit(w, 2000, seed=1)
-    time.sleep(0.3)
+    _decoding(long)
     os.kill(pid, signal.SIGSTOP)
     stopped = time.monotonic()
     try:
@@ -140,7 +149,7 @@ def test_serves_stalls_resumes_dies_and_restarts(worker):
     assert r.done.wait(30) and r.error is None and sum(len(x) for x in r.rows) == 6
 
     doomed = _submit(w, 2000, seed=4)
-    time.sleep(0.3)
+    _decoding(doomed)
     os.kill(pid, signal.SIGKILL)
     killed = time.monotonic()
     assert doomed.done.wait(3) and doomed.error is not None, "the dead engine's stream was not failed"
