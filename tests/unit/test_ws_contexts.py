@@ -21,7 +21,7 @@ from tandem.gateway.connection_guard import PINGS_EXTENSION, ClientPings
 from tandem.gateway.sentences import SentenceQueue
 from tandem.gateway.session import SpeechSession
 from tandem.gateway.stream import AudioPiece, SpeechModel
-from tandem.gateway.ws import MAX_CONTEXTS, Connection
+from tandem.gateway.ws import MAX_CONTEXTS, MAX_TURNS, Connection
 
 RATE = 100  # samples per second of the stand-in model: each piece is 0.1 s
 PIECE = np.zeros(10, dtype=np.float32)
@@ -244,3 +244,83 @@ def test_settle_completes_only_what_pysbd_would_end(text, settles):
     q.feed(text)
     assert q.settle() is settles
     assert q.take() == (text.strip() if settles else None)
+
+
+def test_frames_out_of_order_are_refused_and_the_socket_goes_on():
+    """Each frame the state does not allow is one `error` naming it; none changes the state: after
+    them the socket speaks its turn and a `close` ends it with 1000."""
+    streams = Streams(pieces=1)
+
+    async def main() -> Socket:
+        sock, gw = Socket(), Gateway(streams)
+        task = asyncio.create_task(Connection(sock, gw).run())  # type: ignore[arg-type]
+        sock.send(type="text", text="Too early.")
+        sock.send(type="flush")
+        sock.send(type="cancel")
+        sock.incoming.put_nowait({"type": "websocket.receive", "bytes": b"\x00"})
+        sock.send(type="config", model="m", voice="v")
+        sock.send(type="config", model="m", voice="v")
+        sock.send(type="cancel")  # nothing to cancel on the default context: no answer
+        sock.send(type="flush", context_id="a")  # a named context needs audio "json"
+        sock.send(type="text", text="Fast. ", speed=2.0)
+        sock.send(type="text", text="Slow.", speed=1.0)  # the open turn's speed is 2
+        sock.send(type="flush")
+        await sock.until(lambda: sock.events("turn_done"))
+        sock.send(type="close")
+        await task
+        return sock
+
+    sock = asyncio.run(main())
+    events = [e for e in sock.sent if isinstance(e, dict) and e["type"] in ("error", "ready")]
+    assert [(e["type"], e.get("param")) for e in events] == [
+        ("error", "type"),
+        ("error", "type"),
+        ("error", "type"),
+        ("error", None),
+        ("ready", None),
+        ("error", "type"),
+        ("error", "context_id"),
+        ("error", "speed"),
+    ]
+    assert [e["message"].split(" ")[0] for e in events[:3]] == ["text", "flush", "cancel"]
+    assert all("before config" in e["message"] for e in events[:3])
+    assert "binary frames are not accepted" in events[3]["message"]
+    assert "config was sent already" in events[5]["message"]
+    assert 'needs config audio "json"' in events[6]["message"]
+    assert "speed 1 for a turn opened at 2" in events[7]["message"]
+    (done,) = sock.events("turn_done")
+    assert streams.opened == ["Fast."]  # the refused text was dropped
+    assert done["turn"] == 0 and not done["cancelled"]
+    assert sock.closed == (1000, "")
+
+
+def test_a_socket_holds_at_most_max_turns_and_a_cancel_frees_them():
+    """`MAX_TURNS` flushed turns wait or speak; the next text is refused (param type) and kept out
+    of every turn; a cancel answers each turn cancelled, and the next text opens turn MAX_TURNS + 1."""
+    streams = Streams(pieces=1000)  # the first turn speaks for seconds: every later one waits
+
+    async def main() -> Socket:
+        sock, gw = Socket(), Gateway(streams)
+        task = await _open(gw, sock)
+        for i in range(MAX_TURNS):
+            sock.send(type="text", text=f"Turn {i}.")
+            sock.send(type="flush")
+        sock.send(type="text", text="One too many.")
+        await sock.until(lambda: sock.events("error"))
+        sock.send(type="cancel")
+        await sock.until(lambda: len(sock.events("turn_done")) == MAX_TURNS)
+        sock.send(type="text", text="After.")
+        sock.send(type="flush")
+        await sock.until(lambda: sock.events("turn_done", turn=MAX_TURNS))
+        sock.send(type="close")
+        await task
+        return sock
+
+    sock = asyncio.run(main())
+    (err,) = sock.events("error")
+    assert err["param"] == "type" and f"{MAX_TURNS} turns are unfinished" in err["message"]
+    dones = sock.events("turn_done")
+    assert [d["turn"] for d in dones] == list(range(MAX_TURNS + 1))
+    assert all(d["cancelled"] for d in dones[:MAX_TURNS]) and not dones[MAX_TURNS]["cancelled"]
+    assert "One too many." not in streams.opened and streams.opened[-1] == "After."
+    assert streams.open == 0
