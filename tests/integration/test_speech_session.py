@@ -28,7 +28,7 @@ from tandem.gateway.audio import pcm16
 from tandem.gateway.client import TTSClient
 from tandem.gateway.session import segments
 from tests.support.gateway_process import gateway_process, http_post
-from tests.support.helpers import wait_metric
+from tests.support.helpers import settled_metric, wait_metric
 from tests.support.server import TritonProcess
 from tests.support.ws_turns import until_turn_done
 
@@ -37,6 +37,9 @@ ROWS = Limits().default_new_rows
 SEGMENT_SAMPLES = ROWS * VocoderConfig().samples_per_row
 MAX_STREAM_SAMPLES = Limits().max_new_rows * VocoderConfig().samples_per_row  # one stream's most audio
 WS_IDLE_S = 3.0
+LONG_ROWS = Limits().max_new_rows  # `long_unit`'s streams
+LONG = {"tandem.limits.default_new_rows": str(LONG_ROWS)}
+OUTCOMES = ("finished", "cancelled", "failed")
 SHORT = "Hello there."
 
 
@@ -271,15 +274,31 @@ def test_ws_each_turn_is_one_file_of_the_format(gateway):
     assert _decode(audio) == (48000, round(SEGMENT_SAMPLES * 48000 / RATE))
 
 
+@pytest.fixture(scope="module")
+def long_unit(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[TritonProcess, str]]:
+    """A server whose streams run `LONG_ROWS` rows by default (seconds each for the tiny model on a
+    CPU, against 256 rows' fraction of a second), and a gateway over it: a stream in flight at a
+    cancel is still decoding when the cancel lands, so only the cancel can end it soon."""
+    proc = TritonProcess(tmp_path_factory.mktemp("long-streams"), {"prefill": LONG, "tts_mono": LONG})
+    proc.start()
+    try:
+        with gateway_process(proc, tmp_path_factory.mktemp("long-gateway")) as base:
+            yield proc, base
+    finally:
+        proc.stop()
+
+
 @pytest.mark.parametrize(("model", "engine"), [("tts_mono", "tts_mono"), ("tts", "decode")])
-def test_ws_cancel_ends_the_turns_streams_at_once(gateway, server, model, engine):
+def test_ws_cancel_ends_the_turns_streams_at_once(long_unit, model, engine):
     """The turn ends at once, no later segment starts, and the engine that decodes the turn's
-    streams holds none soon after: tts_mono is told by Triton, `tts`'s decode step by the gateway's
-    CANCEL. Each stream in flight at the cancel ends cancelled, or finished if its 256 rows (a
-    fraction of a second for the tiny model) were done before the engine's 0.5 s cancellation poll;
-    a long stream that is counted cancelled: test_gateway.py's hang-up test (2,000 rows)."""
-    text = _long_text(1200)
+    streams ends them cancelled: tts_mono is told by Triton, `tts`'s decode step by the gateway's
+    CANCEL. Every segment streams `LONG_ROWS` rows, so the streams are still decoding when the cancel
+    goes (the engine's in-flight gauge says so) and a cancel that did nothing would leave them to
+    finish: counted finished, not cancelled."""
+    server, gateway = long_unit
+    url, text = server.metrics_url, _long_text(1200)
     parts = len(segments(text))
+    outcomes = {o: settled_metric(url, "tandem_streams_total", model=engine, outcome=o) for o in OUTCOMES}
 
     with _ws(gateway) as ws:
         _send(ws, type="config", model=model, voice="tara", response_format="pcm")
@@ -287,20 +306,29 @@ def test_ws_cancel_ends_the_turns_streams_at_once(gateway, server, model, engine
         _send(ws, type="text", text=text)
         _send(ws, type="flush")
         assert isinstance(ws.recv(timeout=60), bytes)
+        wait_metric(url, "tandem_inflight_streams", lambda v: v >= 1, model=engine)  # decoding now
         t0 = time.perf_counter()
         _send(ws, type="cancel")
         _, done, _ = until_turn_done(ws)
         latency = time.perf_counter() - t0
         assert done["cancelled"] is True and done["turn"] == 0
         print(f"cancel -> turn_done: {latency * 1e3:.0f} ms")
-        wait_metric(
-            server.metrics_url, "tandem_inflight_streams", lambda v: v == 0, timeout_s=5, model=engine
+        # the engine's cancellation poll (0.5 s) and a worker beat (1 s) later, with room for a busy box
+        wait_metric(url, "tandem_inflight_streams", lambda v: v == 0, timeout_s=5, model=engine)
+        after = {o: settled_metric(url, "tandem_streams_total", model=engine, outcome=o) for o in OUTCOMES}
+        assert after["cancelled"] > outcomes["cancelled"] and after["finished"] == outcomes["finished"], (
+            outcomes,
+            after,
         )
-        assert done["usage"]["output_tokens"] < parts * ROWS, (done["usage"], parts)  # the rest never ran
+        assert done["usage"]["output_tokens"] < parts * LONG_ROWS, (
+            done["usage"],
+            parts,
+        )  # the rest never ran
         _send(ws, type="text", text="After the cancel.")  # the socket goes on: a new turn
         _send(ws, type="flush")
         audio, done, _ = until_turn_done(ws)
-        assert done["turn"] == 1 and not done["cancelled"] and len(audio) == 2 * SEGMENT_SAMPLES
+        assert done["turn"] == 1 and not done["cancelled"]
+        assert len(audio) == 2 * LONG_ROWS * VocoderConfig().samples_per_row
 
 
 def test_ws_errors_name_what_is_wrong_and_hurt_no_other_socket(gateway):
