@@ -3,8 +3,6 @@ KV verification at volume, the waterfall, metrics, and bad input."""
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
@@ -21,6 +19,7 @@ from tests.support.helpers import (
     metrics_text,
     prompt,
     run,
+    settled_metric,
     wait_metric,
 )
 from tests.support.server import TritonProcess
@@ -189,8 +188,12 @@ def test_the_unit_observes_each_streams_first_audio_within_the_clients(server, m
     engine = "decode" if model == "tts" else model
     # no stream of an earlier test still on the engine, whose first audio would land in the sample
     wait_metric(server.metrics_url, "tandem_inflight_streams", lambda v: v == 0, model=engine)
-    time.sleep(0.5)  # an observation still on its way (tts_mono's ride the worker's 0.1 s beat)
+    # an observation still on its way (it rides the worker's next beat) would land in the sample
+    settled = settled_metric(
+        server.metrics_url, "tandem_first_audio_seconds_count", absent=0.0, model=publisher
+    )
     count, total = histogram()
+    assert count == settled
     r = run(server.url, model, prompt(40, seed=9), MAX_TOKENS=12, TEMPERATURE=0.0)
     assert r.error is None
     wait_metric(

@@ -54,15 +54,27 @@ def wait_metric(url: str, name: str, predicate, timeout_s: float = 20.0, **label
     raise AssertionError(f"{name}{labels} = {value} did not reach the expected value in {timeout_s} s")
 
 
-def settled_metric(url: str, name: str, timeout_s: float = 20.0, **labels: str) -> float:
+def settled_metric(
+    url: str, name: str, timeout_s: float = 20.0, absent: float | None = None, **labels: str
+) -> float:
     """A counter's value once it stops moving: two reads a worker heartbeat (1 s) and more apart
     agree. Engine workers' counters reach Triton on their next heartbeat, so a read right after a
-    request can miss it and a later delta would count it."""
+    request can miss it and a later delta would count it. `absent`: the value of a series that does
+    not exist yet (None: a KeyError)."""
+
+    def read() -> float:
+        try:
+            return metric_value(metrics_text(url), name, **labels)
+        except KeyError:
+            if absent is None:
+                raise
+            return absent
+
     deadline = time.monotonic() + timeout_s
-    last = metric_value(metrics_text(url), name, **labels)
+    last = read()
     while time.monotonic() < deadline:
         time.sleep(1.5)
-        value = metric_value(metrics_text(url), name, **labels)
+        value = read()
         if value == last:
             return value
         last = value
