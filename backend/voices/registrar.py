@@ -140,6 +140,7 @@ class VoiceRegistrar(EngineShell[VoiceJob]):
             return
         if job is None:
             return
+        log.info("voice %r: registering (%d bytes of audio)", job.request.name, len(job.request.audio))
         try:
             job.sink.answer(self.register(job.request))
         except TandemError as err:

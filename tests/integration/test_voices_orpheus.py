@@ -18,7 +18,7 @@ import openai
 import pytest
 
 from tandem.cli import make_repository
-from tandem.gateway.client import TTSClient
+from tandem.gateway.client import StreamResult, TTSClient
 from tandem.gateway.errors import ClientCode
 from tandem.gateway.voice_client import VoiceClient
 from tests.support.gateway_process import gateway_process
@@ -98,7 +98,7 @@ def test_registration_does_not_hold_up_speech(orpheus: TritonProcess) -> None:
 
     t = threading.Thread(target=register)
     t.start()
-    time.sleep(1.0)  # the registration is decoding or encoding now
+    orpheus.wait_for_log("voice 'bo': registering")  # the registrar took it: decoding or encoding now
     r = speak(orpheus.url, "tts", "tara")
     done["speech"] = time.monotonic()
     t.join(300)
@@ -106,11 +106,26 @@ def test_registration_does_not_hold_up_speech(orpheus: TritonProcess) -> None:
     assert "register" in done and done["speech"] < done["register"], done
 
 
+def _is_the_codecs_speech(orpheus: TritonProcess, model: str, r: StreamResult) -> None:
+    """`r`'s audio is SNAC's at its 24 kHz, every whole frame of the rows it got and no more (7 rows,
+    2,048 samples a frame), and it sounds."""
+    with TTSClient(orpheus.url, model) as c:
+        p = c.model_parameters()
+    rate, rows_per_s = int(p["sample_rate"]), float(p["rows_per_second"])
+    assert rate == 24000 and rows_per_s == 24000 / 2048 * 7, p
+    assert r.rows is not None and r.audio is not None and r.audio.dtype == np.float32
+    frames = r.rows.shape[0] // 7
+    assert frames > 0 and r.audio.shape == (frames * 2048,)
+    assert r.audio.size / rate == pytest.approx(frames * 7 / rows_per_s)  # seconds the rows stand for
+    assert np.isfinite(r.audio).all() and 0 < np.abs(r.audio).max() <= 1.0
+
+
 def test_speak_with_the_voice(orpheus: TritonProcess) -> None:
     hits = "tandem_prefix_cache_hit_tokens_total"
     first = {m: speak(orpheus.url, m, "ana") for m in MODELS}
-    for r in first.values():
+    for model, r in first.items():
         assert r.error is None and r.rows is not None and r.rows.shape[0] > 0, r.error  # type: ignore[attr-defined]
+        _is_the_codecs_speech(orpheus, model, r)
     np.testing.assert_array_equal(first["tts"].rows, first["tts_mono"].rows)  # type: ignore[attr-defined]
     before = settled_metric(orpheus.metrics_url, hits, model="prefill")  # the first requests' hits in
     second = speak(orpheus.url, "tts", "ana")

@@ -158,6 +158,15 @@ class TritonProcess:
         env = {**os.environ, "XDG_RUNTIME_DIR": str(self.workdir / "run")}
         return resolve([f"--model-repository={self.repo}"], env)
 
+    def wait_for_log(self, text: str, timeout_s: float = 60.0) -> None:
+        """Until the server's log (its stubs' and engine workers' lines included) contains `text`."""
+        deadline = time.monotonic() + timeout_s
+        while text not in self.log_path.read_text(errors="replace"):
+            if time.monotonic() > deadline:
+                tail = self.log_tail()
+                raise AssertionError(f"{text!r} not in the server's log after {timeout_s} s:\n{tail}")
+            time.sleep(0.2)
+
     def log_tail(self, lines: int = 60) -> str:
         try:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
