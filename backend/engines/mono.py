@@ -21,20 +21,29 @@ from tandem.backend.errors import StreamFailed
 from tandem.backend.kv.prefix_cache import PrefixAllocation, PrefixCache
 from tandem.backend.metrics import MetricsSink, PublishTimer
 from tandem.backend.model.decoder import Decoder
+from tandem.backend.model.row_step import RowStep
 from tandem.backend.model.warm_up import warm_up
 from tandem.backend.scheduling.prefill_batch import PrefillBatch
 from tandem.backend.settings import EngineSettings
 
 
 class MonoEngine:
-    def __init__(self, decoder: Decoder, settings: EngineSettings, metrics: MetricsSink) -> None:
+    def __init__(
+        self,
+        decoder: Decoder,
+        settings: EngineSettings,
+        metrics: MetricsSink,
+        row_step: RowStep | None = None,
+    ) -> None:
+        """`row_step`: the family's row maker over `decoder` (backend/model/row_step.py; None: a
+        plain decoder's head and sampler)."""
         self.decoder = decoder
         self.settings = settings
         self.metrics = metrics
         self._publish_timer = PublishTimer()
         self.pool = make_pool(decoder, settings)
         self.cache = PrefixCache(self.pool, enabled=settings.pool.prefix_cache)
-        self.batch = make_batch(decoder, self.pool, settings, metrics)
+        self.batch = make_batch(decoder, self.pool, settings, metrics, row_step=row_step)
         self.intake = make_intake(settings, EngineRequest)
         self._thread = EngineThread("tandem-mono", self._iterate, self._fault)
 
@@ -74,7 +83,7 @@ class MonoEngine:
             self.pool.slots(alloc.pages, req.prompt.shape[0] + req.max_new_rows)
             for req, alloc in batch.members
         ]
-        firsts = batch.forward(self.decoder, self.pool, tables)
+        firsts = batch.forward(self.batch.rows, self.pool, tables)
         batch.hand_on(lambda req, alloc, i: self._join(req, alloc, tables[i], firsts[i]))
 
     def _join(

@@ -31,6 +31,7 @@ from tandem.backend.generation.sampling import SamplingParams
 from tandem.backend.kv.prefix_cache import PrefixAllocation, PrefixCache
 from tandem.backend.metrics import MetricsSink, PublishTimer
 from tandem.backend.model.decoder import Decoder
+from tandem.backend.model.row_step import RowStep, TokenRowStep
 from tandem.backend.model.warm_up import warm_up
 from tandem.backend.scheduling.prefill_batch import PrefillBatch
 from tandem.backend.settings import EngineSettings
@@ -67,8 +68,12 @@ class PrefillEngine:
         metrics: MetricsSink,
         slot: str,
         on_fatal: Callable[[str], None],
+        row_step: RowStep | None = None,
     ) -> None:
+        """`row_step`: the family's row maker over `decoder` (backend/model/row_step.py; None: a
+        plain decoder's head and sampler)."""
         self.decoder = decoder
+        self.rows = TokenRowStep(decoder) if row_step is None else row_step
         self.settings = settings
         self.metrics = metrics
         self._publish_timer = PublishTimer()
@@ -143,7 +148,7 @@ class PrefillEngine:
         """One forward over the batch's prompts, then per prompt: row 0, cache commit, the KV offer and
         the HANDOFF. If the forward fails, every prompt of the batch fails and its pages come back."""
         tables = [self.pool.slots(alloc.pages, req.prompt.shape[0]) for req, alloc in batch.members]
-        firsts = batch.forward(self.decoder, self.pool, tables)
+        firsts = batch.forward(self.rows, self.pool, tables)
         batch.hand_on(lambda req, alloc, i: self._hand_off(req, alloc, tables[i], firsts[i]))
 
     def _hand_off(
@@ -161,8 +166,7 @@ class PrefillEngine:
         try:
             self.cache.commit(alloc, req.prompt)
             eos = self.decoder.cfg.eos_token_id
-            last = int(first[0])
-            ends_now = req.max_new_rows <= 1 or last == eos or req.sampling.stops(last)
+            ends_now = req.max_new_rows <= 1 or self.rows.ends(first, req.sampling, eos)
             ticket = None
             if not ends_now:
                 ticket = self.sender.offer(

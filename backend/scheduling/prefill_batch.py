@@ -17,11 +17,12 @@ import numpy as np
 import torch
 
 from tandem.backend.errors import PoolExhausted, StreamFailed, TandemError
-from tandem.backend.generation.sampling import SamplingParams, sample, step_span
+from tandem.backend.generation.sampling import SamplingParams
 from tandem.backend.kv.pool import KVPool
 from tandem.backend.kv.prefix_cache import PrefixAllocation, PrefixCache
 from tandem.backend.metrics import MetricsSink
-from tandem.backend.model.decoder import Decoder, PrefillItem
+from tandem.backend.model.decoder import PrefillItem
+from tandem.backend.model.row_step import RowStep
 from tandem.backend.scheduling.intake import Intake
 from tandem.backend.settings import BatchSettings
 from tandem.backend.timing import Timings
@@ -99,10 +100,11 @@ class PrefillBatch(Generic[R]):
             self.fail_rest(StreamFailed(f"prefill failed: {type(exc).__name__}: {exc}"))
             raise
 
-    def forward(self, decoder: Decoder, pool: KVPool, tables: Sequence[torch.Tensor]) -> np.ndarray:
-        """The batch's one forward. `tables[i]` holds member i's slots, at least one per prompt row (the
-        rows its prefix-cache hit covers are read, the rest written). Stamps and measures every
-        member's forward; returns each member's row 0 (sampled with its own parameters) [n, W]."""
+    def forward(self, step: RowStep, pool: KVPool, tables: Sequence[torch.Tensor]) -> np.ndarray:
+        """The batch's one forward (`step`: the family's decoder and row maker). `tables[i]` holds
+        member i's slots, at least one per prompt row (the rows its prefix-cache hit covers are read,
+        the rest written). Stamps and measures every member's forward; returns each member's row 0
+        (made with its own parameters) [n, W]."""
         items = []
         for (req, alloc), table in zip(self.members, tables, strict=True):
             rows = torch.from_numpy(req.prompt[alloc.cached_tokens :]).to(pool.device)
@@ -110,9 +112,9 @@ class PrefillBatch(Generic[R]):
         for req, _ in self.members:
             req.timings.mark("forward_start")
         params = [req.sampling for req, _ in self.members]
-        span = step_span(params, decoder.cfg.vocab_size)  # grammar-bound: the head's legal rows only
-        logits = decoder.prefill_many(pool, items, span)
-        firsts = sample(logits, params, [req.prompt.shape[0] for req, _ in self.members], span=span).numpy()
+        firsts = step.first_rows(
+            pool, items, params, [req.prompt.shape[0] for req, _ in self.members]
+        ).numpy()
         for req, alloc in self.members:
             req.timings.mark("forward_end")
             self.metrics.observe(
