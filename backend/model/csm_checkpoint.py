@@ -12,6 +12,7 @@ is a ValueError naming the field or tensor.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from dataclasses import dataclass
@@ -98,6 +99,7 @@ def csm_shape(hf: dict[str, Any], dtype: str | None = None) -> CsmShape:
     rows = CsmRows(n, vocab, text_vocab)
     dt = dtype or hf.get("dtype") or hf.get("torch_dtype") or "float32"
     backbone = _part(hf, "config.json (backbone)", tandem_row_width=rows.width, dtype=dt, name="csm-backbone")
+    backbone = dataclasses.replace(backbone, text_vocab_size=text_vocab)
     depth = _part(depth_hf, "config.json (depth_decoder_config)", dtype=dt, name="csm-depth")
     codec = hf.get("codec_config") or {}
     if not isinstance(codec, dict):

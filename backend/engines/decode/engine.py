@@ -199,7 +199,7 @@ class DecodeEngine:
             req.sink = req.claim
         try:
             cfg = self.decoder.cfg
-            req.handoff.check_fits(cfg.row_width, cfg.vocab_size, self.pool.num_pages * self.pool.page_size)
+            req.handoff.check_fits(cfg, self.pool.num_pages * self.pool.page_size)
             self.intake.submit(req)
         except BaseException:
             if req.claim is not None:
