@@ -57,6 +57,15 @@ class CsmShape:
     audio_eos_token: int
     codec: dict[str, Any]  # Mimi's config as the checkpoint names it ({} when absent)
 
+    @property
+    def mimi_codes(self) -> int | None:
+        """The ids a served frame samples among (0..this-1): Mimi's codebook size from `codec`, with
+        the codebook eos id inside; None when the checkpoint names no codec (the whole vocabulary)."""
+        size = self.codec.get("codebook_size")
+        if not isinstance(size, int) or size < 1:
+            return None
+        return min(self.rows.codebook_vocab, max(size, self.codebook_eos + 1))
+
 
 def _int(cfg: dict[str, Any], field: str, where: str) -> int:
     value = cfg.get(field)

@@ -9,10 +9,11 @@ sampler. Two families:
   stream when its column 0 is the stream's eos id (the model's) or one of its stop ids.
 - `CsmRowStep` (Sesame CSM): the backbone's hidden state -> `CsmFrames.frame` (codebook 0 from the
   backbone's head, codebooks 1..N-1 from the depth decoder) -> one row of N codes with the text column
-  absent; frame f of a stream (f = the row's index among its generated rows, row 0 is P's) draws its
-  codebook k at position f * N + k; a row ends its stream when it is CSM's end frame
-  (`CsmFrames.ends`). Its repetition penalty is not supported (`has_history` False: Sesame's
-  generator has none; the running batch keeps no history for it).
+  absent, each code among Mimi's codes and the end (`CsmShape.mimi_codes`); frame f of a stream
+  (f = the row's index among its generated rows, row 0 is P's) draws its codebook k at position
+  f * N + k; a row ends its stream when it is CSM's end frame (`CsmFrames.ends`). Its repetition
+  penalty is not supported (`has_history` False: Sesame's generator has none; the running batch
+  keeps no history for it).
 
 Positions: `starts[i]` is stream i's prompt length (the position of its row 0), `positions[i]` the
 position of the row being made (P: the prompt length; the running batch: the previous row's + 1).
@@ -138,7 +139,7 @@ class CsmRowStep:
 
     def __init__(self, model: CsmModel, max_batch: int) -> None:
         self.model = model
-        self.frames = CsmFrames(model, max(1, max_batch))
+        self.frames = CsmFrames(model, max(1, max_batch), codes=model.shape.mimi_codes)
         self._seats = max(1, max_batch)
 
     @property

@@ -25,7 +25,7 @@ from tandem.backend.model.csm_checkpoint import CsmModel, load_csm
 from tandem.backend.model.csm_frames import generate
 from tandem.backend.text.csm import Utterance, prompt_rows
 from tandem.backend.timing import Timings
-from tests.support.csm import CODEBOOKS, TEXT_VOCAB, write_csm
+from tests.support.csm import CODEBOOKS, MIMI_CODES, TEXT_VOCAB, write_csm
 from tests.support.engines import HandoffBox, ListSink, engine_settings
 
 pytest.importorskip("transformers")
@@ -55,7 +55,7 @@ def _prompt(model: CsmModel, seed: int, context_frames: int) -> np.ndarray:
 
 
 def _reference(model: CsmModel, prompt: np.ndarray, params: SamplingParams, frames: int) -> np.ndarray:
-    return generate(model, torch.from_numpy(prompt), frames, params).numpy()
+    return generate(model, torch.from_numpy(prompt), frames, params, codes=model.shape.mimi_codes).numpy()
 
 
 @pytest.fixture
@@ -101,6 +101,20 @@ def test_mono_and_pd_make_the_reference_frames(csm: CsmModel, engines) -> None:
         assert (got[:, CODEBOOKS] == ABSENT).all()  # generated rows carry no text
         np.testing.assert_array_equal(got[:, :CODEBOOKS], expected)
         np.testing.assert_array_equal(b.rows(), got)
+    assert csm.shape.mimi_codes == MIMI_CODES
+
+
+def test_served_frames_sample_only_mimis_codes(csm: CsmModel, engines) -> None:
+    """CSM's vocabulary is Mimi's codes plus ids no Mimi decodes: a hot stream over many frames
+    draws them when sampling the whole vocabulary (the reference without `codes`), never served."""
+    mono, _, _ = engines
+    x, hot, n = _prompt(csm, 6, 2), SamplingParams(temperature=3.0, seed=3), 24
+    whole = generate(csm, torch.from_numpy(x), n, hot).numpy()
+    assert (whole >= MIMI_CODES).any()
+    sink = ListSink()
+    mono.submit(EngineRequest(1, x, hot, n, sink, Timings()))
+    assert sink.done.wait(60) and sink.error is None
+    assert (sink.rows()[:, :CODEBOOKS] < MIMI_CODES).all()
 
 
 def test_a_stream_ends_at_the_end_frame(tmp_path, monkeypatch) -> None:
