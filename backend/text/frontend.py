@@ -9,7 +9,9 @@ A family is a prompt template, from the checkpoint (`detect_family`) or `tandem.
 - `plain`: ``encode(f"{voice}: {text}")`` (or the text alone), each token in column 0 of a W-wide row.
 - `csm` (Sesame CSM, `backend/text/csm.py`): the segment ``<|begin_of_text|>[speaker]text<|end_of_text|>``
   (the tokenizer's own begin/end tokens where its post-processor adds them, else added here), one
-  text row each, the codebook columns absent (-1); VOICE is a speaker number ("" is speaker 0).
+  text row each, the codebook columns absent (-1); VOICE is a speaker number ("" is speaker 0), or
+  a registered voice: its transcript's segment, its Mimi frames and the end frame as the context
+  utterance (speaker 0), then the text as speaker 0's.
 
 A VOICE is a built-in voice (`tandem.frontend.voices`, else the checkpoint's `tandem_voices`; `*`:
 any name), or a registered one (`backend/voices/store.py`, read per request), whose prompt is its
@@ -29,13 +31,15 @@ from pathlib import Path
 
 import numpy as np
 
+from tandem.backend.codec.csm import CODEBOOK_EOS
 from tandem.backend.errors import InvalidInput
 from tandem.backend.model.config import ModelConfig, preset
-from tandem.backend.model.csm import ABSENT
+from tandem.backend.model.csm import ABSENT, CsmRows
+from tandem.backend.model.csm_checkpoint import csm_shape
 from tandem.backend.prompt import TextRequest
 from tandem.backend.settings import EngineSettings, Limits
 from tandem.backend.text.cloning import orpheus_prefix, plain_prefix
-from tandem.backend.text.csm import speaker_text
+from tandem.backend.text.csm import Utterance, prompt_rows, speaker_text
 from tandem.backend.text.families import checkpoint_config
 from tandem.backend.text.tokenizer import TextTokenizer
 from tandem.backend.voices.store import VoiceRecord, VoiceStore
@@ -105,8 +109,10 @@ class TextFrontend:
         voices: Sequence[str] = (ANY_VOICE,),
         max_text_bytes: int = 4096,
         store: VoiceStore | None = None,
+        codebook_eos: int = CODEBOOK_EOS,
     ) -> None:
-        """Raises ValueError when the tokenizer cannot serve `cfg` (ids past its vocabulary, a
+        """`codebook_eos`: CSM's end-frame code (its checkpoint's; a voice's context closes with it).
+        Raises ValueError when the tokenizer cannot serve `cfg` (ids past its vocabulary, a
         template token missing) or a family does not fit the model (Orpheus needs one id per row)."""
         if max_text_bytes < 1:
             raise ValueError(f"tandem.frontend.max_text_bytes must be >= 1, got {max_text_bytes}")
@@ -117,6 +123,7 @@ class TextFrontend:
                 f"{'text ' if cfg.text_vocab_size else ''}vocabulary of {text_vocab}"
             )
         self._csm_ends: tuple[int, int] | None = None
+        self.codebook_eos = codebook_eos
         if (family == Family.CSM) != bool(cfg.text_vocab_size):
             raise ValueError("the csm template serves a CSM checkpoint (rows of codes + a text column) only")
         if family == Family.CSM:
@@ -182,6 +189,23 @@ class TextFrontend:
         ids = self.tokenizer.encode(speaker_text(int(voice or 0), text))
         return [*([] if ids[:1] == [bot] else [bot]), *ids, *([] if ids[-1:] == [eot] else [eot])]
 
+    def _csm_prefix(self, record: VoiceRecord) -> np.ndarray:
+        """A registered voice as CSM's context utterance (speaker 0, as the text to speak then is):
+        its transcript's segment, its Mimi frames, the end frame (`backend/text/csm.py`)."""
+        n = self.cfg.row_width - 1
+        frames = np.asarray(record.frames, dtype=np.int64)
+        if frames.ndim != 2 or frames.shape[1] != n:
+            raise InvalidInput(
+                f"VOICE {record.name!r} was registered with {record.codec} frames of {record.frame_width} "
+                f"codes; this model's are {n} Mimi codes"
+            )
+        rows = CsmRows(n, self.cfg.vocab_size, self.cfg.text_vocab_size)
+        segment = np.asarray(self._csm_ids(record.transcript, "0"), dtype=np.int64)
+        try:
+            return prompt_rows([Utterance(segment, frames)], rows, self.codebook_eos)
+        except ValueError as exc:
+            raise InvalidInput(f"VOICE {record.name!r}: {exc}") from None
+
     def ids(self, request: TextRequest) -> list[int]:
         """The family's prompt ids for `request` with a built-in voice or none (one per row)."""
         if self.check_voice(request.voice) is not None:
@@ -196,8 +220,8 @@ class TextFrontend:
         if hit is not None and hit[0] is record:
             return hit[1]
         if self.family == Family.CSM:
-            raise InvalidInput(f"VOICE {record.name!r}: registered voices are not served for CSM yet")
-        if self.family == Family.ORPHEUS:
+            rows = self._csm_prefix(record)
+        elif self.family == Family.ORPHEUS:
             rows = orpheus_prefix(self.tokenizer, record).reshape(-1, 1)
         else:
             rows = plain_prefix(self.tokenizer, record, self.cfg)
@@ -273,4 +297,7 @@ def build_frontend(
     tokenizer = TextTokenizer.load(path)
     family = parse_family(fs.family, tokenizer, cfg)
     voices = builtin_voices(settings)
-    return TextFrontend(tokenizer, family, cfg, settings.limits, voices, fs.max_text_bytes, store)
+    eos = CODEBOOK_EOS
+    if checkpoint and family == Family.CSM:
+        eos = csm_shape(json.loads((Path(checkpoint) / "config.json").read_text())).codebook_eos
+    return TextFrontend(tokenizer, family, cfg, settings.limits, voices, fs.max_text_bytes, store, eos)

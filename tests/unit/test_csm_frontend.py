@@ -1,7 +1,8 @@
 """CSM's text front end: a CSM checkpoint's directory (its config.json and tokenizer.json) gives the
 backbone's config with its text column, the csm template, and TEXT + VOICE (a speaker number) as the
 segment transformers' chat template writes (``<|begin_of_text|>[speaker]text<|end_of_text|>``), one
-text row per token with the codebook columns absent, which request validation accepts."""
+text row per token with the codebook columns absent, which request validation accepts; a registered
+voice (Mimi-encoded) is the context utterance before it."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
+from tandem.backend.codec.mimi import MimiCodec, mimi_spec
 from tandem.backend.errors import InvalidInput
 from tandem.backend.model.csm import ABSENT
 from tandem.backend.model.csm_checkpoint import load_csm
@@ -17,7 +20,8 @@ from tandem.backend.prompt import TextRequest, check_prompt
 from tandem.backend.settings import parse_settings
 from tandem.backend.text.frontend import Family, TextFrontend, build_frontend, model_config
 from tandem.backend.text.tokenizer import TextTokenizer
-from tests.support.csm import CODEBOOKS, TEXT_VOCAB, write_csm
+from tandem.backend.voices.store import VoiceRecord, VoiceStore
+from tests.support.csm import CODEBOOKS, TEXT_VOCAB, write_csm, write_mimi
 from tests.support.text_models import byte_tokenizer
 
 pytest.importorskip("transformers")
@@ -76,3 +80,36 @@ def test_the_csm_template_needs_its_text_markers(checkpoint: Path, tmp_path: Pat
     TextFrontend(plain, Family.CSM, cfg, settings.limits)  # has both markers
     with pytest.raises(ValueError, match="serves a CSM checkpoint"):
         TextFrontend(plain, Family.PLAIN, cfg, settings.limits)
+
+
+def test_a_registered_voice_is_its_mimi_frames_as_the_context_utterance(
+    checkpoint: Path, tmp_path: Path
+) -> None:
+    """A voice registered as the registrar encodes it (Mimi's encoder, N quantizers): its transcript
+    as speaker 0's segment, its frames, the end frame, then the text to speak as speaker 0's."""
+    mimi = tmp_path / "mimi"
+    write_mimi(mimi, seed=1)
+    codec = MimiCodec(mimi, mimi_spec(mimi, "csm", 8, 0, 1), torch.device("cpu"))
+    pcm = np.random.default_rng(0).uniform(-0.5, 0.5, 1920 * 6).astype(np.float32)
+    frames = codec.encode(pcm, CODEBOOKS)
+    assert frames.shape == (6, CODEBOOKS)
+    store = VoiceStore(tmp_path / "voices")
+    store.add(VoiceRecord("ref", "It is me.", frames.tolist(), "mimi", 24000, 1920, 0.48, 24000, 0.0))
+    settings = parse_settings({"model.checkpoint": str(checkpoint)})
+    fe = build_frontend(settings, model_config(settings), checkpoint, store)
+    assert fe is not None
+    rows = fe.rows(TextRequest("Hello.", "ref"))
+    tok = byte_tokenizer()
+    context = tok.encode("<|begin_of_text|>[0]It is me.<|end_of_text|>", add_special_tokens=False).ids
+    target = tok.encode("<|begin_of_text|>[0]Hello.<|end_of_text|>", add_special_tokens=False).ids
+    c, f = len(context), frames.shape[0]
+    assert rows.shape == (c + f + 1 + len(target), CODEBOOKS + 1)
+    np.testing.assert_array_equal(rows[:c, -1], context)
+    np.testing.assert_array_equal(rows[c : c + f, :CODEBOOKS], frames)
+    np.testing.assert_array_equal(rows[c + f, :CODEBOOKS], [0] * CODEBOOKS)  # the end frame: eos 0
+    assert (rows[c : c + f + 1, -1] == ABSENT).all()
+    np.testing.assert_array_equal(rows[c + f + 1 :, -1], target)
+    np.testing.assert_array_equal(check_prompt(rows, fe.cfg, fe.limits), rows)
+    store.add(VoiceRecord("snac", "x", [[1] * 7], "snac", 24000, 2048, 0.1, 24000, 0.0))
+    with pytest.raises(InvalidInput, match="frames of 7 codes; this model's are 8 Mimi codes"):
+        fe.rows(TextRequest("Hello.", "snac"))
