@@ -85,7 +85,8 @@ def detect_family(tokenizer: TextTokenizer, cfg: ModelConfig) -> Family:
 
 
 def parse_family(name: str, tokenizer: TextTokenizer, cfg: ModelConfig) -> Family:
-    """`tandem.frontend.family`: "auto" (detect), "plain" or "orpheus"; ValueError for anything else."""
+    """`tandem.frontend.family`: "auto" (detect), "plain", "orpheus" or "csm"; ValueError for anything
+    else."""
     if name == "auto":
         return detect_family(tokenizer, cfg)
     try:
