@@ -56,7 +56,7 @@ lint: setup
 	$(VENV)/bin/ruff format --check .
 
 typecheck: setup
-	$(VENV)/bin/mypy backend transfer serving gateway cli bench
+	$(VENV)/bin/mypy backend transfer serving gateway cli bench wire
 
 # Tests by scope: unit (this process), process (tandem's own processes, no tritonserver), integration
 # (through the real tritonserver and the gateway). docs/architecture.md says what goes where.
@@ -69,8 +69,9 @@ process: setup
 integration: setup
 	$(PY) -m pytest tests/integration -q
 
+# --durations: the 25 slowest setups/calls at the end of the output (CI keeps its time under watch).
 test: lint typecheck
-	$(PY) -m pytest tests -q
+	$(PY) -m pytest tests -q --durations=25
 
 clean:
 	rm -rf $(VENV) build *.egg-info csrc/*.so

@@ -24,18 +24,15 @@ from tandem.backend.generation.grammar import Grammar
 from tandem.backend.model.config import ModelConfig
 from tandem.backend.settings import Limits
 from tandem.csrc import pack_rows, validate_rows
+from tandem.wire import contract as wire
+from tandem.wire.contract import triton_name
 
-# Request input names, as declared in the models' config.pbtxt.
-PROMPT = "PROMPT"
-MAX_TOKENS = "MAX_TOKENS"
-TEMPERATURE = "TEMPERATURE"
-TOP_P = "TOP_P"
-TOP_K = "TOP_K"
-SEED = "SEED"
-VOICE_ID = "VOICE_ID"
-TEXT = "TEXT"
-VOICE = "VOICE"
-REPETITION_PENALTY = "REPETITION_PENALTY"
+# The request's input names, the contract's (`wire/contract.py`), for callers that build input maps.
+PROMPT, TEXT, VOICE = wire.PROMPT.name, wire.TEXT.name, wire.VOICE.name
+MAX_TOKENS, TEMPERATURE, TOP_P, TOP_K = (
+    t.name for t in (wire.MAX_TOKENS, wire.TEMPERATURE, wire.TOP_P, wire.TOP_K)
+)
+SEED, VOICE_ID, REPETITION_PENALTY = wire.SEED.name, wire.VOICE_ID.name, wire.REPETITION_PENALTY.name
 
 # Bounds and defaults of the sampling inputs. They are part of the request contract (clients rely
 # on them), not deployment tunables, so they live here rather than in `Limits`.
@@ -49,31 +46,6 @@ DEFAULT_TOP_K = 0  # 0 disables top-k
 DEFAULT_REPETITION_PENALTY = 1.0  # 1 disables it
 DEFAULT_VOICE_ID = ""  # the model's default voice
 
-_TRITON_NAMES = {
-    ("b", 1): "BOOL",
-    ("u", 1): "UINT8",
-    ("u", 2): "UINT16",
-    ("u", 4): "UINT32",
-    ("u", 8): "UINT64",
-    ("i", 1): "INT8",
-    ("i", 2): "INT16",
-    ("i", 4): "INT32",
-    ("i", 8): "INT64",
-    ("f", 2): "FP16",
-    ("f", 4): "FP32",
-    ("f", 8): "FP64",
-}
-
-
-def triton_dtype_name(dtype: np.dtype) -> str:
-    """The Triton name of a numpy dtype, so messages speak the client's vocabulary (FP32, not float32)."""
-    if dtype.kind in "OS":
-        return "BYTES"
-    name = _TRITON_NAMES.get((dtype.kind, dtype.itemsize), str(dtype))
-    if not dtype.isnative:
-        name += " (non-native byte order)"
-    return name
-
 
 def _shape(shape: tuple[int, ...]) -> str:
     return "[" + ", ".join(str(d) for d in shape) + "]"
@@ -83,7 +55,7 @@ def _shape(shape: tuple[int, ...]) -> str:
 
 
 def check_prompt(arr: np.ndarray, cfg: ModelConfig, limits: Limits) -> np.ndarray:
-    """Validate a PROMPT tensor ([N, row_width] INT64) and return it C-contiguous.
+    """Validate a PROMPT tensor (`wire.PROMPT`: [N, row_width] INT64) and return it C-contiguous.
 
     Returns `arr` itself when it is already C-contiguous, else one contiguous copy; the caller owns
     the result and may hand it to the engine without further checks.
@@ -93,12 +65,13 @@ def check_prompt(arr: np.ndarray, cfg: ModelConfig, limits: Limits) -> np.ndarra
             rows, or an id outside [0, cfg.vocab_size) (CSM's rows: outside its column's range,
             `ModelConfig.column_vocab`, with -1 for an absent column).
     """
+    name, dtype = wire.PROMPT.name, wire.PROMPT.dtype
     if not isinstance(arr, np.ndarray):
-        raise InvalidInput(f"PROMPT must be an INT64 tensor, got {type(arr).__name__}")
-    if arr.dtype != np.dtype(np.int64):
-        raise InvalidInput(f"PROMPT must be INT64, got {triton_dtype_name(arr.dtype)}")
+        raise InvalidInput(f"{name} must be an {dtype.triton} tensor, got {type(arr).__name__}")
+    if arr.dtype != dtype.numpy:
+        raise InvalidInput(f"{name} must be {dtype.triton}, got {triton_name(arr.dtype)}")
     if arr.ndim != 2:
-        raise InvalidInput(f"PROMPT must have shape [rows, {cfg.row_width}], got {_shape(arr.shape)}")
+        raise InvalidInput(f"{name} must have shape [rows, {cfg.row_width}], got {_shape(arr.shape)}")
     try:
         validate_rows(
             arr, cfg.row_width, cfg.vocab_size, limits.max_prompt_rows, cfg.column_vocab, cfg.min_id
@@ -132,12 +105,12 @@ def _scalar(name: str, value: object, dtype: np.dtype) -> Any:
     """The single element of a [1]-shaped tensor of exactly `dtype` (BYTES: object or S arrays)."""
     if not isinstance(value, np.ndarray):
         raise InvalidInput(f"{name} must be a tensor, got {type(value).__name__}")
-    want = triton_dtype_name(dtype)
-    if want == "BYTES":
+    want = triton_name(dtype)
+    if want == wire.BYTES.triton:
         if value.dtype.kind not in "OS":
-            raise InvalidInput(f"{name} must be BYTES, got {triton_dtype_name(value.dtype)}")
+            raise InvalidInput(f"{name} must be {want}, got {triton_name(value.dtype)}")
     elif value.dtype != dtype:
-        raise InvalidInput(f"{name} must be {want}, got {triton_dtype_name(value.dtype)}")
+        raise InvalidInput(f"{name} must be {want}, got {triton_name(value.dtype)}")
     if value.shape != (1,):
         raise InvalidInput(f"{name} must have shape [1], got {_shape(value.shape)}")
     return value[0]  # a numpy scalar, or for object arrays the element itself (bytes for Triton BYTES)
@@ -211,7 +184,7 @@ def check_float(
     """
     if value is None:
         return default
-    raw = _scalar(name, value, np.dtype(np.float32))
+    raw = _scalar(name, value, wire.FP32.numpy)
     v = float(raw)
     if not math.isfinite(v):
         if allow_nan:
@@ -226,11 +199,13 @@ def check_text(name: str, value: np.ndarray | None, default: str, max_bytes: int
     """A BYTES input of shape [1] holding at most `max_bytes` bytes of UTF-8; returns the decoded str."""
     if value is None:
         return default
-    item: object = _scalar(name, value, np.dtype(np.object_))
+    item: object = _scalar(name, value, wire.BYTES.numpy)
     if isinstance(item, str):  # some clients hand the python backend str objects for BYTES
         item = item.encode("utf-8")
     if not isinstance(item, bytes):
-        raise InvalidInput(f"{name} must be BYTES, got an element of type {type(item).__name__}")
+        raise InvalidInput(
+            f"{name} must be {wire.BYTES.triton}, got an element of type {type(item).__name__}"
+        )
     if len(item) > max_bytes:
         raise InvalidInput(f"{name} is {len(item)} bytes; the limit is {max_bytes}")
     try:
@@ -274,10 +249,10 @@ def check_text_request(
         return None
     if max_text_bytes is None:
         raise InvalidInput("TEXT is not accepted: this model has no tokenizer (tandem.frontend.tokenizer)")
-    value = check_text(TEXT, text, "", max_text_bytes)
+    value = check_text(wire.TEXT.name, text, "", max_text_bytes)
     if not value.strip():
         raise InvalidInput("TEXT is empty" if not value else "TEXT is blank (only whitespace)")
-    return TextRequest(value, check_text(VOICE, voice, "", MAX_VOICE_BYTES))
+    return TextRequest(value, check_text(wire.VOICE.name, voice, "", MAX_VOICE_BYTES))
 
 
 @dataclass(frozen=True)
@@ -325,25 +300,25 @@ def parse_params(
     who knows the prompt. Raises `InvalidInput` for the first bad input, in the order of
     `RequestParams`' fields.
     """
+
+    def given(spec: wire.TensorSpec) -> tuple[str, np.ndarray | None]:
+        return spec.name, inputs.get(spec.name)
+
     return RequestParams(
         max_new_rows=check_int(
-            MAX_TOKENS,
-            inputs.get(MAX_TOKENS),
-            np.dtype(np.int32),
+            *given(wire.MAX_TOKENS),
+            wire.MAX_TOKENS.dtype.numpy,
             limits.default_new_rows,
             1,
             limits.max_new_rows,
         ),
-        temperature=check_float(
-            TEMPERATURE, inputs.get(TEMPERATURE), defaults.temperature, 0.0, MAX_TEMPERATURE
-        ),
-        top_p=check_float(TOP_P, inputs.get(TOP_P), defaults.top_p, 0.0, 1.0, lo_open=True),
-        top_k=check_int(TOP_K, inputs.get(TOP_K), np.dtype(np.int32), defaults.top_k, 0, cfg.vocab_size),
-        seed=check_int(SEED, inputs.get(SEED), np.dtype(np.int64), None),
-        voice_id=check_text(VOICE_ID, inputs.get(VOICE_ID), DEFAULT_VOICE_ID, MAX_VOICE_ID_BYTES),
+        temperature=check_float(*given(wire.TEMPERATURE), defaults.temperature, 0.0, MAX_TEMPERATURE),
+        top_p=check_float(*given(wire.TOP_P), defaults.top_p, 0.0, 1.0, lo_open=True),
+        top_k=check_int(*given(wire.TOP_K), wire.TOP_K.dtype.numpy, defaults.top_k, 0, cfg.vocab_size),
+        seed=check_int(*given(wire.SEED), wire.SEED.dtype.numpy, None),
+        voice_id=check_text(*given(wire.VOICE_ID), DEFAULT_VOICE_ID, MAX_VOICE_ID_BYTES),
         repetition_penalty=check_float(
-            REPETITION_PENALTY,
-            inputs.get(REPETITION_PENALTY),
+            *given(wire.REPETITION_PENALTY),
             defaults.repetition_penalty,
             0.0,
             MAX_REPETITION_PENALTY,

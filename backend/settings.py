@@ -15,6 +15,7 @@ from typing import Any
 
 from tandem.backend.codec.builder import codec_spec
 from tandem.backend.codec.config import CodecSettings, VocoderConfig
+from tandem.transfer.control import DEFAULT_UNIT
 
 
 @dataclass(frozen=True)
@@ -101,7 +102,7 @@ class RateSettings:
 
 @dataclass(frozen=True)
 class TransferSettings:
-    unit: str = "default"
+    unit: str = DEFAULT_UNIT
     paths: str = "host_shm"  # comma-separated preference order
     require_path: str = ""  # non-empty: refuse to start on any other path
     deadline_s: float = 5.0

@@ -23,8 +23,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from tandem.backend.codec.orpheus import AUDIO_BASE, CODEBOOK, SLOTS
 from tandem.backend.codec.snac import write_random
+from tandem.backend.generation.orpheus_ids import AUDIO_BASE, END_OF_SPEECH, SLOTS, VOCAB_SIZE
+from tandem.backend.generation.orpheus_ids import CODES_PER_SLOT as CODEBOOK
 from tandem.backend.model.checkpoint import save_checkpoint
 from tandem.backend.model.config import ModelConfig
 from tandem.backend.model.decoder import Decoder
@@ -38,7 +39,7 @@ def audio_lm(path: Path) -> Path:
     """The tests' Orpheus-layout LM: its head zero off the audio ids, so a greedy stream is audio."""
     cfg = ModelConfig(
         name="orpheus-layout-tiny",
-        vocab_size=156940,
+        vocab_size=VOCAB_SIZE,
         row_width=1,
         hidden_size=64,
         num_layers=2,
@@ -47,7 +48,7 @@ def audio_lm(path: Path) -> Path:
         head_dim=16,
         intermediate_size=128,
         max_position_embeddings=4096,
-        eos_token_id=128258,
+        eos_token_id=END_OF_SPEECH,
     )
     decoder = Decoder.random(cfg, seed=3)
     assert decoder.lm_head is not None

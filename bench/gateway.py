@@ -34,6 +34,7 @@ from tandem.gateway.app import Gateway, GatewaySettings
 from tandem.gateway.audio import AudioFormat, Framer, StreamFormat
 from tandem.gateway.client import TTSClient
 from tandem.gateway.stream import StreamRequest, new_stream_id, prompt_inputs
+from tandem.wire import contract as wire
 
 
 def _stats(samples_s: list[float]) -> dict[str, float | int]:
@@ -85,7 +86,7 @@ def _http_floor(base: str) -> float:
 async def _run(args: argparse.Namespace) -> dict[str, Any]:
     rng = np.random.default_rng(0)
     prompt = rng.integers(0, args.vocab, size=(args.rows, args.width), dtype=np.int64)
-    params = {"MAX_TOKENS": args.max_tokens, "TEMPERATURE": 0.0, "SEED": 1}
+    params = {wire.MAX_TOKENS.name: args.max_tokens, wire.TEMPERATURE.name: 0.0, wire.SEED.name: 1}
     gw = Gateway(GatewaySettings(args.triton, f"http://{args.triton.rsplit(':', 1)[0]}:8002/metrics"))
     await gw.start()
     samples: dict[str, list[float]] = {

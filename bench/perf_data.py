@@ -24,6 +24,8 @@ from typing import Any
 
 import numpy as np
 
+from tandem.wire import contract as wire
+
 
 def input_data(streams: int, rows: int, width: int, vocab: int, max_tokens: int, seed: int) -> dict[str, Any]:
     """perf_analyzer's `--input-data` JSON: `streams` sequences of one step each."""
@@ -32,9 +34,9 @@ def input_data(streams: int, rows: int, width: int, vocab: int, max_tokens: int,
     for _ in range(streams):
         prompt = rng.integers(0, vocab, size=(rows, width), dtype=np.int64)
         step = {
-            "PROMPT": {"content": prompt.reshape(-1).tolist(), "shape": [rows, width]},
-            "MAX_TOKENS": {"content": [max_tokens], "shape": [1]},
-            "TEMPERATURE": {"content": [0.0], "shape": [1]},
+            wire.PROMPT.name: {"content": prompt.reshape(-1).tolist(), "shape": [rows, width]},
+            wire.MAX_TOKENS.name: {"content": [max_tokens], "shape": [1]},
+            wire.TEMPERATURE.name: {"content": [0.0], "shape": [1]},
         }
         data.append([step])
     return {"data": data}

@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from tandem.backend.generation import orpheus_ids as orpheus
 from tandem.backend.generation.grammar import Grammar
 from tandem.backend.generation.sampling import (
     SamplingParams,
@@ -85,7 +86,8 @@ def measure(dec: Decoder, batch: int, steps: int, warmup: int, seed: int) -> dic
     gen = torch.Generator(device=dev).manual_seed(seed + batch)
     h = torch.randn((batch, cfg.hidden_size), generator=gen, device=dev).to(cfg.torch_dtype)
     seen = torch.zeros((batch, 1, cfg.vocab_size), dtype=torch.bool, device=dev)
-    mark_seen(seen, torch.randint(128266, 156938, (batch, 1), generator=gen, device=dev))
+    audio = torch.randint(orpheus.AUDIO_BASE, orpheus.AUDIO_END, (batch, 1), generator=gen, device=dev)
+    mark_seen(seen, audio)
     params, positions = streams(batch)
     out: dict[str, Any] = {"batch": batch}
     tokens: dict[str, list[torch.Tensor]] = {p: [] for p in PATHS}

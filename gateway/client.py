@@ -30,6 +30,7 @@ import tritonclient.grpc as grpcclient
 
 from tandem.gateway.errors import ClientCode, classify
 from tandem.gateway.session import run_pipelined, segments
+from tandem.wire import contract as wire
 
 _ids = itertools.count(1)
 
@@ -118,40 +119,35 @@ class SpeechResult:
         return next((r.error for r in self.results if r.error), None)
 
 
+# The one-element inputs a request may carry besides PROMPT, by name (`wire/contract.py`).
+SCALAR_INPUTS = {t.name: t for t in (wire.TEXT, wire.VOICE, *wire.SAMPLING)}
+
+
+def scalar_input(spec: wire.TensorSpec, value: Any) -> grpcclient.InferInput:
+    """`value` (a str for BYTES) as the [1]-shaped input `spec`."""
+    arr = np.array([value.encode() if isinstance(value, str) else value], dtype=spec.dtype.numpy)
+    t = grpcclient.InferInput(spec.name, [1], spec.dtype.triton)
+    t.set_data_from_numpy(arr)
+    return t
+
+
 def build_inputs(prompt: np.ndarray | None, **params: Any) -> list[grpcclient.InferInput]:
     """PROMPT (None: the request carries TEXT instead) plus any of MAX_TOKENS, TEMPERATURE, TOP_P,
     TOP_K, SEED, VOICE_ID, TEXT, VOICE, REPETITION_PENALTY given as keywords."""
-    types = {
-        "MAX_TOKENS": ("INT32", np.int32),
-        "TEMPERATURE": ("FP32", np.float32),
-        "TOP_P": ("FP32", np.float32),
-        "TOP_K": ("INT32", np.int32),
-        "SEED": ("INT64", np.int64),
-        "VOICE_ID": ("BYTES", np.object_),
-        "TEXT": ("BYTES", np.object_),
-        "VOICE": ("BYTES", np.object_),
-        "REPETITION_PENALTY": ("FP32", np.float32),
-    }
     inputs: list[grpcclient.InferInput] = []
     if prompt is not None:
         inputs.append(_prompt_input(prompt))
-    for name, value in params.items():
-        if value is None:
-            continue
-        triton_type, np_type = types[name]
-        arr = np.array([value.encode() if isinstance(value, str) else value], dtype=np_type)
-        t = grpcclient.InferInput(name, [1], triton_type)
-        t.set_data_from_numpy(arr)
-        inputs.append(t)
+    inputs += [
+        scalar_input(SCALAR_INPUTS[name], value) for name, value in params.items() if value is not None
+    ]
     return inputs
 
 
 def _prompt_input(prompt: np.ndarray) -> grpcclient.InferInput:
+    """PROMPT as given: INT64, or INT32/FP32 sent as they are (the server refuses them, by name)."""
     prompt_arr = np.asarray(prompt)
-    dtype = {np.dtype(np.int64): "INT64", np.dtype(np.int32): "INT32", np.dtype(np.float32): "FP32"}.get(
-        prompt_arr.dtype, "INT64"
-    )
-    p = grpcclient.InferInput("PROMPT", list(prompt_arr.shape), dtype)
+    dtype = next((d for d in (wire.INT64, wire.INT32, wire.FP32) if d.numpy == prompt_arr.dtype), wire.INT64)
+    p = grpcclient.InferInput(wire.PROMPT.name, list(prompt_arr.shape), dtype.triton)
     p.set_data_from_numpy(prompt_arr)
     return p
 
@@ -201,8 +197,8 @@ class TTSClient:
                 if "triton_final_response" in resp.parameters
                 else False
             )
-            tokens = result.as_numpy("TOKENS")
-            audio = result.as_numpy("AUDIO")
+            tokens = result.as_numpy(wire.TOKENS.name)
+            audio = result.as_numpy(wire.AUDIO.name)
             if tokens is not None:
                 r.responses += 1
                 if not r.first_response_ns:
@@ -215,7 +211,7 @@ class TTSClient:
                     r.first_audio_ns = now
                 if audio is not None:
                     r.audio = audio if r.audio is None else np.concatenate([r.audio, audio])
-            timings = result.as_numpy("TIMINGS")
+            timings = result.as_numpy(wire.TIMINGS.name)
             if timings is not None and len(timings) and timings[0]:
                 r.timings.update(json.loads(timings[0]))
             if final:
@@ -278,7 +274,8 @@ class TTSClient:
 
         def start(part: str, index: int) -> tuple[TTSClient, str]:
             client = clients[index % 2]
-            return client, client.send(None, TEXT=part, VOICE=voice, SEED=seed, **params)
+            inputs: dict[str, Any] = {wire.TEXT.name: part, wire.VOICE.name: voice, wire.SEED.name: seed}
+            return client, client.send(None, **inputs, **params)
 
         def finish(handle: tuple[TTSClient, str]) -> StreamResult:
             return handle[0].wait([handle[1]], timeout_s)[0]

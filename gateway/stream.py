@@ -35,16 +35,17 @@ import numpy as np
 import tritonclient.grpc as grpcclient
 import tritonclient.grpc.aio as aio
 
-from tandem.gateway.client import build_inputs
+from tandem.gateway.client import build_inputs, scalar_input
 from tandem.gateway.errors import ClientCode, ClientError, classify
+from tandem.wire import contract as wire
 
-TEXT, VOICE, VOICE_ID = "TEXT", "VOICE", "VOICE_ID"
-DECODE = "decode"  # D's model: the `tts` step that takes CANCEL directly
+TEXT, VOICE, VOICE_ID = wire.TEXT.name, wire.VOICE.name, wire.VOICE_ID.name
+DECODE = wire.DECODE.name  # D's model: the `tts` step that takes CANCEL directly
 OPENAI_PARAMS = {
     TEXT: "input",
     VOICE: "voice",
     VOICE_ID: "voice",
-    "SEED": "seed",
+    wire.SEED.name: "seed",
 }  # Triton input -> the body's field
 
 
@@ -82,7 +83,7 @@ class SpeechModel:
         params = {k: v.get("string_value", "") for k, v in (config.get("parameters") or {}).items()}
         name = str(config["name"])
         outputs = {o["name"] for o in config.get("output", [])}
-        if "AUDIO" not in outputs or "sample_rate" not in params:
+        if wire.AUDIO.name not in outputs or "sample_rate" not in params:
             raise ValueError(f"model {name!r} is not a tandem speech model (no AUDIO output / sample_rate)")
         return cls(
             name=name,
@@ -140,12 +141,6 @@ def _prompt_rows(timings: np.ndarray | None) -> int:
     return value if isinstance(value, int) else 0
 
 
-def _bytes_input(name: str, value: str) -> grpcclient.InferInput:
-    t = grpcclient.InferInput(name, [1], "BYTES")
-    t.set_data_from_numpy(np.array([value.encode()], dtype=np.object_))
-    return t
-
-
 def text_inputs(
     model: SpeechModel, text: str, voice: str, seed: int | None = None
 ) -> list[grpcclient.InferInput]:
@@ -160,13 +155,13 @@ def text_inputs(
         )
     if not text.strip():
         raise refuse(ClientCode.INVALID_ARG, "input is empty", "input")
-    inputs = [_bytes_input(TEXT, text)]
+    inputs = [scalar_input(wire.TEXT, text)]
     if VOICE in model.inputs:
-        inputs.append(_bytes_input(VOICE, voice))
+        inputs.append(scalar_input(wire.VOICE, voice))
     if VOICE_ID in model.inputs:
-        inputs.append(_bytes_input(VOICE_ID, voice))
+        inputs.append(scalar_input(wire.VOICE_ID, voice))
     if seed is not None:
-        inputs += build_inputs(None, SEED=seed)
+        inputs.append(scalar_input(wire.SEED, seed))
     return inputs
 
 
@@ -210,13 +205,12 @@ async def cancel_on_decode(client: aio.InferenceServerClient, stream_id: int, ti
     """Tell D to drop `tts` stream `stream_id`: one request to `decode` with `CANCEL` (Triton 2.51 does
     not pass an ensemble's cancellation on to its decode step; serving/cancel_board.py). Raises
     GatewayError when D refuses it or does not answer within `timeout_s`."""
-    cancel = grpcclient.InferInput("CANCEL", [1], "INT64")
-    cancel.set_data_from_numpy(np.array([stream_id], dtype=np.int64))
+    cancel = scalar_input(wire.CANCEL, stream_id)
     answered = asyncio.Event()
 
     async def requests() -> AsyncIterator[dict[str, Any]]:
         yield {
-            "model_name": "decode",
+            "model_name": DECODE,
             "inputs": [cancel],
             "request_id": f"cancel-{stream_id}",
             "sequence_id": new_stream_id(),
@@ -318,10 +312,10 @@ async def stream_audio(
                 raise GatewayError(refused, openai_param(refused))
             params = result.get_response().parameters
             done = "triton_final_response" in params and params["triton_final_response"].bool_param
-            audio = result.as_numpy("AUDIO")
-            tokens = result.as_numpy("TOKENS")
+            audio = result.as_numpy(wire.AUDIO.name)
+            tokens = result.as_numpy(wire.TOKENS.name)
             completed = done
-            prompt_rows = _prompt_rows(result.as_numpy("TIMINGS")) if done else 0
+            prompt_rows = _prompt_rows(result.as_numpy(wire.TIMINGS.name)) if done else 0
             if (audio is not None and audio.size) or prompt_rows:
                 empty = audio is None or not audio.size
                 pcm = np.zeros(0, np.float32) if empty else audio

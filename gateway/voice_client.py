@@ -12,13 +12,14 @@ from __future__ import annotations
 import json
 from typing import Any
 
-import numpy as np
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
+from tandem.gateway.client import scalar_input
 from tandem.gateway.errors import ClientError, classify
+from tandem.wire import contract as wire
 
-MODEL = "voices"
+MODEL = wire.VOICES.name
 REGISTER_TIMEOUT_S = 600.0
 
 
@@ -31,21 +32,22 @@ class VoiceError(Exception):
 def voice_inputs(
     action: str, name: str | None = None, transcript: str | None = None, audio: bytes | None = None
 ) -> list[grpcclient.InferInput]:
-    inputs = []
-    values = {"ACTION": action.encode(), "NAME": name, "TRANSCRIPT": transcript, "AUDIO": audio}
-    for key, value in values.items():
-        if value is None:
-            continue
-        t = grpcclient.InferInput(key, [1], "BYTES")
-        t.set_data_from_numpy(
-            np.array([value.encode() if isinstance(value, str) else value], dtype=np.object_)
-        )
-        inputs.append(t)
-    return inputs
+    values = (
+        (wire.ACTION, action),
+        (wire.NAME, name),
+        (wire.TRANSCRIPT, transcript),
+        (wire.REFERENCE, audio),
+    )
+    return [scalar_input(spec, value) for spec, value in values if value is not None]
+
+
+def result_of(result: Any) -> dict[str, Any]:
+    """A `voices` response's one output, RESULT, as the JSON object it holds."""
+    return result_json(result.as_numpy(wire.RESULT.name)[0])
 
 
 def result_json(raw: Any) -> dict[str, Any]:
-    """RESULT's JSON (`as_numpy("RESULT")[0]`)."""
+    """RESULT's JSON (`result_of`)."""
     return dict(json.loads(raw.decode() if isinstance(raw, bytes) else str(raw)))
 
 
@@ -60,7 +62,7 @@ class VoiceClient:
             result = self._client.infer(MODEL, inputs, client_timeout=timeout_s)
         except InferenceServerException as exc:
             raise VoiceError(classify(str(exc.message()), exc.status())) from None
-        return result_json(result.as_numpy("RESULT")[0])
+        return result_of(result)
 
     def register(
         self, name: str, transcript: str, audio: bytes, timeout_s: float = REGISTER_TIMEOUT_S

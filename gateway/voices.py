@@ -45,11 +45,13 @@ from tandem.gateway.aliases import OPENAI_VOICES
 from tandem.gateway.errors import ClientCode, ClientError, classify
 from tandem.gateway.stream import GatewayError, refuse
 from tandem.gateway.tenants import OPEN, Tenant, own_name, voice_id
-from tandem.gateway.voice_client import MODEL, REGISTER_TIMEOUT_S, result_json, voice_inputs
+from tandem.gateway.voice_client import MODEL, REGISTER_TIMEOUT_S, result_of, voice_inputs
+from tandem.wire import contract as wire
 
 FORM_SLACK = 64 * 1024  # the form's other fields and multipart framing
 UPLOAD_CEILING = 64 * 2**20
-FORM_PARAMS = {"NAME": "name", "TRANSCRIPT": "transcript", "AUDIO": "file", "ACTION": None}
+# `voices` input -> the form's field
+FORM_PARAMS = {wire.NAME.name: "name", wire.TRANSCRIPT.name: "transcript", wire.REFERENCE.name: "file"}
 CALL_TIMEOUT_S = 30.0
 NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # a caller's voice name (the store's, without a namespace)
 
@@ -96,7 +98,7 @@ async def _call(request: Request, inputs: list[Any], timeout_s: float, tenant: s
         if tenant:  # the unit names the stored voice, `'acme.bob'`: the caller named it `'bob'`
             error = ClientError(error.code, error.detail.replace(f"'{tenant}.", "'"))
         raise GatewayError(error, FORM_PARAMS.get(first)) from None
-    return result_json(result.as_numpy("RESULT")[0])
+    return result_of(result)
 
 
 async def _limits(request: Request) -> VoiceLimits:

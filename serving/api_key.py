@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tandem.serving.repository import model_parameter, repository_unit
-from tandem.transfer.control import control_dir
+from tandem.transfer.control import DEFAULT_UNIT, UNIT_PARAMETER, control_dir
 from tandem.transfer.errors import UnsafeControlDir
 
 LOCKED_APIS = ("model-repository", "shared-memory", "logging", "trace", "statistics")
@@ -53,8 +53,6 @@ GRPC_HEADER = f"triton-grpc-protocol-{HEADER}"
 KEY_NAME = "api.key"
 FILE_ENV = "TANDEM_API_KEY_FILE"
 LOCK_ENV = "TANDEM_API_LOCK"
-UNIT_PARAMETER = "tandem.transfer.unit"
-DEFAULT_UNIT = "default"  # backend/settings.py TransferSettings.unit
 UNLOCKED_WARNING = (
     f"{LOCK_ENV}=off: Triton's {', '.join(LOCKED_APIS)} APIs answer anyone who reaches its HTTP and "
     "gRPC ports (one request can unload a model and stop the unit); use it only where nothing else "
@@ -108,9 +106,9 @@ def option_values(args: Sequence[str], name: str) -> list[str]:
 
 
 def unit_of(server_args: Sequence[str]) -> str:
-    """The unit a server serves: the first `tandem.transfer.unit` named by a model (models in name
+    """The unit a server serves: the first `UNIT_PARAMETER` named by a model (models in name
     order, local repositories in argument order), else the first local repository's own
-    (`repository_unit`, what the engines derive then: serving/engine_worker.py), else "default"."""
+    (`repository_unit`, what the engines derive then: serving/engine_worker.py), else `DEFAULT_UNIT`."""
     repos = option_values(server_args, "--model-repository") + option_values(server_args, "--model-store")
     local = []
     for repo in repos:

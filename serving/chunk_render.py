@@ -1,6 +1,7 @@
-"""The vocoder's batched execute: the codec's side of the Triton <-> domain conversion.
+"""The vocoder's batched execute: many streams' chunks in one codec call.
 
-Beside `triton_io.py` (the rest of the conversion). D's and `tts_mono`'s chunks are rendered in their
+Its tensors are read and written by `triton_io.py` (`read_chunk`, `chunk_tensors`), the one module
+that touches a Triton tensor. D's and `tts_mono`'s chunks are rendered in their
 engine workers (`backend/worker/host.py`: `CODES`/`WINDOW` for the vocoder step, `AUDIO` for mono).
 - `VocoderBatcher`: the `vocoder` step, stateless: the windows of every chunk queued meanwhile (of
   many streams) are decoded in one `Codec.decode` call, and each request's one response carries
@@ -86,17 +87,10 @@ class VocoderBatcher:
 
     def submit(self, requests: list[Any]) -> None:
         """Called by Triton's execute thread."""
-        pb = self._pb
         for request in requests:
             sender = request.get_response_sender()
             try:
-                rows = pb.get_input_tensor_by_name(request, "TOKENS").as_numpy()
-                window = CodecWindow.from_arrays(
-                    pb.get_input_tensor_by_name(request, "CODES").as_numpy(),
-                    pb.get_input_tensor_by_name(request, "WINDOW").as_numpy(),
-                )
-                raw = pb.get_input_tensor_by_name(request, "TIMINGS").as_numpy()[0]
-                text = raw.decode() if isinstance(raw, bytes) else str(raw)
+                rows, window, text = io.read_chunk(self._pb, request)
             except Exception as exc:
                 self._fail(sender, exc)
                 continue
@@ -137,13 +131,8 @@ class VocoderBatcher:
                 if isinstance(audio, BaseException):
                     self._fail(job.sender, audio)
                     continue
-                outputs = [
-                    pb.Tensor("TOKENS_OUT", job.rows),
-                    pb.Tensor("AUDIO", audio.astype(np.float32, copy=False)),
-                    io.bytes_tensor(
-                        pb, "TIMINGS_OUT", _stamp_first_audio(job.timings, job.window, self._metrics)
-                    ),
-                ]
+                stamps = _stamp_first_audio(job.timings, job.window, self._metrics)
+                outputs = io.chunk_tensors(pb, job.rows, audio, stamps)
                 job.sender.send(pb.InferenceResponse(output_tensors=outputs), flags=flags)
             except Exception:
                 log.exception("vocoder: could not answer a chunk")

@@ -123,7 +123,7 @@ class EngineStub:
 
     def execute(self, requests: list[Any]) -> None:
         for request in requests:
-            if self.cancels is not None and self._pb.get_input_tensor_by_name(request, "CANCEL") is not None:
+            if self.cancels is not None and io.is_cancel(self._pb, request):
                 self._post_cancel(request)
                 continue
             responder = TritonResponder(self._pb, request, self._posted(request))
@@ -152,13 +152,9 @@ class EngineStub:
         sender = request.get_response_sender()
         final = self._pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
         try:
-            if self._pb.get_input_tensor_by_name(request, "HANDOFF") is not None:
-                raise InvalidInput("a request carries one of HANDOFF and CANCEL, not both")
-            ids = self._pb.get_input_tensor_by_name(request, "CANCEL").as_numpy().reshape(-1)
-            if ids.size != 1:
-                raise InvalidInput(f"CANCEL holds one stream id, got {ids.size}")
+            stream = io.read_cancel(self._pb, request)
             try:
-                self.cancels.post(int(ids[0]))
+                self.cancels.post(stream)
             except ValueError as exc:
                 raise InvalidInput(str(exc)) from None
         except TandemError as err:
@@ -168,7 +164,7 @@ class EngineStub:
             unwritable = EngineUnavailable(f"decode: the cancel board cannot be written: {exc}")
             sender.send(self._pb.InferenceResponse(error=io.triton_error(self._pb, unwritable)), flags=final)
             return
-        ack = self._pb.InferenceResponse(output_tensors=[io.bytes_tensor(self._pb, "TIMINGS", "")])
+        ack = self._pb.InferenceResponse(output_tensors=[io.timings_tensor(self._pb, "")])
         sender.send(ack, flags=final)
 
     def _prompt(self, request: Any) -> functools.partial[Submit]:
@@ -189,10 +185,7 @@ class EngineStub:
         )
 
     def _handoff(self, request: Any) -> functools.partial[Submit]:
-        tensor = self._pb.get_input_tensor_by_name(request, "HANDOFF")
-        if tensor is None:
-            raise InvalidInput("HANDOFF is required (or CANCEL, to cancel a stream by its id)")
-        raw = tensor.as_numpy()[0]
+        raw = io.read_handoff(self._pb, request)
         try:
             handoff = Handoff.from_json(raw)
         except ValueError as exc:

@@ -67,8 +67,7 @@ from tandem.backend.worker.channel import (
 )
 from tandem.backend.worker.metrics import BeatMetrics
 from tandem.serving.repository import repository_unit
-
-UNIT_PARAMETER = "tandem.transfer.unit"  # serving/api_key.py
+from tandem.transfer.control import UNIT_PARAMETER
 
 log = logging.getLogger("tandem")
 
@@ -133,7 +132,7 @@ class _Process:
 
 
 def with_unit(model_config: str, model_dir: object) -> str:
-    """`model_config` (Triton's JSON) with `tandem.transfer.unit` set to the repository's own unit
+    """`model_config` (Triton's JSON) with `UNIT_PARAMETER` set to the repository's own unit
     (`serving.repository.repository_unit` of the model directory's parent) when it names none: two
     servers of two repositories on one host then never share P's slot or D's arena."""
     config = json.loads(model_config)

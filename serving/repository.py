@@ -2,7 +2,10 @@
 
 The checked-in `model_repository/` is the CPU default (tiny preset, host shared-memory handoff).
 A deployment or a test derives its own by overriding `tandem.*` parameters per model and, for GPUs,
-the `instance_group` of each model — so there is one source of model definitions, not several.
+the `instance_group` of each model — so there is one source of model definitions, not several. Every
+model's `input [...]` and `output [...]` are the wire contract's (`wire/contract.py`), written at the
+served model's widths (`io_blocks`); the checked-in files are that rendering at the tiny preset's.
+What `tandem-repo`'s options override, model by model, is `serving/repository_rules.py`'s.
 """
 
 from __future__ import annotations
@@ -14,21 +17,9 @@ import shutil
 from collections.abc import Mapping
 from pathlib import Path
 
-_GROUP = re.compile(r"^instance_group \[.*\]\s*$", re.MULTILINE)
+from tandem.wire.contract import MODELS, ModelSpec, Widths
 
-# Which tensors carry rows of the model's width W, and which codec frames of K codes, per model.
-# Their config dims are [-1, W] / [-1, K] (`tensor_dims`): one variable dimension only. Triton 2.51
-# checks a request's byte size only when every dimension is known, so with two wildcards a shape such
-# as [0, -5] reaches the python stub, whose numpy conversion then aborts the whole stub process.
-ROW_TENSORS: dict[str, tuple[str, ...]] = {
-    "frontend": ("PROMPT", "ROWS"),
-    "prefill": ("PROMPT",),
-    "decode": ("TOKENS",),
-    "vocoder": ("TOKENS", "TOKENS_OUT"),
-    "tts": ("PROMPT", "TOKENS"),
-    "tts_mono": ("PROMPT", "TOKENS"),
-}
-FRAME_TENSORS: dict[str, tuple[str, ...]] = {"decode": ("CODES",), "vocoder": ("CODES",)}
+_GROUP = re.compile(r"^instance_group \[.*\]\s*$", re.MULTILINE)
 
 
 # A text-format string: any character but a quote or a backslash, or an escape (a value with quotes,
@@ -87,23 +78,46 @@ def set_instance_group(config: str, group: str) -> str:
     return _GROUP.sub(lambda _: f"instance_group [ {group} ]", config)
 
 
-def set_dims(config: str, tensor: str, dims: list[int]) -> str:
-    """Replace the dims of the one-line input or output `{ name: "TENSOR" ... dims: [ ... ] ... }`."""
-    pattern = re.compile(r'(\{ name: "' + re.escape(tensor) + r'" data_type: \w+ dims: \[)[^\]]*(\])')
-    if not pattern.search(config):
-        raise ValueError(f"config has no one-line tensor {tensor!r} to set dims on")
-    return pattern.sub(lambda m: f"{m.group(1)} {', '.join(str(d) for d in dims)} {m.group(2)}", config)
+def _block(kind: str, lines: list[str]) -> str:
+    if len(lines) == 1:
+        return f"{kind} [ {lines[0]} ]"
+    return f"{kind} [\n" + ",\n".join(f"  {line}" for line in lines) + "\n]"
 
 
-def tensor_dims(row_width: int, frame_width: int) -> dict[str, dict[str, list[int]]]:
-    """Per model, the dims of its row and frame tensors for rows of `row_width` ids and codec frames
-    of `frame_width` codes."""
-    out: dict[str, dict[str, list[int]]] = {}
-    for model, names in ROW_TENSORS.items():
-        out.setdefault(model, {}).update({n: [-1, row_width] for n in names})
-    for model, names in FRAME_TENSORS.items():
-        out.setdefault(model, {}).update({n: [-1, frame_width] for n in names})
-    return out
+def io_blocks(model: ModelSpec, widths: Widths) -> tuple[str, str]:
+    """`model`'s `input [...]` and `output [...]` as config.pbtxt writes them: one line for one
+    tensor, else one tensor per line. Rows are [-1, W] and frames [-1, K]: one variable dimension only
+    (Triton 2.51 checks a request's byte size only when every other dimension is known, so with two
+    wildcards a shape such as [0, -5] reaches the python stub, whose numpy conversion then aborts the
+    whole stub process)."""
+    return (
+        _block("input", [t.config_line(widths) for t in model.inputs]),
+        _block("output", [t.config_line(widths) for t in model.outputs]),
+    )
+
+
+def _replace_block(config: str, kind: str, block: str) -> str:
+    """`config` with its top-level `KIND [ ... ]` (one line, or up to a line `]`) replaced by `block`."""
+    lines = config.split("\n")
+    start = next((i for i, line in enumerate(lines) if line.startswith(f"{kind} [")), None)
+    if start is None:
+        raise ValueError(f"config has no {kind} [ ... ] to replace")
+    end = start
+    if lines[start].rstrip() == f"{kind} [":
+        end = next(i for i in range(start + 1, len(lines)) if lines[i].rstrip() == "]")
+    return "\n".join([*lines[:start], block, *lines[end + 1 :]])
+
+
+def set_io(config: str, model: ModelSpec, widths: Widths) -> str:
+    """`config` (a config.pbtxt of `model`) with its inputs and outputs written from the contract."""
+    inputs, outputs = io_blocks(model, widths)
+    return _replace_block(_replace_block(config, "input", inputs), "output", outputs)
+
+
+def tensor_dims(row_width: int, frame_width: int) -> Widths:
+    """The widths every model's row tensors (`row_width` ids) and frame tensors (`frame_width`
+    codes) are rendered at."""
+    return Widths(row_width, frame_width)
 
 
 def gpu_group(gpus: list[int], count: int = 1) -> str:
@@ -115,11 +129,13 @@ def render(
     dest: Path,
     parameters: Mapping[str, Mapping[str, str]] | None = None,
     groups: Mapping[str, str] | None = None,
-    dims: Mapping[str, Mapping[str, list[int]]] | None = None,
+    dims: Widths | None = None,
 ) -> Path:
-    """Copy `source` to `dest` applying per-model parameter, instance-group and tensor-dims overrides."""
+    """Copy `source` to `dest` applying per-model parameter and instance-group overrides; with `dims`,
+    every model of the contract gets its inputs and outputs written at those widths (`set_io`)."""
     shutil.copytree(source, dest, ignore=shutil.ignore_patterns("__pycache__"))
-    models = set(parameters or {}) | set(groups or {}) | set(dims or {})
+    contract = set() if dims is None else {p.parent.name for p in dest.glob("*/config.pbtxt")} & set(MODELS)
+    models = set(parameters or {}) | set(groups or {}) | contract
     for model in models:
         cfg = dest / model / "config.pbtxt"
         if not cfg.is_file():
@@ -129,7 +145,7 @@ def render(
             text = set_parameter(text, key, value)
         if groups and model in groups:
             text = set_instance_group(text, groups[model])
-        for tensor, shape in (dims or {}).get(model, {}).items():
-            text = set_dims(text, tensor, shape)
+        if dims is not None and model in MODELS:
+            text = set_io(text, MODELS[model], dims)
         cfg.write_text(text)
     return dest

@@ -19,15 +19,12 @@ from typing import Any
 
 import numpy as np
 
-from tandem.backend.codec.base import CodecSpec, format_rate
+from tandem.backend.codec.base import CodecSpec, CodecWindow, format_rate
 from tandem.backend.errors import ErrorCode, InvalidInput, TandemError
 from tandem.backend.metrics import METRICS, Engine, Kind, zero_series
 from tandem.backend.model.config import ModelConfig
 from tandem.backend.prompt import (
     CONTRACT_DEFAULTS,
-    PROMPT,
-    TEXT,
-    VOICE,
     GenerationDefaults,
     RequestParams,
     check_prompt,
@@ -39,12 +36,10 @@ from tandem.backend.text.defaults import load_generation_defaults
 from tandem.backend.text.frontend import TextFrontend, build_frontend, model_config
 from tandem.backend.voices.store import VoiceStore, resolve_dir
 from tandem.backend.worker.channel import Reply
-from tandem.serving.repository import ROW_TENSORS
+from tandem.wire import contract as wire
 
 # TRITONSERVER_REQUEST_FLAG_SEQUENCE_START (tritonserver.h): the request opens its sequence.
 SEQUENCE_START = 1
-
-OPTIONAL_INPUTS = ("MAX_TOKENS", "TEMPERATURE", "TOP_P", "TOP_K", "SEED", "VOICE_ID", "REPETITION_PENALTY")
 
 
 def setup_logging(model_name: str) -> None:
@@ -73,7 +68,7 @@ def check_dims(model_config: Mapping[str, Any], row_width: int | None = None) ->
     size only when that leaves the element count negative or known, so with two a shape like
     [0, -5] passes its checks and the python backend's numpy conversion aborts the stub process
     (every later request of the model fails). With `row_width`, this model's row tensors
-    (`serving/repository.py` ROW_TENSORS) must be [-1, row_width]."""
+    (`wire/contract.py`, `Shape.ROWS`) must be [-1, row_width]."""
     name = str(model_config.get("name", "?"))
     for t in model_config.get("input") or []:
         dims = [int(d) for d in t.get("dims") or []]
@@ -84,7 +79,8 @@ def check_dims(model_config: Mapping[str, Any], row_width: int | None = None) ->
             )
     if row_width is None:
         return
-    rows = ROW_TENSORS.get(name, ())
+    model = wire.MODELS.get(name)
+    rows = model.names(wire.Shape.ROWS) if model is not None else ()
     for t in [*(model_config.get("input") or []), *(model_config.get("output") or [])]:
         dims = [int(d) for d in t.get("dims") or []]
         if t.get("name") in rows and dims != [-1, row_width]:
@@ -109,14 +105,22 @@ def triton_error(pb: Any, err: BaseException) -> Any:
 
 
 def _input(pb: Any, request: Any, name: str) -> np.ndarray | None:
+    """The request's input `name` as numpy, None when it does not carry it: the one read of a Triton
+    input tensor."""
     tensor = pb.get_input_tensor_by_name(request, name)
     return None if tensor is None else tensor.as_numpy()
 
 
+def _text(raw: object) -> str:
+    """One BYTES element as text (the python backend hands bytes, some clients str)."""
+    return raw.decode() if isinstance(raw, bytes) else str(raw)
+
+
 def _text_request(pb: Any, request: Any, frontend: TextFrontend | None) -> Any:
-    prompt = _input(pb, request, PROMPT)
+    prompt = _input(pb, request, wire.PROMPT.name)
     limit = None if frontend is None else frontend.max_text_bytes
-    return prompt, check_text_request(prompt, _input(pb, request, TEXT), _input(pb, request, VOICE), limit)
+    text, voice = _input(pb, request, wire.TEXT.name), _input(pb, request, wire.VOICE.name)
+    return prompt, check_text_request(prompt, text, voice, limit)
 
 
 def read_request(
@@ -143,7 +147,7 @@ def read_request(
     if not request.flags() & SEQUENCE_START:
         raise InvalidInput("a stream starts with sequence_start set (one request per stream: start and end)")
     prompt, text = _text_request(pb, request, frontend)
-    inputs = {name: _input(pb, request, name) for name in OPTIONAL_INPUTS}
+    inputs = {spec.name: _input(pb, request, spec.name) for spec in wire.SAMPLING}
     params = parse_params(inputs, cfg, limits, defaults)
     if text is None:
         rows = check_prompt(prompt, cfg, limits)
@@ -200,6 +204,11 @@ def read_frontend_request(pb: Any, request: Any, frontend: TextFrontend | None) 
     return frontend.rows(text)
 
 
+def frontend_tensors(pb: Any, rows: np.ndarray) -> list[Any]:
+    """The `frontend` step's response: its one output, ROWS."""
+    return [pb.Tensor(wire.ROWS.name, rows)]
+
+
 def read_voice_inputs(pb: Any, request: Any) -> dict[str, bytes | None]:
     """A `voices` request's BYTES [1] inputs (`backend/voices/request.py` INPUTS) as bytes, None
     where absent; InvalidInput for one that is not a single element."""
@@ -216,6 +225,51 @@ def read_voice_inputs(pb: Any, request: Any) -> dict[str, bytes | None]:
         value = arr.reshape(-1)[0]
         out[name] = value if isinstance(value, bytes) else str(value).encode()
     return out
+
+
+def is_cancel(pb: Any, request: Any) -> bool:
+    """A `decode` request that carries CANCEL (a stream id to cancel) rather than a HANDOFF."""
+    return pb.get_input_tensor_by_name(request, wire.CANCEL.name) is not None
+
+
+def read_cancel(pb: Any, request: Any) -> int:
+    """The stream id a CANCEL request names; InvalidInput when it also carries a HANDOFF or its
+    CANCEL is not one id."""
+    if pb.get_input_tensor_by_name(request, wire.HANDOFF.name) is not None:
+        raise InvalidInput(f"a request carries one of {wire.HANDOFF.name} and {wire.CANCEL.name}, not both")
+    ids = np.asarray(_input(pb, request, wire.CANCEL.name)).reshape(-1)
+    if ids.size != 1:
+        raise InvalidInput(f"{wire.CANCEL.name} holds one stream id, got {ids.size}")
+    return int(ids[0])
+
+
+def read_handoff(pb: Any, request: Any) -> bytes | str:
+    """A `decode` request's HANDOFF element as it came (P's JSON ticket); InvalidInput when absent."""
+    arr = _input(pb, request, wire.HANDOFF.name)
+    if arr is None:
+        raise InvalidInput(
+            f"{wire.HANDOFF.name} is required (or {wire.CANCEL.name}, to cancel a stream by its id)"
+        )
+    raw = arr[0]
+    return raw if isinstance(raw, bytes) else str(raw)
+
+
+def read_chunk(pb: Any, request: Any) -> tuple[np.ndarray, CodecWindow, str]:
+    """A `vocoder` request: its rows (TOKENS), its codec window (CODES + WINDOW) and D's stamps
+    (TIMINGS) as text. Raises for a request without them or with a bad window."""
+    rows, codes, window, timings = (_input(pb, request, t.name) for t in wire.VOCODER.inputs)
+    if rows is None or codes is None or window is None or timings is None:
+        raise InvalidInput("a vocoder request carries TOKENS, CODES, WINDOW and TIMINGS")
+    return rows, CodecWindow.from_arrays(codes, window), _text(timings[0])
+
+
+def chunk_tensors(pb: Any, rows: np.ndarray, audio: np.ndarray, timings: str) -> list[Any]:
+    """The `vocoder` step's response: the rows passed on, the chunk's PCM and the stamps."""
+    return [
+        pb.Tensor(wire.TOKENS_OUT.name, rows),
+        pb.Tensor(wire.AUDIO.name, audio.astype(wire.AUDIO.dtype.numpy, copy=False)),
+        bytes_tensor(pb, wire.TIMINGS_OUT.name, timings),
+    ]
 
 
 def has_stream_id(request: Any) -> bool:
@@ -250,18 +304,23 @@ def reply_tensors(pb: Any, reply: Reply) -> list[Any]:
     `CODES`, `WINDOW` (the vocoder step's inputs) and `TIMINGS`; `tts_mono`'s `TOKENS`, `AUDIO` and
     `TIMINGS` (empty except on the final response); the voice registrar's `RESULT`."""
     if reply.handoff:
-        return [bytes_tensor(pb, "HANDOFF", reply.handoff)]
+        return [bytes_tensor(pb, wire.HANDOFF.name, reply.handoff)]
     if reply.result:
-        return [bytes_tensor(pb, "RESULT", reply.result)]
+        return [bytes_tensor(pb, wire.RESULT.name, reply.result)]
     named = (
-        ("TOKENS", reply.rows),
-        ("CODES", reply.frames),
-        ("WINDOW", reply.window),
-        ("AUDIO", reply.audio),
+        (wire.TOKENS, reply.rows),
+        (wire.CODES, reply.frames),
+        (wire.WINDOW, reply.window),
+        (wire.AUDIO, reply.audio),
     )
-    tensors = [pb.Tensor(name, a.numpy()) for name, a in named if a is not None]
-    tensors.append(bytes_tensor(pb, "TIMINGS", reply.timings))
+    tensors = [pb.Tensor(spec.name, a.numpy()) for spec, a in named if a is not None]
+    tensors.append(timings_tensor(pb, reply.timings))
     return tensors
+
+
+def timings_tensor(pb: Any, stamps: str) -> Any:
+    """A response's TIMINGS (JSON stamps; "" for none)."""
+    return bytes_tensor(pb, wire.TIMINGS.name, stamps)
 
 
 class TritonMetrics:

@@ -25,6 +25,13 @@ from pathlib import Path
 
 from .errors import TransferError, UnsafeControlDir
 
+# The unit: one P/D pair's scope (its control directory, sockets, locks and proxy). Its name comes from
+# the `UNIT_PARAMETER` of a model's config.pbtxt (backend/settings.py `TransferSettings.unit`); a
+# server whose models name none serves `DEFAULT_UNIT` unless its repository gives it one
+# (serving/repository.py `repository_unit`).
+UNIT_PARAMETER = "tandem.transfer.unit"
+DEFAULT_UNIT = "default"
+
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 _SUN_PATH_MAX = 107
 

@@ -39,7 +39,7 @@ import torch
 from ._actions import Actions, run
 from ._offer import GatherFn, Offer, Rows
 from .auth import sign_ticket
-from .control import InstanceLock, endpoint_paths, listen_tcp, listen_unix, tcp_endpoint
+from .control import UNIT_PARAMETER, InstanceLock, endpoint_paths, listen_tcp, listen_unix, tcp_endpoint
 from .copier import Copier
 from .errors import SenderClosed, TransferError
 from .layout import WireLayout
@@ -131,7 +131,7 @@ class TransferSender:
             if time.monotonic() > deadline:
                 raise TransferError(
                     f"another P instance holds {self.lock_path}: another server serves the same unit "
-                    "(two units on one host need different `tandem.transfer.unit` parameters on their "
+                    f"(two units on one host need different `{UNIT_PARAMETER}` parameters on their "
                     "prefill and decode models, or different XDG_RUNTIME_DIRs), or the previous P of "
                     f"this one did not exit within {self._lock_wait_s:g} s"
                 )

@@ -3,12 +3,13 @@
 Orpheus (canopyai/Orpheus-TTS) is a Llama LM whose vocabulary ends in 7 x 4096 audio tokens. The
 i-th audio token of a stream (i counts audio tokens only, from 0) is
 
-    128266 + (i mod 7) * 4096 + code          code in [0, 4096)
+    AUDIO_BASE + (i mod 7) * 4096 + code          code in [0, 4096)
 
 and every seven audio tokens are one SNAC 24 kHz frame (2,048 samples), in the order
 `[L0, L1a, L2a, L2b, L1b, L2c, L2d]`: one code of SNAC's coarsest level, two of the middle one, four of
-the finest, interleaved as the model was trained to emit them. Every other id (end of speech 128258,
-text, the other special tokens) is not audio and is skipped: it neither makes sound nor moves i.
+the finest, interleaved as the model was trained to emit them (the ids:
+`backend/generation/orpheus_ids.py`). Every other id (end of speech, text, the other special tokens)
+is not audio and is skipped: it neither makes sound nor moves i.
 
 A token whose id lies in another slot's range than `i mod 7` (possible only without the audio-token
 grammar, which Orpheus serving turns on) still counts as the i-th audio token; its code is its offset
@@ -23,10 +24,9 @@ from __future__ import annotations
 
 import numpy as np
 
-AUDIO_BASE = 128266  # id of code 0 in slot 0 (= <custom_token_10>, custom tokens start at 128256)
-CODEBOOK = 4096
-SLOTS = 7  # audio tokens per SNAC frame
-END_OF_SPEECH = 128258
+from tandem.backend.generation.orpheus_ids import AUDIO_BASE, AUDIO_END, SLOTS
+from tandem.backend.generation.orpheus_ids import CODES_PER_SLOT as CODEBOOK
+
 # Position of SNAC's canonical frame order [L0, L1a, L1b, L2a, L2b, L2c, L2d] in Orpheus' order.
 _TO_SNAC = np.array([0, 1, 4, 2, 3, 5, 6])
 _TO_ORPHEUS = np.argsort(_TO_SNAC)
@@ -49,7 +49,7 @@ class OrpheusLayout:
         array [n] with 0 <= code < 4096, n = the number of audio tokens in `rows`.
         """
         ids = np.asarray(rows, dtype=np.int64).reshape(-1)
-        audio = ids[(ids >= AUDIO_BASE) & (ids < AUDIO_BASE + SLOTS * CODEBOOK)] - AUDIO_BASE
+        audio = ids[(ids >= AUDIO_BASE) & (ids < AUDIO_END)] - AUDIO_BASE
         slot = (audio_index + np.arange(audio.shape[0], dtype=np.int64)) % SLOTS
         code = audio - slot * CODEBOOK
         misplaced = (code < 0) | (code >= CODEBOOK)

@@ -40,11 +40,9 @@ from tandem.backend.metrics import MetricsSink
 from tandem.backend.model.cuda_graphs import GraphedDecode
 from tandem.backend.model.decoder import Decoder
 from tandem.backend.model.row_step import RowStep, TokenRowStep
+from tandem.backend.scheduling.step_plan import Member, checks_cancellation, plan_step
 
 log = logging.getLogger("tandem")
-
-# How often (in steps) running streams are asked whether their client is still there.
-_CANCEL_CHECK_EVERY = 8
 
 
 @dataclass
@@ -165,22 +163,30 @@ class DecodeBatch:
         return next((d.seconds for d in reversed(done) if d is not None), 0.0)
 
     def _launch(self, prev: QueuedStep | None) -> QueuedStep | None:
-        """Drop cancelled streams, then queue one step for every stream that still needs a row after
-        the rows already queued (None if there is none). Nothing here waits for the device."""
-        if self._steps % _CANCEL_CHECK_EVERY == 0:
-            for s in [s for s in self.streams if s.sink.cancelled()]:
-                s.status = StreamStatus.CANCELLED
-                self.metrics.inc("tandem_streams_total", outcome="cancelled")
-                try:  # the final (CANCELLED) response: without one Triton never releases the request
-                    s.sink.fail(Cancelled("client cancelled the stream"))
-                except Exception:
-                    log.exception("could not close cancelled stream %d", s.stream_id)
-                finally:
-                    self._leave(s)
-        self._steps += 1
+        """The step's plan (`plan_step`: which streams leave, their client gone, and which need a row
+        after the rows already queued), run: the cancelled leave, one step is queued for the rest
+        (None if there is none). Nothing here waits for the device."""
         assert len(self._queued) <= 1, "at most one step is queued between advance() calls"
         ahead = {} if prev is None else {id(s): i for i, s in enumerate(prev.streams)}
-        active = [s for s in self.streams if len(s.generated) + (id(s) in ahead) < s.max_new_rows]
+        check = checks_cancellation(self._steps)
+        self._steps += 1
+        streams = list(self.streams)
+        plan = plan_step(
+            [
+                Member(len(s.generated) + (id(s) in ahead), s.max_new_rows, check and s.sink.cancelled())
+                for s in streams
+            ]
+        )
+        for s in (streams[i] for i in plan.leave):
+            s.status = StreamStatus.CANCELLED
+            self.metrics.inc("tandem_streams_total", outcome="cancelled")
+            try:  # the final (CANCELLED) response: without one Triton never releases the request
+                s.sink.fail(Cancelled("client cancelled the stream"))
+            except Exception:
+                log.exception("could not close cancelled stream %d", s.stream_id)
+            finally:
+                self._leave(s)
+        active = [streams[i] for i in plan.step]
         if not active:
             return None
         t0 = time.perf_counter()

@@ -1,7 +1,8 @@
 """The monolithic engine: prefill and decode share one device and one loop (the baseline).
 
-Each iteration admits every pending request that fits into one prefill forward (prefix-cached, as
-P does), then runs one decode step over the batch, so a cold prefill pauses every playing stream.
+Each iteration plans one prefill forward over the pending requests (`plan_prefill`, as P does, and
+no more than the running batch has room for), runs it (prefix-cached), then runs one decode step
+over the batch, so a cold prefill pauses every playing stream.
 Every other piece (decoder, batch, sampling, chunking) is shared with P and D, so `tts` and
 `tts_mono` give identical tokens for identical requests (on a GPU, up to the rounding of which
 prompts shared a forward).
@@ -14,20 +15,21 @@ import time
 import numpy as np
 import torch
 
+from tandem.backend.engine_shell import EngineShell
 from tandem.backend.engines.parts import make_batch, make_intake, make_pool
+from tandem.backend.engines.prefill_run import PrefillRun, extra_tokens
 from tandem.backend.engines.stream import EngineRequest, Stream
-from tandem.backend.engines.thread import EngineThread
 from tandem.backend.errors import StreamFailed
 from tandem.backend.kv.prefix_cache import PrefixAllocation, PrefixCache
 from tandem.backend.metrics import MetricsSink, PublishTimer
 from tandem.backend.model.decoder import Decoder
 from tandem.backend.model.row_step import RowStep
 from tandem.backend.model.warm_up import warm_up
-from tandem.backend.scheduling.prefill_batch import PrefillBatch
+from tandem.backend.scheduling.prefill_plan import plan_prefill
 from tandem.backend.settings import EngineSettings
 
 
-class MonoEngine:
+class MonoEngine(EngineShell[EngineRequest]):
     def __init__(
         self,
         decoder: Decoder,
@@ -45,46 +47,49 @@ class MonoEngine:
         self.cache = PrefixCache(self.pool, enabled=settings.pool.prefix_cache)
         self.batch = make_batch(decoder, self.pool, settings, metrics, row_step=row_step)
         self.intake = make_intake(settings, EngineRequest)
-        self._thread = EngineThread("tandem-mono", self._iterate, self._fault)
+        super().__init__("tandem-mono", self.intake)
 
-    def start(self) -> None:
+    def _prepare(self) -> None:
         warm_up(self.decoder, self.pool)
-        self._thread.start()
-
-    def close(self) -> None:
-        self._thread.stop()
-
-    def loop_age_s(self) -> float:
-        """Seconds the engine loop has been inside its current iteration (the worker's heartbeat)."""
-        return self._thread.age_s()
-
-    def submit(self, req: EngineRequest) -> None:
-        """Called by Triton's execute thread; raises Overloaded when the queue is full."""
-        self.intake.submit(req)
 
     def _iterate(self) -> None:
+        """The scheduler's plan over the queue (at most the running batch's free places), run: one
+        forward whose prompts join the batch (`_prefill`); then the batch's next step. On any error in
+        the prefill every prompt not yet in the batch fails and its pages come back; the error goes on
+        to the shell's fault policy."""
         self.intake.pull(0.0 if len(self.batch) else 0.05)
-        batch: PrefillBatch[EngineRequest] = PrefillBatch(self.cache, self.settings.batch, self.metrics)
+        now = time.monotonic()
+        queued = self.intake.queued()
+        lookups = (self.cache.lookup(req.prompt, extra_tokens(req, True)) for req in queued)
         room = self.settings.batch.max_batch - len(self.batch)
-        batch.run(
-            self.intake,
-            lambda req: (
-                len(batch) < room and batch.reserve(req, time.monotonic(), extra_tokens=req.max_new_rows)
-            ),
-            lambda: self._prefill(batch),
-        )
+        plan = plan_prefill(lookups, self.cache.available_pages, self.settings.batch, room)
+        run: PrefillRun[EngineRequest] = PrefillRun(self.cache, self.metrics)
+        try:
+            run.admit(self.intake, queued[: plan.take], decode_room=True, now_s=now)
+            self.intake.expire(now)
+            if run:
+                self._prefill(run)
+        except BaseException as exc:
+            run.fail_rest(StreamFailed(f"prefill failed: {type(exc).__name__}: {exc}"))
+            raise
         self.batch.advance()  # queue the next step, then finish the one before it (backend/engines/batch.py)
         if self._publish_timer.due():
             self._publish()
 
-    def _prefill(self, batch: PrefillBatch[EngineRequest]) -> None:
-        """One forward over the batch's prompts; each then joins the running batch with its row 0."""
+    def _prefill(self, run: PrefillRun[EngineRequest]) -> None:
+        """One forward over the run's prompts; each then joins the running batch with its row 0. A
+        join that raises fails the prompts after it, then raises."""
         tables = [
-            self.pool.slots(alloc.pages, req.prompt.shape[0] + req.max_new_rows)
-            for req, alloc in batch.members
+            self.pool.slots(alloc.pages, req.prompt.shape[0] + req.max_new_rows) for req, alloc in run.members
         ]
-        firsts = batch.forward(self.batch.rows, self.pool, tables)
-        batch.hand_on(lambda req, alloc, i: self._join(req, alloc, tables[i], firsts[i]))
+        firsts = run.forward(self.batch.rows, self.pool, tables)
+        for i, (req, alloc) in enumerate(run.members):
+            run.handed(i)
+            try:
+                self._join(req, alloc, tables[i], firsts[i])
+            except Exception as exc:
+                run.fail_rest(StreamFailed(f"prefill hand-off failed: {type(exc).__name__}: {exc}"))
+                raise
 
     def _join(
         self, req: EngineRequest, alloc: PrefixAllocation, slots: torch.Tensor, first: np.ndarray

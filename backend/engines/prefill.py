@@ -1,7 +1,8 @@
 """P: prompt forward, first row, and the offer of the prompt's KV to D.
 
     execute thread: validate + pack (native) -> Intake (bounded)
-    engine thread:  prefix-cache allocate -> forward -> sample row 0 -> cache commit
+    engine thread:  plan (`plan_prefill`: which queued prompts one forward takes)
+                    -> prefix-cache allocate -> forward -> sample row 0 -> cache commit
                     -> sender.offer(gather) -> HANDOFF (ticket + row 0 + seed + timings)
     sender threads: on D's PULL, copy the rows across, then `on_source_released`
 
@@ -22,10 +23,11 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from tandem.backend.engine_shell import EngineShell
 from tandem.backend.engines.faults import copy_hook
 from tandem.backend.engines.handoff import Handoff
 from tandem.backend.engines.parts import control_secret, make_intake, make_pool, transfer_path, wire_layout
-from tandem.backend.engines.thread import EngineThread
+from tandem.backend.engines.prefill_run import PrefillRun
 from tandem.backend.errors import Cancelled, StreamFailed, TandemError
 from tandem.backend.generation.sampling import SamplingParams
 from tandem.backend.kv.prefix_cache import PrefixAllocation, PrefixCache
@@ -33,7 +35,7 @@ from tandem.backend.metrics import MetricsSink, PublishTimer
 from tandem.backend.model.decoder import Decoder
 from tandem.backend.model.row_step import RowStep, TokenRowStep
 from tandem.backend.model.warm_up import warm_up
-from tandem.backend.scheduling.prefill_batch import PrefillBatch
+from tandem.backend.scheduling.prefill_plan import plan_prefill
 from tandem.backend.settings import EngineSettings
 from tandem.backend.timing import Timings
 from tandem.transfer import TransferSender
@@ -60,7 +62,7 @@ class PrefillRequest:
     received_s: float = 0.0
 
 
-class PrefillEngine:
+class PrefillEngine(EngineShell[PrefillRequest]):
     def __init__(
         self,
         decoder: Decoder,
@@ -86,6 +88,7 @@ class PrefillEngine:
         self.pool = make_pool(decoder, settings, storage)
         self.cache = PrefixCache(self.pool, enabled=settings.pool.prefix_cache)
         self.intake = make_intake(settings, PrefillRequest)
+        super().__init__("tandem-prefill", self.intake)
         self._open: dict[str, PrefixAllocation] = {}
         self._released: queue.SimpleQueue[str] = queue.SimpleQueue()
         self.sender = TransferSender(
@@ -102,12 +105,12 @@ class PrefillEngine:
             advertise_host=t.advertise_host or None,
             secret=control_secret(settings),
         )
-        self._thread = EngineThread("tandem-prefill", self._iterate, self._fault)
 
-    def start(self) -> None:
+    def _prepare(self) -> None:
         warm_up(self.decoder, self.pool)
         self.sender.start()
-        self._thread.start()
+
+    def _started(self) -> None:
         log.info(
             "prefill: transfer path %s, endpoint %s, instance %s",
             self.path.name,
@@ -115,22 +118,29 @@ class PrefillEngine:
             self.sender.instance_id,
         )
 
-    def close(self) -> None:
-        self._thread.stop()
+    def _stopped(self) -> None:
         self.sender.close()
 
-    def loop_age_s(self) -> float:
-        """Seconds the engine loop has been inside its current iteration (the worker's heartbeat)."""
-        return self._thread.age_s()
-
-    def submit(self, req: PrefillRequest) -> None:
-        self.intake.submit(req)
-
     def _iterate(self) -> None:
+        """Give back what D pulled; then the scheduler's plan over the queue, run: the planned prompts
+        get their pages, go through one forward and are handed on (`_prefill`). On any error every
+        prompt of the forward not handed on fails and its pages come back; the error goes on to the
+        shell's fault policy."""
         self._release_sources()
         self.intake.pull(0.02)
-        batch: PrefillBatch[PrefillRequest] = PrefillBatch(self.cache, self.settings.batch, self.metrics)
-        batch.run(self.intake, lambda req: batch.reserve(req, time.monotonic()), lambda: self._prefill(batch))
+        now = time.monotonic()
+        queued = self.intake.queued()
+        lookups = (self.cache.lookup(req.prompt) for req in queued)
+        plan = plan_prefill(lookups, self.cache.available_pages, self.settings.batch)
+        run: PrefillRun[PrefillRequest] = PrefillRun(self.cache, self.metrics)
+        try:
+            run.admit(self.intake, queued[: plan.take], decode_room=False, now_s=now)
+            self.intake.expire(now)
+            if run:
+                self._prefill(run)
+        except BaseException as exc:
+            run.fail_rest(StreamFailed(f"prefill failed: {type(exc).__name__}: {exc}"))
+            raise
         if self._publish_timer.due():
             self._publish()
 
@@ -144,12 +154,18 @@ class PrefillEngine:
             if alloc is not None:
                 self.cache.release(alloc)
 
-    def _prefill(self, batch: PrefillBatch[PrefillRequest]) -> None:
-        """One forward over the batch's prompts, then per prompt: row 0, cache commit, the KV offer and
-        the HANDOFF. If the forward fails, every prompt of the batch fails and its pages come back."""
-        tables = [self.pool.slots(alloc.pages, req.prompt.shape[0]) for req, alloc in batch.members]
-        firsts = batch.forward(self.rows, self.pool, tables)
-        batch.hand_on(lambda req, alloc, i: self._hand_off(req, alloc, tables[i], firsts[i]))
+    def _prefill(self, run: PrefillRun[PrefillRequest]) -> None:
+        """One forward over the run's prompts, then per prompt in order: row 0, cache commit, the KV
+        offer and the HANDOFF. A hand-off that raises fails the prompts after it, then raises."""
+        tables = [self.pool.slots(alloc.pages, req.prompt.shape[0]) for req, alloc in run.members]
+        firsts = run.forward(self.rows, self.pool, tables)
+        for i, (req, alloc) in enumerate(run.members):
+            run.handed(i)
+            try:
+                self._hand_off(req, alloc, tables[i], firsts[i])
+            except Exception as exc:
+                run.fail_rest(StreamFailed(f"prefill hand-off failed: {type(exc).__name__}: {exc}"))
+                raise
 
     def _hand_off(
         self, req: PrefillRequest, alloc: PrefixAllocation, slots: torch.Tensor, first: np.ndarray

@@ -33,6 +33,17 @@ class PrefixAllocation:
     released: bool = field(default=False, repr=False)
 
 
+@dataclass(frozen=True)
+class PrefixLookup:
+    """What `allocate` would do for one prompt now, nothing allocated: what a prefill plan reads."""
+
+    rows: int  # the prompt's rows
+    cached_tokens: int  # leading tokens served from the cache
+    first_page: bytes | None  # key of the prompt's first full page (None: shorter than one page + 1)
+    new_pages: int  # fresh pages it would take (prompt and extra tokens, less the cached pages)
+    evictable_hits: frozenset[int]  # cached pages it would share that are evictable now (it pins them)
+
+
 def _as_rows(rows: torch.Tensor | np.ndarray) -> np.ndarray:
     arr = rows.detach().cpu().numpy() if isinstance(rows, torch.Tensor) else np.asarray(rows)
     if arr.ndim != 2 or arr.shape[0] < 1:
@@ -66,19 +77,26 @@ class PrefixCache:
             keys.append(parent)
         return keys
 
-    def peek(self, rows: torch.Tensor | np.ndarray) -> tuple[int, bytes | None]:
-        """(tokens `allocate` would serve from the cache now, key of the prompt's first full page or None),
-        allocating, evicting and counting nothing: for sizing a prefill batch and holding back a prompt
-        whose first page another member is computing."""
+    def lookup(self, rows: torch.Tensor | np.ndarray, extra_tokens: int = 0) -> PrefixLookup:
+        """`allocate(rows, extra_tokens)` as it would go now, allocating, evicting and counting nothing:
+        for planning a prefill forward (`backend/scheduling/prefill_plan.py`)."""
         arr = _as_rows(rows)
-        max_pages = (arr.shape[0] - 1) // self.pool.page_size
+        n_prompt = arr.shape[0]
+        max_pages = (n_prompt - 1) // self.pool.page_size  # never the whole prompt
         keys = self._keys(arr, max_pages) if self.enabled else []
-        hits = 0
+        matched: list[int] = []
         for key in keys:
-            if key not in self._key_to_page:
+            page = self._key_to_page.get(key)
+            if page is None:
                 break
-            hits += 1
-        return hits * self.pool.page_size, keys[0] if keys else None
+            matched.append(page)
+        return PrefixLookup(
+            rows=n_prompt,
+            cached_tokens=len(matched) * self.pool.page_size,
+            first_page=keys[0] if keys else None,
+            new_pages=self.pool.pages_for(n_prompt + extra_tokens) - len(matched),
+            evictable_hits=frozenset(p for p in matched if p in self._lru),
+        )
 
     @property
     def available_pages(self) -> int:

@@ -10,6 +10,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from tandem.backend.generation import orpheus_ids as orpheus
 from tandem.backend.kv.layout import KVLayout
 from tandem.backend.model.rope import RopeScaling
 
@@ -144,7 +145,7 @@ PRESETS: dict[str, ModelConfig] = {
     # Orpheus-3B is Llama-3.2-3B with a 156,940-token vocabulary (text plus SNAC audio codes).
     "orpheus-3b-shape": ModelConfig(
         name="orpheus-3b-shape",
-        vocab_size=156940,
+        vocab_size=orpheus.VOCAB_SIZE,
         row_width=1,
         hidden_size=3072,
         num_layers=28,

@@ -1,7 +1,9 @@
 """D's admission policy: whether one more stream may join, and how many more would fit.
 
-Pure decisions over numbers: D's admission thread asks `fits` under its lock with one snapshot of the
-members and their context; D's gauges ask `admittable`. Rules, in order:
+Pure decisions over numbers: D's admission thread asks `plan` under its lock with one snapshot of the
+members (`Members`) and gets an `AdmissionPlan` back (admit the head of the queue with its pages, or
+why it waits); it runs nothing, the admission thread reserves and pulls. D's gauges ask `admittable`.
+Rules, in order:
 - draining: quarantined receive memory above `transfer.drain_held_fraction` admits nothing until
   proofs free it (docs/failure-semantics.md);
 - batch room: at most `batch.max_batch` members;
@@ -9,12 +11,15 @@ members and their context; D's gauges ask `admittable`. Rules, in order:
   at `batch.rate_floor_tok_s` less `batch.rate_margin`. Given the members' real contexts and
   generated rows (`ahead`), the check looks ahead: each stream grows by its expected remaining rows
   (`LengthModel`, learned from finished streams, the worst case until it has seen enough) and the
-  peak step must fit (`StepTimeModel.admits_ahead`); else the step now (`StepTimeModel.admits`).
+  peak step must fit (`StepTimeModel.admits_ahead`); else the step now (`StepTimeModel.admits`);
+- pages: the pool must have free pages for the prompt and its `max_new_rows`.
 """
 
 from __future__ import annotations
 
+import enum
 import logging
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -23,6 +28,36 @@ from tandem.backend.scheduling.step_model import StepTimeModel
 from tandem.backend.settings import BatchSettings
 
 log = logging.getLogger("tandem")
+
+Ahead = tuple[np.ndarray, np.ndarray, np.ndarray]  # every member's (contexts, generated rows, limits)
+
+
+@dataclass(frozen=True)
+class Members:
+    """One snapshot of D's members, taken under its lock (`Membership.view`)."""
+
+    count: int  # admitted and not gone
+    context: int  # KV tokens of the running members and of the admitted ones not yet running
+    free_pages: int
+    ahead: Ahead
+
+
+class Hold(enum.Enum):
+    """Why the request at the head of D's queue waits."""
+
+    DRAINING = "quarantined receive memory is over transfer.drain_held_fraction"
+    BATCH_FULL = "batch.max_batch members"
+    RATE_FLOOR = "the step predicted with it would break the rate floor"
+    PAGES = "the pool has not its pages free"
+
+
+@dataclass(frozen=True)
+class AdmissionPlan:
+    """D's decision for the head of its queue: admit it holding `pages` pages (`holds` None), or it
+    waits for the reason `holds` names until capacity comes back."""
+
+    pages: int
+    holds: Hold | None
 
 
 class DecodePolicy:
@@ -40,13 +75,28 @@ class DecodePolicy:
         """True while quarantined receive memory is over the drain threshold."""
         return held_fraction > self.drain_held_fraction
 
+    def plan(
+        self, members: Members, prompt_len: int, max_new_rows: int, pages: int, draining: bool
+    ) -> AdmissionPlan:
+        """The newcomer (`prompt_len` rows, at most `max_new_rows` to generate, `pages` pages for
+        both) beside `members`; `draining` from `draining(held_fraction)`, read outside the lock."""
+        if draining:
+            return AdmissionPlan(pages, Hold.DRAINING)
+        if members.count >= self.batch.max_batch:
+            return AdmissionPlan(pages, Hold.BATCH_FULL)
+        if not self.fits(members.count, members.context, prompt_len, max_new_rows, members.ahead):
+            return AdmissionPlan(pages, Hold.RATE_FLOOR)
+        if pages > members.free_pages:
+            return AdmissionPlan(pages, Hold.PAGES)
+        return AdmissionPlan(pages, None)
+
     def fits(
         self,
         members: int,
         context: int,
         prompt_len: int,
         max_new_rows: int = 0,
-        ahead: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
+        ahead: Ahead | None = None,
     ) -> bool:
         """One more stream of `prompt_len` (at most `max_new_rows` to generate) beside `members`
         streams of total `context`; `ahead`: the members' (contexts, generated rows, limits)."""
@@ -65,7 +115,7 @@ class DecodePolicy:
         context: int,
         prompt_len: int,
         max_new_rows: int,
-        ahead: tuple[np.ndarray, np.ndarray, np.ndarray] | None,
+        ahead: Ahead | None,
     ) -> bool:
         b = self.batch
         if ahead is None:

@@ -11,7 +11,6 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
 from typing import Generic, Protocol, TypeVar
 
 from tandem.backend.errors import Cancelled, Overloaded, TandemError
@@ -72,29 +71,31 @@ class Intake(Generic[R]):
         except queue.Empty:
             pass
 
-    def admit(self, try_admit: Callable[[R], bool]) -> Iterator[R]:
-        """Offer pending requests in arrival order; stops at the first that `try_admit` cannot place.
+    def queued(self) -> list[R]:
+        """The pending requests in arrival order (the engine's thread), for a scheduler to plan over;
+        those whose client went away are dropped first (answered CANCELLED). They stay pending until
+        `admitted` takes them."""
+        if any(req.sink.cancelled() for req in self._pending):
+            keep: deque[R] = deque()
+            for req in self._pending:
+                if req.sink.cancelled():
+                    self._gone()
+                    req.sink.fail(Cancelled("client cancelled before admission"))
+                else:
+                    keep.append(req)
+            self._pending = keep
+        return list(self._pending)
 
-        Yields the requests that were admitted. Requests that waited past the bound are failed with
-        UNAVAILABLE; cancelled ones are dropped.
-        """
-        now = time.monotonic()
-        while self._pending:
-            req = self._pending[0]
-            if req.sink.cancelled():
-                self._pending.popleft()
-                self._gone()
-                req.sink.fail(Cancelled("client cancelled before admission"))
-                continue
-            if try_admit(req):
-                self._pending.popleft()
-                self._gone()
-                yield req
-                continue
-            break
-        self.expire(now)
+    def admitted(self, req: R) -> None:
+        """`req`, the first pending request, is admitted: it leaves the intake (its answer is now the
+        engine's)."""
+        assert self._pending and self._pending[0] is req, "requests are admitted in arrival order"
+        self._pending.popleft()
+        self._gone()
 
     def expire(self, now: float) -> None:
+        """Requests pending since before `now - admission_timeout_s` fail with UNAVAILABLE (the engine
+        calls it after each admission round, with the time the round began)."""
         keep: deque[R] = deque()
         for req in self._pending:
             if now - req.received_s > self.admission_timeout_s:

@@ -4,8 +4,9 @@ The prompt first shows a turn of text with the speech that says it, then the new
 comes first and is the same for every request with the voice, so P's prefix cache keeps its KV
 (docs/codecs.md, "Registered voices").
 
-- `orpheus` (Orpheus-TTS's pretrained zero-shot layout): ``[128259] + encode(transcript) + [128009,
-  128260, 128261, 128257] + <reference audio tokens> + [128258, 128262]``, then the request's turn
+- `orpheus` (Orpheus-TTS's pretrained zero-shot layout): ``[START_OF_HUMAN] + encode(transcript) +
+  [END_OF_TEXT, END_OF_HUMAN, START_OF_AI, START_OF_SPEECH] + <reference audio tokens> + [END_OF_SPEECH,
+  END_OF_AI]`` (`backend/generation/orpheus_ids.py`), then the request's turn
   without a voice name; audio tokens in Orpheus' 7-token interleave (`OrpheusLayout.tokens`).
 - `plain`: the transcript's rows (column 0), the reference's frames as rows, then the text's rows.
 
@@ -16,17 +17,15 @@ from __future__ import annotations
 
 import numpy as np
 
-from tandem.backend.codec.orpheus import CODEBOOK, SLOTS, OrpheusLayout
+from tandem.backend.codec.orpheus import OrpheusLayout
 from tandem.backend.errors import InvalidInput
+from tandem.backend.generation import orpheus_ids as orpheus
 from tandem.backend.model.config import ModelConfig
 from tandem.backend.text.tokenizer import TextTokenizer
 from tandem.backend.voices.store import VoiceRecord
 
-# Orpheus' ids around the reference's speech (the notebook's end_of_speech, end_of_ai).
-ORPHEUS_END_OF_SPEECH = 128258
-ORPHEUS_END_OF_AI = 128262
-_ORPHEUS_TURN = (128009, 128260, 128261, 128257)  # end of text, end of human, start of AI, start of speech
-_ORPHEUS_START = 128259  # start of human
+# Orpheus' ids around the reference's transcript and speech (the notebook's end_of_speech, end_of_ai).
+_ORPHEUS_TURN = (orpheus.END_OF_TEXT, orpheus.END_OF_HUMAN, orpheus.START_OF_AI, orpheus.START_OF_SPEECH)
 
 
 def _frames(record: VoiceRecord, width: int, codebook: int, what: str) -> np.ndarray:
@@ -43,11 +42,11 @@ def _frames(record: VoiceRecord, width: int, codebook: int, what: str) -> np.nda
 
 def orpheus_prefix(tokenizer: TextTokenizer, record: VoiceRecord) -> np.ndarray:
     """Orpheus' zero-shot prefix ids (int64 [P]) for `record`."""
-    frames = _frames(record, SLOTS, CODEBOOK, "Orpheus layout (SNAC 24 kHz)")
+    frames = _frames(record, orpheus.SLOTS, orpheus.CODES_PER_SLOT, "Orpheus layout (SNAC 24 kHz)")
     audio = OrpheusLayout().tokens(frames).reshape(-1)
     text = tokenizer.encode(record.transcript)
-    head = np.array([_ORPHEUS_START, *text, *_ORPHEUS_TURN], dtype=np.int64)
-    tail = np.array([ORPHEUS_END_OF_SPEECH, ORPHEUS_END_OF_AI], dtype=np.int64)
+    head = np.array([orpheus.START_OF_HUMAN, *text, *_ORPHEUS_TURN], dtype=np.int64)
+    tail = np.array([orpheus.END_OF_SPEECH, orpheus.END_OF_AI], dtype=np.int64)
     return np.concatenate([head, audio, tail])
 
 

@@ -1,4 +1,5 @@
-"""Model families `tandem-repo` knows, and how it recognises one from a checkpoint directory.
+"""Model families `tandem-repo` knows, how it recognises one from a checkpoint directory, and what a
+family's repository carries by default (its codec, its built-in voices, a request's default length).
 
 A family fixes the codec the LM drives and how its tokens carry the codes (backend/codec/builder.py).
 Recognised from the checkpoint's files, never its directory name, or implied by a preset of the
@@ -15,7 +16,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tandem.backend.codec.orpheus import AUDIO_BASE, CODEBOOK, SLOTS
+from tandem.backend.generation import orpheus_ids as orpheus
 from tandem.backend.model.checkpoint import config_from_hf
 from tandem.backend.model.config import ModelConfig
 from tandem.backend.model.csm_checkpoint import MODEL_TYPE as CSM_MODEL_TYPE
@@ -30,7 +31,12 @@ FAMILY_CODECS = {"orpheus": ("snac", "orpheus"), "csm": ("mimi", "csm")}
 # The presets (backend/model/config.py) that stand for a family's model: a repository of one is that
 # family's (its codec, its grammar), as a checkpoint of it would be.
 PRESET_FAMILIES = {"orpheus-3b-shape": "orpheus"}
-_ORPHEUS_VOCAB = 156940
+# The voices of a family's fine-tuned checkpoint (canopyai/Orpheus-TTS, orpheus-3b-0.1-ft), which its
+# config.json does not list.
+FAMILY_VOICES = {"orpheus": "tara,leah,jess,leo,dan,mia,zac,zoe"}
+# A request's length when it names none (the OpenAI body never does): Orpheus' own engine asks for
+# 1,200 tokens (14.6 s of audio), Sesame's generator for 90 s of audio (1,125 frames at 12.5/s).
+FAMILY_DEFAULT_ROWS = {"orpheus": 1200, "csm": 1125}
 
 
 def _tokenizer_names_audio_base(path: Path) -> bool | None:
@@ -44,8 +50,9 @@ def _tokenizer_names_audio_base(path: Path) -> bool | None:
         return False
     added = {t.get("id"): t.get("content") for t in data.get("added_tokens", [])}
     vocab = data.get("model", {}).get("vocab", {})
-    name = added.get(AUDIO_BASE) or next((k for k, v in vocab.items() if v == AUDIO_BASE), None)
-    return name == f"<custom_token_{AUDIO_BASE - 128256}>"
+    base = orpheus.AUDIO_BASE
+    name = added.get(base) or next((k for k, v in vocab.items() if v == base), None)
+    return name == f"<custom_token_{base - orpheus.CUSTOM_TOKEN_BASE}>"
 
 
 def detect_family(checkpoint: Path) -> str | None:
@@ -57,12 +64,22 @@ def detect_family(checkpoint: Path) -> str | None:
     if config.get("model_type") == CSM_MODEL_TYPE:
         return "csm"
     vocab = int(config.get("vocab_size", 0))
-    if config.get("model_type") != "llama" or vocab < AUDIO_BASE + SLOTS * CODEBOOK:
+    if config.get("model_type") != "llama" or vocab < orpheus.AUDIO_END:
         return None
     named = _tokenizer_names_audio_base(checkpoint)
     if named is None:
-        return "orpheus" if vocab == _ORPHEUS_VOCAB else None
+        return "orpheus" if vocab == orpheus.VOCAB_SIZE else None
     return "orpheus" if named else None
+
+
+def resolve_family(named: str | None, checkpoint: Path | None, preset: str | None) -> str | None:
+    """The family a repository serves: the one `named`, else the checkpoint's (`detect_family`),
+    else the preset's (`PRESET_FAMILIES`); None for a model of no family."""
+    if named:
+        return named
+    if checkpoint is not None:
+        return detect_family(checkpoint)
+    return PRESET_FAMILIES.get(preset or "")
 
 
 def checkpoint_config(checkpoint: Path) -> ModelConfig:

@@ -4,8 +4,9 @@ Called on Triton's execute thread (microseconds, no device) by the `frontend` st
 `tts_mono`, both through `serving/triton_io.py`, so equal requests give equal rows on both.
 
 A family is a prompt template, from the checkpoint (`detect_family`) or `tandem.frontend.family`:
-- `orpheus` (canopyai/Orpheus-TTS, `_format_prompt`): ``[128259] + encode(f"{voice}: {text}") +
-  [128009, 128260, 128261, 128257]`` (BOS inside `encode`); without a voice the text alone.
+- `orpheus` (canopyai/Orpheus-TTS, `_format_prompt`): ``[START_OF_HUMAN] + encode(f"{voice}: {text}") +
+  [END_OF_TEXT, END_OF_HUMAN, START_OF_AI, START_OF_SPEECH]`` (BOS inside `encode`; the ids:
+  `backend/generation/orpheus_ids.py`); without a voice the text alone.
 - `plain`: ``encode(f"{voice}: {text}")`` (or the text alone), each token in column 0 of a W-wide row.
 - `csm` (Sesame CSM, `backend/text/csm.py`): the segment ``<|begin_of_text|>[speaker]text<|end_of_text|>``
   (the tokenizer's own begin/end tokens where its post-processor adds them, else added here), one
@@ -33,6 +34,7 @@ import numpy as np
 
 from tandem.backend.codec.csm import CODEBOOK_EOS
 from tandem.backend.errors import InvalidInput
+from tandem.backend.generation import orpheus_ids as orpheus
 from tandem.backend.model.config import ModelConfig, preset
 from tandem.backend.model.csm import ABSENT, CsmRows
 from tandem.backend.model.csm_checkpoint import csm_shape
@@ -55,18 +57,9 @@ FAMILY_NAMES = {"plain": Family.PLAIN, "orpheus": Family.ORPHEUS, "csm": Family.
 CSM_BEGIN_OF_TEXT = "<|begin_of_text|>"
 CSM_END_OF_TEXT = "<|end_of_text|>"
 
-# Orpheus' prompt tokens: `<custom_token_N>` is id 128256 + N in its tokenizer.
-ORPHEUS_CUSTOM_BASE = 128256
-ORPHEUS_START_OF_HUMAN = 128259  # <custom_token_3>
-ORPHEUS_END_OF_TEXT = 128009  # <|eot_id|>
-ORPHEUS_END_OF_HUMAN = 128260  # <custom_token_4>
-ORPHEUS_START_OF_AI = 128261  # <custom_token_5>
-ORPHEUS_START_OF_SPEECH = 128257  # <custom_token_1>
-ORPHEUS_PREFIX = (ORPHEUS_START_OF_HUMAN,)
-ORPHEUS_SUFFIX = (ORPHEUS_END_OF_TEXT, ORPHEUS_END_OF_HUMAN, ORPHEUS_START_OF_AI, ORPHEUS_START_OF_SPEECH)
-# Orpheus' audio ids end at 128266 + 7 * 4096 (backend/generation/grammar.py): a model whose vocabulary holds
-# them and whose tokenizer names the custom tokens at their ids is an Orpheus checkpoint.
-ORPHEUS_MIN_VOCAB = 128266 + 7 * 4096
+# Orpheus' prompt template around the text (`backend/generation/orpheus_ids.py`).
+ORPHEUS_PREFIX = (orpheus.START_OF_HUMAN,)
+ORPHEUS_SUFFIX = (orpheus.END_OF_TEXT, orpheus.END_OF_HUMAN, orpheus.START_OF_AI, orpheus.START_OF_SPEECH)
 ANY_VOICE = "*"  # `tandem.frontend.voices`: every name is a built-in voice
 
 
@@ -77,9 +70,9 @@ def detect_family(tokenizer: TextTokenizer, cfg: ModelConfig) -> Family:
     if cfg.text_vocab_size:
         return Family.CSM
     custom = all(
-        tokenizer.token_id(f"<custom_token_{n}>") == ORPHEUS_CUSTOM_BASE + n for n in (1, 2, 3, 4, 5)
+        tokenizer.token_id(f"<custom_token_{n}>") == orpheus.CUSTOM_TOKEN_BASE + n for n in (1, 2, 3, 4, 5)
     )
-    if custom and cfg.row_width == 1 and cfg.vocab_size >= ORPHEUS_MIN_VOCAB:
+    if custom and cfg.row_width == 1 and cfg.vocab_size >= orpheus.AUDIO_END:
         return Family.ORPHEUS
     return Family.PLAIN
 

@@ -20,6 +20,7 @@ from typing import Any
 from tokenizers import AddedToken, Tokenizer, decoders, pre_tokenizers, processors, trainers
 from tokenizers import models as tokenizer_models
 
+from tandem.backend.generation import orpheus_ids as orpheus
 from tandem.backend.model.checkpoint import save_checkpoint
 from tandem.backend.model.config import ModelConfig
 from tandem.backend.model.decoder import Decoder
@@ -27,9 +28,9 @@ from tandem.backend.model.rope import RopeScaling
 
 BOS = "<|begin_of_text|>"
 LLAMA3_SPECIAL_BASE = 128000
-ORPHEUS_VOCAB = 156940
+ORPHEUS_VOCAB = orpheus.VOCAB_SIZE
 ORPHEUS_VOICES = ("tara", "leah", "jess", "leo", "dan", "mia", "zac", "zoe")
-END_OF_SPEECH = 128258
+END_OF_SPEECH = orpheus.END_OF_SPEECH
 
 _CORPUS = [
     "tara: Hello there, how are you doing today? I am fine, thank you.",
@@ -79,7 +80,9 @@ def llama3_tokenizer(vocab_size: int = ORPHEUS_VOCAB) -> Tokenizer:
     specials += [f"<custom_token_{n}>" for n in range(vocab_size - LLAMA3_SPECIAL_BASE - 256)]
     tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in specials])
     tok.post_processor = bos_processor(LLAMA3_SPECIAL_BASE)
-    assert tok.get_vocab_size() == vocab_size and tok.token_to_id("<custom_token_3>") == 128259
+    assert (
+        tok.get_vocab_size() == vocab_size and tok.token_to_id("<custom_token_3>") == orpheus.START_OF_HUMAN
+    )
     return tok
 
 
@@ -100,7 +103,7 @@ def orpheus_config(**shape: Any) -> ModelConfig:
         "tie_word_embeddings": True,
         "max_position_embeddings": 131072,
         "dtype": "float32",
-        "eos_token_id": 128009,
+        "eos_token_id": orpheus.END_OF_TEXT,
         "name": "orpheus-test",
     }
     return ModelConfig(**{**base, **shape})
@@ -113,7 +116,7 @@ def orpheus_checkpoint(path: Path, seed: int = 0, voices: bool = False, **shape:
     llama3_tokenizer().save(str(path / "tokenizer.json"))
     generation = {
         "bos_token_id": LLAMA3_SPECIAL_BASE,
-        "eos_token_id": [END_OF_SPEECH, 128009],
+        "eos_token_id": [END_OF_SPEECH, orpheus.END_OF_TEXT],
         "do_sample": True,
         "temperature": 0.6,
         "top_p": 0.8,

@@ -13,8 +13,9 @@ system operations of microseconds); a `register` is checked (the name free, not 
 not full) and queued. The registrar's own thread (`tandem-voices`) takes one registration at a time:
 decode (`audio.py`, in a child process of its own: `decoder_process.py`) -> the codec's encoder ->
 `VoiceStore.add` (atomic) -> answer. `_pending` (names queued or encoding) is shared under `_lock`.
-`loop_age_s` is the running registration's age: the stub's stall watchdog reads it, so the `voices`
-model's `tandem.worker.stall_timeout_s` must exceed the longest encode (its config sets 300 s).
+The thread, `loop_age_s` and `close` are the engine shell's (`backend/engine_shell.py`), as for every
+engine. `loop_age_s` grows with the running registration: the stub's stall watchdog reads it, so the
+`voices` model's `tandem.worker.stall_timeout_s` must exceed the longest encode (its config sets 300 s).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from tandem.backend.codec.base import Encoder
+from tandem.backend.engine_shell import EngineShell
 from tandem.backend.errors import AlreadyExists, Overloaded, TandemError
 from tandem.backend.settings import VoiceSettings
 from tandem.backend.voices.decoder_process import decode_isolated
@@ -51,7 +53,7 @@ class VoiceJob:
     sink: VoiceSink
 
 
-class VoiceRegistrar:
+class VoiceRegistrar(EngineShell[VoiceJob]):
     """Owns the store's writes for its process; `submit` from the reader thread."""
 
     def __init__(
@@ -70,16 +72,15 @@ class VoiceRegistrar:
         self._queue: queue.Queue[VoiceJob | None] = queue.Queue(maxsize=max(1, settings.max_pending))
         self._pending: set[str] = set()
         self._lock = threading.Lock()
-        self._started_at = 0.0  # monotonic start of the running registration; 0 when idle
-        self._thread = threading.Thread(target=self._loop, name="tandem-voices", daemon=True)
+        super().__init__("tandem-voices", None, join_s=5.0)
 
-    def start(self) -> None:
+    def _prepare(self) -> None:
         swept = self.store.sweep()
         if swept:
             log.warning("voice store %s: removed %d files a crashed writer left", self.store.dir, swept)
-        self._thread.start()
 
-    def close(self) -> None:
+    def _stopping(self) -> None:
+        """Every queued registration is refused; the loop wakes (None) and ends after the running one."""
         while True:
             try:
                 job = self._queue.get_nowait()
@@ -88,11 +89,6 @@ class VoiceRegistrar:
             if job is not None:
                 job.sink.fail(Overloaded("voices: the model is being unloaded"))
         self._queue.put(None)
-        self._thread.join(5.0)
-
-    def loop_age_s(self) -> float:
-        started = self._started_at
-        return time.monotonic() - started if started else 0.0
 
     # ---- the reader thread ----------------------------------------------------------------------
 
@@ -136,23 +132,28 @@ class VoiceRegistrar:
 
     # ---- the registrar's thread -----------------------------------------------------------------
 
-    def _loop(self) -> None:
-        while True:
-            job = self._queue.get()
-            if job is None:
-                return
-            self._started_at = time.monotonic()
-            try:
-                job.sink.answer(self.register(job.request))
-            except TandemError as err:
-                job.sink.fail(err)
-            except Exception as exc:  # one bad registration must not end the registrar
-                log.exception("voice %r: registration failed", job.request.name)
-                job.sink.fail(TandemError(f"voice registration failed: {type(exc).__name__}: {exc}"))
-            finally:
-                self._started_at = 0.0
-                with self._lock:
-                    self._pending.discard(job.request.name)
+    def _iterate(self) -> None:
+        """One registration, or none within 0.1 s (the loop then sees a stop)."""
+        try:
+            job = self._queue.get(timeout=0.1)
+        except queue.Empty:
+            return
+        if job is None:
+            return
+        try:
+            job.sink.answer(self.register(job.request))
+        except TandemError as err:
+            job.sink.fail(err)
+        except Exception as exc:  # one bad registration must not end the registrar
+            log.exception("voice %r: registration failed", job.request.name)
+            job.sink.fail(TandemError(f"voice registration failed: {type(exc).__name__}: {exc}"))
+        finally:
+            with self._lock:
+                self._pending.discard(job.request.name)
+
+    def _fault(self, reason: str) -> None:
+        """A sink that raised while answering: its job is over (its name no longer pending); the
+        registrar owns nothing else to fail."""
 
     def register(self, req: VoiceRequest) -> dict[str, object]:
         """Decode, encode, store; the stored voice's summary. Raises TandemError (InvalidInput for

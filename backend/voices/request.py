@@ -1,6 +1,6 @@
 """A `voices` request: what it asks (register, list, delete) and the checks that cost nothing.
 
-The `voices` model's inputs (model_repository/voices/config.pbtxt), each BYTES [1]: ACTION
+The `voices` model's inputs (`wire/contract.py` VOICES), each BYTES [1]: ACTION
 (`register`, `list`, `delete`), NAME, TRANSCRIPT (UTF-8) and AUDIO (the reference recording's whole
 file, any format FFmpeg reads). `parse_voice_request` runs on the stub's execute thread and again in
 the worker (the two ends trust nothing they did not check): each problem is `InvalidInput` naming
@@ -17,10 +17,11 @@ from enum import StrEnum
 from tandem.backend.errors import InvalidInput
 from tandem.backend.settings import VoiceSettings
 from tandem.backend.voices.store import check_name
+from tandem.wire import contract as wire
 
-ACTION, NAME, TRANSCRIPT, AUDIO = "ACTION", "NAME", "TRANSCRIPT", "AUDIO"
+ACTION, NAME, TRANSCRIPT, AUDIO = (t.name for t in (wire.ACTION, wire.NAME, wire.TRANSCRIPT, wire.REFERENCE))
 INPUTS = (ACTION, NAME, TRANSCRIPT, AUDIO)
-RESULT = "RESULT"  # the one output: the answer as JSON
+RESULT = wire.RESULT.name  # the one output: the answer as JSON
 
 
 class Action(StrEnum):

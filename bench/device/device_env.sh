@@ -16,7 +16,7 @@ if [ "$carry" != "-" ] && [ ! -d /tmp/carry/site ]; then
   tar -C /tmp/carry -xJf "$carry"
 fi
 mkdir -p /tmp/pkg/tandem
-for d in backend transfer csrc serving gateway cli bench; do ln -sfn "$PWD/$d" "/tmp/pkg/tandem/$d"; done
+for d in backend transfer csrc serving gateway cli bench wire; do ln -sfn "$PWD/$d" "/tmp/pkg/tandem/$d"; done
 export PYTHONPATH=/tmp/carry/site:/tmp/pkg:$PWD
 # First on the path, before site-packages: the carry's NumPy 1.x must win over the image's NumPy 2.
 python3 -c 'import site; open(site.getsitepackages()[0] + "/tandem-run.pth", "w").write(

@@ -20,8 +20,10 @@ import pytest
 import torch
 
 from tandem.backend.codec.base import CodecWindow
-from tandem.backend.codec.orpheus import AUDIO_BASE, CODEBOOK, SLOTS, OrpheusLayout
+from tandem.backend.codec.orpheus import OrpheusLayout
 from tandem.backend.codec.snac import SnacCodec, snac_spec
+from tandem.backend.generation.orpheus_ids import AUDIO_BASE, SLOTS
+from tandem.backend.generation.orpheus_ids import CODES_PER_SLOT as CODEBOOK
 from tandem.backend.model.checkpoint import save_checkpoint
 from tandem.backend.model.config import ModelConfig
 from tandem.backend.model.decoder import Decoder

@@ -33,7 +33,9 @@ from safetensors.torch import load_file, save_file
 
 from tandem.backend.codec.base import CodecSpec
 from tandem.backend.codec.snac import SNAC_24KHZ, snac_spec
-from tandem.backend.generation.grammar import ORPHEUS_AUDIO_BASE, ORPHEUS_CODES, ORPHEUS_SLOTS
+from tandem.backend.generation.orpheus_ids import AUDIO_BASE as ORPHEUS_AUDIO_BASE
+from tandem.backend.generation.orpheus_ids import CODES_PER_SLOT as ORPHEUS_CODES
+from tandem.backend.generation.orpheus_ids import SLOTS as ORPHEUS_SLOTS
 from tandem.cli import make_repository
 from tandem.gateway.audio import pcm16
 from tandem.gateway.client import StreamResult, TTSClient

@@ -24,6 +24,7 @@ import tritonclient.grpc as grpcclient
 from tandem.serving import process_tree
 from tandem.serving.api_key import ApiLock, resolve
 from tandem.serving.repository import render
+from tandem.wire.contract import Widths
 
 REPO = Path(__file__).resolve().parents[2]
 _SERVERS = itertools.count()  # each TritonProcess its own /dev/shm prefix
@@ -39,7 +40,7 @@ def prepare_repository(
     dest: Path,
     overrides: Mapping[str, Mapping[str, str]] | None = None,
     groups: Mapping[str, str] | None = None,
-    dims: Mapping[str, Mapping[str, list[int]]] | None = None,
+    dims: Widths | None = None,
 ) -> Path:
     return render(REPO / "model_repository", dest / "model_repository", overrides, groups, dims)
 
@@ -52,12 +53,13 @@ class TritonProcess:
         extra_args: Sequence[str] = (),
         groups: Mapping[str, str] | None = None,
         launcher: Sequence[str] = (),
-        dims: Mapping[str, Mapping[str, list[int]]] | None = None,
+        dims: Widths | None = None,
     ) -> None:
         """`extra_args` go to tritonserver after the defaults (e.g. `--model-control-mode=explicit`).
         `launcher`, if given, replaces this environment's `tritonserver` in front of the server's
-        arguments (e.g. `tandem-unit --restart-grace 2 --`). `dims`: tensor dims per model, for a
-        model whose rows are not the checked-in tiny preset's (`serving.repository.tensor_dims`)."""
+        arguments (e.g. `tandem-unit --restart-grace 2 --`). `dims`: the widths every model's row and
+        frame tensors take, for a model whose rows are not the checked-in tiny preset's
+        (`serving.repository.tensor_dims`)."""
         self.workdir = workdir
         self.repo = prepare_repository(workdir, overrides, groups, dims)
         self.extra_args = tuple(extra_args)

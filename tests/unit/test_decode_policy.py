@@ -4,11 +4,12 @@ worked out by hand from a step model whose coefficients the test chooses."""
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 
 import numpy as np
 import pytest
 
-from tandem.backend.scheduling.decode_policy import DecodePolicy
+from tandem.backend.scheduling.decode_policy import AdmissionPlan, DecodePolicy, Hold, Members
 from tandem.backend.scheduling.step_model import StepTimeModel
 from tandem.backend.settings import BatchSettings
 
@@ -90,3 +91,36 @@ def test_the_peak_is_at_a_stream_s_last_step() -> None:
     # 109 + 19 = 128; then B alone until its last (t = 99): 109.
     assert m.peak(np.array([100, 10]), np.array([10, 100])) * 1e3 == pytest.approx(128.0)
     assert m.peak(np.array([100]), np.array([0])) * 1e3 == pytest.approx(100.0)
+
+
+def _members(count: int, context: int = 0, free_pages: int = 100, *ahead: tuple[int, int, int]) -> Members:
+    """A snapshot as `Membership.view` takes it: one `ahead` row per member (by default each at its
+    share of the context, with nothing left to generate)."""
+    rows = ahead or tuple((context // max(count, 1), 0, 0) for _ in range(count))
+    return Members(count, context, free_pages, _ahead(*rows))
+
+
+def test_the_plan_names_why_the_head_of_the_queue_waits_in_the_rules_order() -> None:
+    """A plan is data: for one snapshot of the members, admit the newcomer with its pages or say which
+    rule holds it — draining before batch room before the rate floor before pages."""
+    b = BatchSettings(max_batch=4, rate_floor_tok_s=1000 / 10.5, rate_margin=0.0)
+    p = DecodePolicy(b, 0.25, _model(2.0, 1.0))  # the rate floor holds the 9th stream; here room holds at 4
+    assert p.plan(_members(0), 10, 5, pages=1, draining=False) == AdmissionPlan(1, None)
+    assert p.plan(_members(0), 10, 5, pages=1, draining=True).holds is Hold.DRAINING
+    assert p.plan(_members(4, free_pages=0), 10, 5, pages=1, draining=False).holds is Hold.BATCH_FULL
+    assert p.plan(_members(3, free_pages=1), 10, 5, pages=2, draining=False).holds is Hold.PAGES
+    assert p.plan(_members(3, free_pages=2), 10, 5, pages=2, draining=False) == AdmissionPlan(2, None)
+    rate = DecodePolicy(replace(b, max_batch=64), 0.25, _model(2.0, 1.0))
+    assert rate.plan(_members(8, free_pages=0), 10, 0, pages=1, draining=False).holds is Hold.RATE_FLOOR
+    assert rate.plan(_members(7), 10, 0, pages=1, draining=False) == AdmissionPlan(1, None)
+
+
+def test_the_plan_looks_ahead_at_the_members_in_its_snapshot() -> None:
+    """The same newcomer beside the same context: admitted beside members near their end, held beside
+    members that may still grow 200 rows each (the look-ahead of the snapshot's `ahead`)."""
+    b = BatchSettings(max_batch=64, rate_floor_tok_s=100.0, rate_margin=0.0)
+    p = DecodePolicy(b, 0.25, _context_model(1.0, 0.01))
+    ending = _members(2, 600, 100, (300, 199, 200), (300, 199, 200))
+    growing = _members(2, 600, 100, (300, 0, 200), (300, 0, 200))
+    assert p.plan(ending, 100, 100, pages=4, draining=False).holds is None
+    assert p.plan(growing, 100, 100, pages=4, draining=False).holds is Hold.RATE_FLOOR

@@ -15,13 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from tandem.backend.generation.grammar import (
-    ORPHEUS_END_OF_SPEECH,
-    Grammar,
-    allowed,
-    check_vocab,
-    orpheus_audio_id,
-)
+from tandem.backend.generation.grammar import Grammar, allowed, check_vocab, orpheus_audio_id
+from tandem.backend.generation.orpheus_ids import END_OF_SPEECH as ORPHEUS_END_OF_SPEECH
 from tandem.backend.generation.sampling import SamplingParams, mark_seen, processed_logits, sample
 from tandem.backend.model.config import preset
 from tandem.backend.model.decoder import Decoder

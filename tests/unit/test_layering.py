@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-TOPS = ("backend", "transfer", "csrc", "serving", "gateway", "cli", "bench")
+TOPS = ("backend", "transfer", "csrc", "serving", "gateway", "cli", "bench", "wire")
 
 
 def _modules() -> dict[str, Path]:
@@ -63,6 +63,18 @@ FORBIDDEN = {
     "tandem.transfer": ("tandem.backend", "tandem.serving", "tandem.gateway", "tandem.cli", "tandem.bench"),
     "tandem.csrc": ("tandem.backend", "tandem.transfer", "tandem.serving", "tandem.gateway", "tandem.cli"),
     "tandem.serving": ("tandem.gateway", "tandem.cli", "tandem.bench"),
+    "tandem.wire": (
+        "tandem.backend",
+        "tandem.transfer",
+        "tandem.csrc",
+        "tandem.serving",
+        "tandem.gateway",
+        "tandem.cli",
+        "tandem.bench",
+        "torch",
+        "tritonclient",
+        "triton_python_backend_utils",
+    ),
     "tandem.gateway": (
         "tandem.backend",
         "tandem.transfer",

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from tandem.backend.generation import grammar as grammars
-from tandem.backend.generation.grammar import ORPHEUS_END_OF_SPEECH, Grammar, allowed, legal_ids
+from tandem.backend.generation.grammar import Grammar, allowed, legal_ids
+from tandem.backend.generation.orpheus_ids import END_OF_SPEECH as ORPHEUS_END_OF_SPEECH
 from tandem.backend.generation.sampling import (
     SamplingParams,
     mark_seen,
@@ -163,7 +164,7 @@ def _reference(dec: Decoder, job: Job, n: int) -> np.ndarray:
 
 class GrammarJob(Job):
     """A stream under the Orpheus grammar whose row 0 is P's: sampled from the prefill's logits of
-    the span its parameters need (`step_span`), as `PrefillBatch.forward` does."""
+    the span its parameters need (`step_span`), as `PrefillRun.forward` does."""
 
     def __init__(self, dec: Decoder, pool, i: int, n: int, params: SamplingParams) -> None:  # type: ignore[no-untyped-def]
         super().__init__(dec, pool, i, n)

@@ -13,7 +13,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from tandem.backend.generation.grammar import ORPHEUS_END_OF_SPEECH, Grammar
+from tandem.backend.generation.grammar import Grammar
+from tandem.backend.generation.orpheus_ids import END_OF_SPEECH as ORPHEUS_END_OF_SPEECH
 from tandem.backend.generation.sampling import (
     SamplingParams,
     mark_seen,

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from tandem.backend.codec.orpheus import AUDIO_BASE, CODEBOOK, END_OF_SPEECH, OrpheusLayout
+from tandem.backend.codec.orpheus import OrpheusLayout
+from tandem.backend.generation.orpheus_ids import AUDIO_BASE, END_OF_SPEECH
+from tandem.backend.generation.orpheus_ids import CODES_PER_SLOT as CODEBOOK
 
 LAYOUT = OrpheusLayout()
 

@@ -32,8 +32,8 @@ def test_requests_moved_to_pending_still_count_against_max_queue():
     intake: Intake[_Req] = Intake(max_queue=3, admission_timeout_s=60.0)
     for _ in range(3):
         intake.submit(_Req())
-    intake.pull(0)  # the engine takes them in, but admits none (no capacity)
-    assert list(intake.admit(lambda r: False)) == []
+    intake.pull(0)  # the engine takes them in
+    assert len(intake.queued()) == 3  # the engine plans over them, but admits none (no capacity)
     with pytest.raises(Overloaded, match="admission queue is full"):
         intake.submit(_Req())  # a fourth would make four waiting: shed at once
     assert len(intake) == 3
@@ -45,10 +45,10 @@ def test_admitted_cancelled_expired_and_failed_requests_free_their_place():
     intake.submit(a)
     intake.submit(b)
     intake.pull(0)
-    assert list(intake.admit(lambda r: r is a)) == [a]  # admitted: its place is free
+    intake.admitted(a)  # admitted: its place is free
     intake.submit(_Req())
     b.sink.gone = True
-    assert list(intake.admit(lambda r: False)) == []  # cancelled b is dropped
+    assert intake.queued() == []  # cancelled b is dropped
     assert len(b.sink.errors) == 1 and "[CANCELLED]" in str(b.sink.errors[0])
     assert len(intake) == 1
     intake.submit(_Req())
@@ -60,3 +60,20 @@ def test_admitted_cancelled_expired_and_failed_requests_free_their_place():
     intake.fail_all(Overloaded("shutting down"))
     assert len(intake) == 0
     intake.submit(_Req())  # nothing is left holding a place
+
+
+def test_a_scheduler_plans_over_the_queued_requests_and_the_engine_admits_them_in_order():
+    """`queued` is what a scheduler plans over (cancelled ones answered and gone); `admitted` takes the
+    head the plan chose, each freeing its place."""
+    intake: Intake[_Req] = Intake(max_queue=3, admission_timeout_s=60.0)
+    a, b, c = _Req(), _Req(), _Req()
+    for req in (a, b, c):
+        intake.submit(req)
+    intake.pull(0)
+    b.sink.gone = True
+    assert intake.queued() == [a, c] and len(b.sink.errors) == 1 and len(intake) == 2
+    intake.admitted(a)
+    assert intake.queued() == [c] and len(intake) == 1
+    with pytest.raises(AssertionError):
+        intake.admitted(a)  # only the head, in arrival order
+    assert not a.sink.errors and not c.sink.errors

@@ -7,12 +7,14 @@ from pathlib import Path
 
 import pytest
 
+from tandem.backend.codec.builder import layout
 from tandem.backend.model.checkpoint import save_checkpoint
 from tandem.backend.model.config import preset
 from tandem.backend.model.decoder import Decoder
 from tandem.cli.make_repository import main
-from tandem.serving.repository import ROW_TENSORS, render, set_dims, set_parameter
+from tandem.serving.repository import render, set_io, set_parameter
 from tandem.serving.triton_io import check_dims
+from tandem.wire.contract import MODELS, TTS, Shape, Widths
 
 SOURCE = Path(__file__).resolve().parents[2] / "model_repository"
 
@@ -66,9 +68,9 @@ def test_gpu_unit_places_p_and_d_and_requires_a_gpu_path(tmp_path):
 
 def test_checked_in_configs_have_one_variable_dimension_per_input_and_the_tiny_width():
     """What every stub checks when it loads (serving/triton_io.check_dims), on the checked-in files."""
-    for model, names in ROW_TENSORS.items():
+    for model, spec in MODELS.items():
         text = _cfg(SOURCE, model)
-        for name in names:
+        for name in spec.names(Shape.ROWS):
             assert f'{{ name: "{name}" data_type: TYPE_INT64 dims: [ -1, 4 ]' in text, (model, name)
         for dims in re.findall(r"dims: \[([^\]]*)\]", text):
             assert dims.count("-1") <= 1, (model, dims)
@@ -85,11 +87,27 @@ def test_a_config_that_lets_a_negative_dimension_through_does_not_load():
     check_dims(narrow, row_width=4)
 
 
-def test_set_dims_rewrites_one_tensor():
-    text = '  { name: "PROMPT" data_type: TYPE_INT64 dims: [ -1, -1 ] optional: true },\n'
-    assert set_dims(text, "PROMPT", [-1, 7]) == text.replace("[ -1, -1 ]", "[ -1, 7 ]")
-    with pytest.raises(ValueError, match="no one-line tensor 'AUDIO'"):
-        set_dims(text, "AUDIO", [-1])
+def test_every_checked_in_config_is_the_wire_contract_at_the_tiny_widths():
+    """Each model's inputs and outputs in model_repository/ are what the renderer writes from
+    wire/contract.py for the checked-in tiny preset (rows of 4 ids; the reference codec's frames are
+    its rows), byte for byte, and every model of the repository has a contract."""
+    tiny = preset("tiny")
+    widths = Widths(tiny.row_width, layout("rows").frame_width(tiny.row_width))
+    assert {p.parent.name for p in SOURCE.glob("*/config.pbtxt")} == set(MODELS)
+    for model, spec in MODELS.items():
+        text = _cfg(SOURCE, model)
+        assert set_io(text, spec, widths) == text, model
+
+
+def test_set_io_writes_the_contract_at_the_given_widths():
+    text = _cfg(SOURCE, "tts")
+    out = set_io(text, TTS, Widths(row_width=7, frame_width=3))
+    assert '{ name: "PROMPT" data_type: TYPE_INT64 dims: [ -1, 7 ] optional: true }' in out
+    assert '{ name: "TOKENS" data_type: TYPE_INT64 dims: [ -1, 7 ] }' in out
+    assert '{ name: "SEED" data_type: TYPE_INT64 dims: [ 1 ] optional: true }' in out
+    assert out.replace("[ -1, 7 ]", "[ -1, 4 ]") == text  # nothing else moved
+    with pytest.raises(ValueError, match="no input"):
+        set_io('name: "tts"\n', TTS, Widths(1, 1))
 
 
 def test_checkpoint_publishes_its_own_shape(tmp_path):

@@ -23,6 +23,7 @@ import torch
 
 from ..arena import Region
 from ..checksum import kv_checksum
+from ..control import DEFAULT_UNIT
 from ..errors import PathUnavailable, TransferError
 from ..layout import WireLayout
 from ._gpu import DeviceBuffer, check_range, check_staging, current_device, kernels
@@ -62,7 +63,7 @@ class ProxyPath(TransferPath):
         socket_name: str = "proxy",
         direct: bool = False,
     ) -> None:
-        """`unit`: the sidecar's (`tandem-proxy --unit`), "default" if None; `layout`, when given, is
+        """`unit`: the sidecar's (`tandem-proxy --unit`), `DEFAULT_UNIT` if None; `layout`, when given, is
         sent with every registration so the proxy refuses a P or D of another layout with a clear error.
 
         `direct=True` offers direct mode (the sidecar's fused kernel writes D's pool from P's
@@ -70,7 +71,7 @@ class ProxyPath(TransferPath):
         ms for gather + the sidecar's copy-engine copy + scatter (docs/transfer.md), the request path
         through the sidecar costing more than the two local passes it saves."""
         self.direct_write = direct
-        self.unit = unit or "default"
+        self.unit = unit or DEFAULT_UNIT
         self._device = device
         self.layout = layout
         self.min_gbps = min_gbps

@@ -50,7 +50,7 @@ from typing import Any
 import numpy as np
 
 from .._conn import accepted
-from ..control import connect_unix, control_dir, listen_unix, lock_held, peer_cred, same_user
+from ..control import DEFAULT_UNIT, connect_unix, control_dir, listen_unix, lock_held, peer_cred, same_user
 from ..errors import ProtocolError, TransferError
 from ..frames import MAX_FRAME_BYTES, send_frame
 
@@ -492,7 +492,7 @@ class ProxyClient:
 def main(argv: list[str] | None = None) -> None:
     """`tandem-proxy --unit U`: serve the unit's proxy socket until SIGTERM/SIGINT."""
     ap = argparse.ArgumentParser(description="tandem IPC proxy sidecar (one per P/D unit)")
-    ap.add_argument("--unit", default=os.environ.get("TANDEM_UNIT", "default"))
+    ap.add_argument("--unit", default=os.environ.get("TANDEM_UNIT", DEFAULT_UNIT))
     ap.add_argument("--name", default="proxy", help="socket name inside the unit's control directory")
     ap.add_argument("--issue", default="dst", choices=["dst", "src"], help="whose GPU context runs copies")
     args = ap.parse_args(argv)

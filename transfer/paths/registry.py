@@ -17,6 +17,7 @@ import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
+from ..control import DEFAULT_UNIT
 from ..errors import PathUnavailable
 from ..layout import WireLayout
 from .base import TransferPath
@@ -32,7 +33,7 @@ log = logging.getLogger(__name__)
 class PathOptions:
     """What the paths need from the engine that builds them."""
 
-    unit: str = "default"  # the unit whose proxy sidecar `proxy` talks to (`tandem-proxy --unit`)
+    unit: str = DEFAULT_UNIT  # the unit whose proxy sidecar `proxy` talks to (`tandem-proxy --unit`)
     layout: WireLayout | None = None  # sent with every proxy registration; the sidecar refuses others
     bind_host: str = "127.0.0.1"  # tcp: D's data listener
     advertise_host: str = ""  # tcp: the address peers are told ("" = bind_host)

@@ -24,7 +24,6 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -32,9 +31,9 @@ import numpy as np
 from tandem.backend.engines.decode.tickets import TicketClaim
 from tandem.backend.engines.handoff import Handoff
 from tandem.backend.engines.stream import ChunkSink, Stream
-from tandem.backend.errors import PoolExhausted, StreamFailed
+from tandem.backend.errors import StreamFailed
 from tandem.backend.kv.pool import KVPool
-from tandem.backend.scheduling.decode_policy import DecodePolicy
+from tandem.backend.scheduling.decode_policy import AdmissionPlan, Ahead, DecodePolicy, Members
 from tandem.backend.scheduling.intake import Intake
 from tandem.backend.settings import EngineSettings
 from tandem.backend.timing import Timings
@@ -42,7 +41,7 @@ from tandem.transfer import ArenaExhausted, TransferError, TransferHandle, Trans
 
 log = logging.getLogger("tandem")
 
-Ahead = tuple[np.ndarray, np.ndarray, np.ndarray]  # every member's (contexts, generated rows, limits)
+__all__ = ["Admitted", "Ahead", "DecodeAdmission", "DecodeRequest", "Membership"]
 
 
 @dataclass
@@ -84,27 +83,20 @@ class Membership:
         self.pending: collections.Counter[tuple[int, int]] = collections.Counter()
         self.capacity = threading.Event()  # set when pages or batch room come back
 
-    def reserve(
-        self,
-        capacity: int,
-        prompt_len: int,
-        fits: Callable[[int, int, Ahead], bool],
-        max_new_rows: int = 0,
-    ) -> list[int] | None:
-        """Admission thread: if `fits(members, context, ahead)` (called under the lock, on one
-        snapshot) and the pool has pages for `capacity` tokens, the caller's stream is a member
-        holding them; else None and nothing changed. A size the pool refuses raises ValueError
-        (nothing changed)."""
-        with self.lock:
-            if not fits(self.members, self.running_ctx + self.admitted_ctx, self._ahead()):
-                return None
-            try:
-                pages = self.pool.allocate(self.pool.pages_for(capacity))
-            except PoolExhausted:
-                return None
-            self.members += 1
-            self.admitted_ctx += prompt_len
-            self.pending[(prompt_len, max_new_rows)] += 1
+    def view(self) -> Members:
+        """Under `lock` (the caller holds it): the snapshot D's policy plans over."""
+        return Members(
+            self.members, self.running_ctx + self.admitted_ctx, self.pool.num_free_pages, self._ahead()
+        )
+
+    def reserve(self, plan: AdmissionPlan, prompt_len: int, max_new_rows: int) -> list[int]:
+        """Under `lock`, in the same hold as the `view` that `plan` admitted on: the caller's stream is
+        a member holding `plan.pages` pages from now on."""
+        assert plan.holds is None, "only an admitted plan reserves"
+        pages = self.pool.allocate(plan.pages)
+        self.members += 1
+        self.admitted_ctx += prompt_len
+        self.pending[(prompt_len, max_new_rows)] += 1
         return pages
 
     def _ahead(self) -> Ahead:
@@ -229,8 +221,12 @@ class DecodeAdmission:
             try:
                 waiting = len(self.intake) > 0
                 self.intake.pull(0.0 if waiting else 0.05)
-                for _ in self.intake.admit(self._admit):
-                    pass
+                now = time.monotonic()
+                for req in self.intake.queued():  # in arrival order, up to the first that waits
+                    if not self._admit(req):
+                        break
+                    self.intake.admitted(req)
+                self.intake.expire(now)
                 if len(self.intake):
                     self.members.capacity.wait(0.005)
                     self.members.capacity.clear()
@@ -238,22 +234,20 @@ class DecodeAdmission:
                 log.exception("decode admission failed")
                 self.intake.fail_all(StreamFailed("decode admission failed (see the server log)"))
 
-    def _fits(self, prompt_len: int, max_new_rows: int, members: int, context: int, ahead: Ahead) -> bool:
-        """Under the lock (`Membership.reserve`): the policy's verdict on one snapshot."""
-        return self.policy.fits(members, context, prompt_len, max_new_rows, ahead)
-
     def _admit(self, req: DecodeRequest) -> bool:
-        """Reserve the stream's pages and send its PULL, or return False (no room)."""
+        """The policy's plan for `req` and, if it admits, its pages reserved and its PULL sent; False
+        when it waits (no room). True when it left the queue: admitted, or failed."""
         h = req.handoff
-        if self.draining():
-            return False  # draining: quarantined memory must come back first
         capacity = h.prompt_len + h.max_new_rows
+        draining = self.draining()  # the receiver's own lock: not under ours
         try:
-            fits = functools.partial(self._fits, h.prompt_len, h.max_new_rows)
-            pages = self.members.reserve(capacity, h.prompt_len, fits, h.max_new_rows)
+            need = self.pool.pages_for(capacity)
         except ValueError as exc:  # sizes submit() did not catch: this request only
             req.sink.fail(StreamFailed(f"decode admission refused: {exc}"))
             return True
+        with self.members.lock:  # one snapshot: the plan and the reservation see the same members
+            plan = self.policy.plan(self.members.view(), h.prompt_len, h.max_new_rows, need, draining)
+            pages = None if plan.holds else self.members.reserve(plan, h.prompt_len, h.max_new_rows)
         if pages is None:
             return False
         stream = Stream(

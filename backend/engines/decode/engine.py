@@ -12,7 +12,7 @@ except in direct mode its prompt pages (`Stream.held_pages`), which return only 
 receiver's proof that no byte can still land. D admits nothing while quarantined memory exceeds
 `drain_held_fraction` of the arena (direct: of the pool).
 
-Failure: an exception in an iteration is an engine fault (`backend/engines/thread.py`): `_fault`
+Failure: an exception in an iteration is an engine fault (`backend/engine_shell.py`): `_fault`
 fails every stream the engine thread owns (batch, waiting, just admitted), their pages come back
 (prompt pages with proof), and the loop serves on. `close` tells every client still here, then
 closes the receiver.
@@ -27,6 +27,7 @@ import time
 import numpy as np
 import torch
 
+from tandem.backend.engine_shell import EngineShell
 from tandem.backend.engines.decode import calibration
 from tandem.backend.engines.decode.admission import Admitted, DecodeAdmission, DecodeRequest, Membership
 from tandem.backend.engines.decode.metrics import DecodeGauges, DecodeMetrics
@@ -41,7 +42,6 @@ from tandem.backend.engines.parts import (
     wire_layout,
 )
 from tandem.backend.engines.stream import Stream, StreamStatus
-from tandem.backend.engines.thread import EngineThread
 from tandem.backend.errors import StreamFailed
 from tandem.backend.metrics import MetricsSink
 from tandem.backend.model.decoder import Decoder
@@ -57,7 +57,7 @@ __all__ = ["DecodeEngine", "DecodeRequest"]
 log = logging.getLogger("tandem")
 
 
-class DecodeEngine:
+class DecodeEngine(EngineShell[DecodeRequest]):
     def __init__(
         self,
         decoder: Decoder,
@@ -106,12 +106,12 @@ class DecodeEngine:
             self.direct,
         )
         self.transfers = WaitingTransfers(self.receiver, self.members, self.direct, self._join, self._fail)
-        self._closed = False
-        self._thread = EngineThread("tandem-decode", self._iterate, self._fault)
+        super().__init__("tandem-decode", self.intake)
 
-    def start(self) -> None:
+    def _prepare(self) -> None:
         self._calibrate()
-        self._thread.start()
+
+    def _started(self) -> None:
         self.admission.start()
         log.info(
             "decode: transfer path %s (%s), pool %d pages of %d",
@@ -158,16 +158,15 @@ class DecodeEngine:
             (1.0 - b.rate_margin) / b.rate_floor_tok_s * 1e3,
         )
 
-    def close(self) -> None:
-        """Stop admitting, stop the loop, tell every client still here, then close the receiver.
-        Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
+    # `close` (the shell's): stop admitting, stop the loop, tell every client still here, then close
+    # the receiver.
+
+    def _stopping(self) -> None:
         self.admission.stop(10.0)
-        self._thread.stop()
+
+    def _stopped(self) -> None:
         try:
-            if self.admission.alive or self._thread.alive:
+            if self.admission.alive or self.loop_alive:
                 log.error("decode: a thread did not stop within 10 s; its streams are left to the receiver")
             else:
                 for step in (
@@ -181,10 +180,6 @@ class DecodeEngine:
                         log.exception("decode: shutdown step failed")
         finally:
             self.receiver.close()
-
-    def loop_age_s(self) -> float:
-        """Seconds the engine loop has been inside its current iteration (the worker's heartbeat)."""
-        return self._thread.age_s()
 
     def submit(self, req: DecodeRequest) -> None:
         """Worker reader thread. A handoff that does not fit this decoder is refused here

@@ -22,7 +22,7 @@ class TritonPythonModel:
         for request in requests:
             try:
                 rows = io.read_frontend_request(pb_utils, request, self.frontend)
-                responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("ROWS", rows)]))
+                responses.append(pb_utils.InferenceResponse(io.frontend_tensors(pb_utils, rows)))
             except Exception as err:
                 responses.append(pb_utils.InferenceResponse(error=io.triton_error(pb_utils, err)))
         return responses
