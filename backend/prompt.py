@@ -62,7 +62,8 @@ def check_prompt(arr: np.ndarray, cfg: ModelConfig, limits: Limits) -> np.ndarra
 
     Raises:
         InvalidInput: wrong dtype, not 2-D, wrong width, 0 or more than `limits.max_prompt_rows`
-            rows, or an id outside [0, cfg.vocab_size).
+            rows, or an id outside [0, cfg.vocab_size) (CSM's rows: outside its column's range,
+            `ModelConfig.column_vocab`, with -1 for an absent column).
     """
     name, dtype = wire.PROMPT.name, wire.PROMPT.dtype
     if not isinstance(arr, np.ndarray):
@@ -72,7 +73,9 @@ def check_prompt(arr: np.ndarray, cfg: ModelConfig, limits: Limits) -> np.ndarra
     if arr.ndim != 2:
         raise InvalidInput(f"{name} must have shape [rows, {cfg.row_width}], got {_shape(arr.shape)}")
     try:
-        validate_rows(arr, cfg.row_width, cfg.vocab_size, limits.max_prompt_rows)
+        validate_rows(
+            arr, cfg.row_width, cfg.vocab_size, limits.max_prompt_rows, cfg.column_vocab, cfg.min_id
+        )
     except ValueError as exc:
         raise InvalidInput(str(exc)) from exc
     return np.ascontiguousarray(arr)
@@ -88,7 +91,9 @@ def pack_prompt(rows: Sequence[Sequence[int]], cfg: ModelConfig, limits: Limits)
         InvalidInput: naming the first problem, e.g. ``PROMPT row 7 has 3 ids; expected 4``.
     """
     try:
-        return pack_rows(rows, cfg.row_width, cfg.vocab_size, limits.max_prompt_rows)
+        return pack_rows(
+            rows, cfg.row_width, cfg.vocab_size, limits.max_prompt_rows, cfg.column_vocab, cfg.min_id
+        )
     except ValueError as exc:
         raise InvalidInput(str(exc)) from exc
 

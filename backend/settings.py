@@ -130,7 +130,7 @@ class FrontendSettings:
 
     `tokenizer` is a `tokenizer.json`; a relative path is relative to the model's directory in the
     repository; "" means `<tandem.model.checkpoint>/tokenizer.json`, and without a checkpoint the
-    model takes no TEXT. `family` is auto (detected from the tokenizer and config), plain or orpheus.
+    model takes no TEXT. `family` is auto (detected from the tokenizer and config), plain, orpheus or csm.
     `voices` (comma-separated) lists the model's built-in VOICEs; "" takes the checkpoint's list
     (`tandem_voices` in its config.json) and, without one, there are none; "*" takes any name as a
     built-in voice. Besides those, a request may name a registered voice (`VoiceSettings`). `family`

@@ -50,13 +50,44 @@ def _outside_vocab(row: int, col: int, value: int, vocab_size: int) -> str:
     return f"PROMPT[{row}, {col}] = {value} is outside the vocabulary [0, {vocab_size})"
 
 
-def reference_validate_rows(arr: np.ndarray, row_width: int, vocab_size: int, max_rows: int) -> None:
+def _ranges(row_width: int, vocab_size: int, column_vocab: Sequence[int], min_id: int) -> np.ndarray:
+    """Each column's upper bound (int64 [W]), after the checks `check_ranges` (prompt.h) makes."""
+    if column_vocab and len(column_vocab) != row_width:
+        raise ValueError(f"column_vocab has {len(column_vocab)} bounds; row_width is {row_width}")
+    for h in column_vocab:
+        if h < 1:
+            raise ValueError(f"column_vocab bounds must be >= 1, got {h}")
+    if min_id not in (0, -1):
+        raise ValueError(f"min_id must be 0 or -1, got {min_id}")
+    return np.asarray(column_vocab if column_vocab else [vocab_size] * row_width, dtype=np.int64)
+
+
+def _outside(
+    row: int, col: int, value: int, vocab_size: int, hi: np.ndarray, min_id: int, uniform: bool
+) -> str:
+    if uniform:
+        return _outside_vocab(row, col, value, vocab_size)
+    return f"PROMPT[{row}, {col}] = {value} is outside column {col}'s ids [{min_id}, {int(hi[col])})"
+
+
+def reference_validate_rows(
+    arr: np.ndarray,
+    row_width: int,
+    vocab_size: int,
+    max_rows: int,
+    column_vocab: Sequence[int] = (),
+    min_id: int = 0,
+) -> None:
     """Pure-numpy `validate_rows`: same checks, order and messages as `_native.validate_rows`.
+    `column_vocab` (one bound per column; empty: vocab_size for each) and `min_id` (0, or -1 where a
+    column may be absent): column j's ids lie in [min_id, column_vocab[j]).
 
     Vectorised, so it is only a constant factor slower than the native scan; non-contiguous arrays
     are handled by numpy without a copy of the ids (the comparison allocates one bool mask).
     """
     _check_limits(row_width, vocab_size, max_rows)
+    hi = _ranges(row_width, vocab_size, column_vocab, min_id)
+    uniform = not column_vocab and min_id == 0
     if not isinstance(arr, np.ndarray):
         raise TypeError(f"PROMPT must be a numpy array, got {type(arr).__name__}")
     if arr.dtype != np.dtype(np.int64):
@@ -66,14 +97,19 @@ def reference_validate_rows(arr: np.ndarray, row_width: int, vocab_size: int, ma
     _check_row_count(arr.shape[0], max_rows)
     if arr.shape[1] != row_width:
         raise ValueError(f"PROMPT rows have width {arr.shape[1]}; this model's row_width is {row_width}")
-    bad = (arr < 0) | (arr >= vocab_size)
+    bad = (arr < min_id) | (arr >= hi[None, :])
     if bad.any():
         row, col = np.unravel_index(int(np.argmax(bad)), bad.shape)  # argmax: first True in C order
-        raise ValueError(_outside_vocab(int(row), int(col), int(arr[row, col]), vocab_size))
+        raise ValueError(_outside(int(row), int(col), int(arr[row, col]), vocab_size, hi, min_id, uniform))
 
 
 def reference_pack_rows(
-    rows: Sequence[Sequence[int]], row_width: int, vocab_size: int, max_rows: int
+    rows: Sequence[Sequence[int]],
+    row_width: int,
+    vocab_size: int,
+    max_rows: int,
+    column_vocab: Sequence[int] = (),
+    min_id: int = 0,
 ) -> np.ndarray:
     """Pure-Python `pack_rows`: same checks, order and messages as `_native.pack_rows`.
 
@@ -81,6 +117,8 @@ def reference_pack_rows(
     decoder produces; anything else is a client error, not something to coerce.
     """
     _check_limits(row_width, vocab_size, max_rows)
+    hi = _ranges(row_width, vocab_size, column_vocab, min_id)
+    uniform = not column_vocab and min_id == 0
     if not isinstance(rows, (list, tuple)):
         raise ValueError(f"PROMPT must be a list of rows, got {type(rows).__name__}")
     _check_row_count(len(rows), max_rows)
@@ -95,14 +133,14 @@ def reference_pack_rows(
             if not isinstance(item, int) or isinstance(item, bool):
                 raise ValueError(f"PROMPT[{i}, {j}] is not an integer (got {type(item).__name__})")
             value = int(item)
-            if not 0 <= value < vocab_size:
-                raise ValueError(_outside_vocab(i, j, value, vocab_size))
+            if not min_id <= value < hi[j]:
+                raise ValueError(_outside(i, j, value, vocab_size, hi, min_id, uniform))
             out[i, j] = value
     return out
 
 
-validate_rows: Callable[[np.ndarray, int, int, int], None]
-pack_rows: Callable[[Sequence[Sequence[int]], int, int, int], np.ndarray]
+validate_rows: Callable[..., None]
+pack_rows: Callable[..., np.ndarray]
 _native: Any  # the compiled module has no stub; importlib keeps mypy from needing one
 
 try:

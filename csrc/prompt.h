@@ -9,6 +9,7 @@
 #include <cstring>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 namespace tandem {
 
@@ -24,6 +25,35 @@ struct PromptLimits {
   int64_t vocab_size;
   int64_t max_rows;
 };
+
+// Per-column id ranges (rows whose columns hold different vocabularies, e.g. CSM's N codebooks and a
+// text column): column j holds ids in [min_id, hi[j]); `hi` empty means every column's is vocab_size.
+// min_id is 0, or -1 where a row may leave a column absent.
+struct ColumnRanges {
+  std::vector<int64_t> hi;
+  int64_t min_id = 0;
+
+  bool uniform() const { return hi.empty() && min_id == 0; }
+  int64_t bound(int64_t col, int64_t vocab_size) const { return hi.empty() ? vocab_size : hi[col]; }
+  // True when `id` is outside column `col`'s range: one unsigned compare catches both ends.
+  bool outside(int64_t id, int64_t col, int64_t vocab_size) const {
+    return static_cast<uint64_t>(id - min_id) >= static_cast<uint64_t>(bound(col, vocab_size) - min_id);
+  }
+};
+
+// Rejects per-column bounds that do not fit the row: one positive bound per column, min_id 0 or -1.
+inline void check_ranges(const ColumnRanges& r, const PromptLimits& lim) {
+  if (!r.hi.empty() && static_cast<int64_t>(r.hi.size()) != lim.row_width) {
+    throw std::invalid_argument("column_vocab has " + std::to_string(r.hi.size()) + " bounds; row_width is " +
+                                std::to_string(lim.row_width));
+  }
+  for (const int64_t h : r.hi) {
+    if (h < 1) throw std::invalid_argument("column_vocab bounds must be >= 1, got " + std::to_string(h));
+  }
+  if (r.min_id != 0 && r.min_id != -1) {
+    throw std::invalid_argument("min_id must be 0 or -1, got " + std::to_string(r.min_id));
+  }
+}
 
 // Rejects non-positive bounds: they come from configuration, and a zero width would make every later
 // message misleading.
@@ -58,6 +88,31 @@ inline std::string outside_vocab(int64_t row, int64_t col, const std::string& va
 // True when `id` is not in [0, vocab_size): one unsigned compare catches negatives too.
 inline bool out_of_vocab(int64_t id, int64_t vocab_size) {
   return static_cast<uint64_t>(id) >= static_cast<uint64_t>(vocab_size);
+}
+
+inline std::string outside_column(int64_t row, int64_t col, const std::string& value, int64_t lo, int64_t hi) {
+  return "PROMPT[" + std::to_string(row) + ", " + std::to_string(col) + "] = " + value + " is outside column " +
+         std::to_string(col) + "'s ids [" + std::to_string(lo) + ", " + std::to_string(hi) + ")";
+}
+
+// The message for an id outside its column's range (the vocabulary's own message when uniform).
+inline std::string outside_range(int64_t row, int64_t col, const std::string& value, const ColumnRanges& r,
+                                 int64_t vocab_size) {
+  if (r.uniform()) return outside_vocab(row, col, value, vocab_size);
+  return outside_column(row, col, value, r.min_id, r.bound(col, vocab_size));
+}
+
+// Scans like check_ids below, each column against its own range (ColumnRanges).
+inline void check_column_ids(const char* base, int64_t rows, int64_t cols, int64_t row_stride,
+                             int64_t col_stride, int64_t vocab_size, const ColumnRanges& r) {
+  for (int64_t i = 0; i < rows; ++i) {
+    const char* row = base + i * row_stride;
+    for (int64_t j = 0; j < cols; ++j) {
+      int64_t v;
+      std::memcpy(&v, row + j * col_stride, sizeof v);
+      if (r.outside(v, j, vocab_size)) throw PromptError(outside_range(i, j, std::to_string(v), r, vocab_size));
+    }
+  }
 }
 
 // Scans a [rows, cols] int64 matrix laid out with byte strides (any sign, any alignment) and throws a

@@ -190,7 +190,7 @@ class EngineStub:
             handoff = Handoff.from_json(raw)
         except ValueError as exc:
             raise InvalidInput(str(exc)) from None
-        handoff.check_fits(self.cfg.row_width, self.cfg.vocab_size, self.pool_tokens)
+        handoff.check_fits(self.cfg, self.pool_tokens)
         timings = Timings(handoff.timings)
         timings.mark("d_entry")
         text = raw.decode() if isinstance(raw, bytes) else str(raw)

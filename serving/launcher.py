@@ -36,6 +36,7 @@ import os
 import shutil
 import signal
 import sys
+import sysconfig
 from collections.abc import Mapping
 from pathlib import Path
 from typing import BinaryIO
@@ -157,6 +158,18 @@ def relay_lines(src: BinaryIO, dst: BinaryIO, drop: tuple[bytes, ...]) -> None:
                 dst.flush()
 
 
+def _libpython_dir() -> str:
+    """The running Python's own libpython directory ("" when it has none there, a static build):
+    the stub links libpython by its soname, and without this the loader may pick the system's copy
+    of that version while the stub imports the running Python's extension modules, which can need
+    symbols only its own libpython has (seen: pyenv's 3.11.7 `_ssl` against Debian's 3.11, so any
+    stub that imports `ssl`, e.g. through transformers for Mimi, failed to load)."""
+    libdir, soname = sysconfig.get_config_var("LIBDIR"), sysconfig.get_config_var("INSTSONAME")
+    if libdir and soname and (Path(libdir) / soname).is_file():
+        return str(libdir)
+    return ""
+
+
 def build_command(argv: list[str]) -> tuple[str, list[str], dict[str, str]]:
     """Return (binary, argv, env) for the real server; the argv carries the API lock (see `locked`),
     so the returned argv holds the key: never print it unredacted (`ApiLock.redact`)."""
@@ -175,7 +188,9 @@ def build_command(argv: list[str]) -> tuple[str, list[str], dict[str, str]]:
     binary = root / "bin" / "tritonserver"
     libs = root.parent.parent / "nvidia_pytriton.libs"
     env["LD_LIBRARY_PATH"] = os.pathsep.join(
-        p for p in (str(libs), str(root / "external_libs"), env.get("LD_LIBRARY_PATH", "")) if p
+        p
+        for p in (str(libs), str(root / "external_libs"), _libpython_dir(), env.get("LD_LIBRARY_PATH", ""))
+        if p
     )
     args = list(argv)
     if not any(a.startswith("--backend-directory") for a in args):

@@ -49,7 +49,7 @@ VOICE_USERS = ("frontend", "tts_mono", "voices")  # built-in voices and the stor
 CHUNK_FRAMES_MAX = 16  # frames per chunk once grown (1.37 s of Orpheus audio)
 # The models that read the family: the text front end (its template), P and tts_mono (the grammar
 # they sample under and hand on to D).
-ORPHEUS_FAMILY_USERS = ("frontend", "prefill", "tts_mono")
+FAMILY_USERS = ("frontend", "prefill", "tts_mono")
 
 Setting = tuple[str, str, str]  # (model, key, value)
 
@@ -189,11 +189,11 @@ def _codec_parameters(req: RepositoryRequest, cfg: ModelConfig, params: dict[str
             params.setdefault(m, {})["tandem.limits.default_new_rows"] = str(FAMILY_DEFAULT_ROWS[family])
         # The family, written out rather than left to detection: without a tokenizer (a preset, a
         # checkpoint that ships none) the text front end cannot detect it, and P and tts_mono would
-        # then sample over the whole vocabulary; with it they sample under Orpheus' audio-token
-        # grammar from the first generated token (the grammar is auto). D samples with the grammar
-        # P hands it in each stream's sampling parameters.
-        for m in ORPHEUS_FAMILY_USERS:
-            params.setdefault(m, {})["tandem.frontend.family"] = "orpheus"
+        # then sample over the whole vocabulary; with it Orpheus samples under its audio-token
+        # grammar from the first generated token (the grammar is auto), CSM's TEXT takes Sesame's
+        # template. D samples with the grammar P hands it in each stream's sampling parameters.
+        for m in FAMILY_USERS:
+            params.setdefault(m, {})["tandem.frontend.family"] = family
     if req.codec:
         first = spec.rows_per_frame * (1 + spec.lookahead)
         for m in ("decode", "tts_mono", "vocoder"):  # the vocoder warms the windows they cut

@@ -34,11 +34,12 @@ from tandem.backend.codec.chunking import ChunkPolicy
 from tandem.backend.device import upload
 from tandem.backend.engines.stream import Chunk, Stream, StreamStatus
 from tandem.backend.errors import Cancelled, StreamFailed
-from tandem.backend.generation.sampling import mark_seen, sample_on_device, step_span
+from tandem.backend.generation.sampling import mark_seen
 from tandem.backend.kv.pool import KVPool
 from tandem.backend.metrics import MetricsSink
 from tandem.backend.model.cuda_graphs import GraphedDecode
 from tandem.backend.model.decoder import Decoder
+from tandem.backend.model.row_step import RowStep, TokenRowStep
 from tandem.backend.scheduling.step_plan import Member, checks_cancellation, plan_step
 
 log = logging.getLogger("tandem")
@@ -82,16 +83,21 @@ class DecodeBatch:
         max_batch: int = 64,
         graph_warmup_context: int = 0,
         clock: Callable[[], float] = time.perf_counter,
+        row_step: RowStep | None = None,
     ) -> None:
+        """`row_step`: the family's row maker over `decoder` (None: a plain decoder's head and
+        sampler, `TokenRowStep`, with the CUDA graphs `cuda_graphs` asks for; another family's step
+        runs its own layers eagerly)."""
         self.decoder = decoder
         self._graphed = None
-        if cuda_graphs and pool.device.type == "cuda":
+        if cuda_graphs and pool.device.type == "cuda" and row_step is None:
             self._graphed = GraphedDecode(decoder, pool, max_batch)
             if graph_warmup_context > 0:
                 n = self._graphed.warm_up(graph_warmup_context)
                 log.info(
                     "captured %d decode graphs up to batch %d, context %d", n, max_batch, graph_warmup_context
                 )
+        self.rows: RowStep = TokenRowStep(decoder, self._graphed) if row_step is None else row_step
         self.pool = pool
         self.chunking = chunking
         self._clock = clock  # chunk emission: the listener's lead and the rate after the first chunk
@@ -132,7 +138,7 @@ class DecodeBatch:
         stream.generated.append(np.asarray(first_row, dtype=np.int64).reshape(-1))
         stream.frames = self.chunking.framing.track(stream.generated[0].shape[0])
         stream.chunk_rows = self.chunking.next_rows(0, None)
-        if stream.sampling.penalised:  # the repetition penalty's history starts with row 0
+        if stream.sampling.penalised and self.rows.has_history:  # the penalty's history starts with row 0
             stream.seen = self._no_history()
             mark_seen(stream.seen[None], upload(stream.generated[-1][None], self.pool.device))
         self.streams.append(stream)
@@ -194,13 +200,9 @@ class DecodeBatch:
         tables = [s.slots[: p + 1] for s, p in zip(active, positions, strict=True)]
         pos = upload(np.asarray(positions, dtype=np.int64), device)
         params = [s.sampling for s in active]
-        span = step_span(params, self.decoder.cfg.vocab_size)  # grammar-bound: the head's legal rows only
-        if self._graphed is not None:
-            logits = self._graphed.decode(rows, tables, pos, span)
-        else:
-            logits = self.decoder.decode(rows, self.pool, tables, pos, span)
         seen = self._seen(active)
-        rows_dev = sample_on_device(logits, params, [p + 1 for p in positions], seen, span)
+        starts = [s.prompt_len for s in active]
+        rows_dev = self.rows.next_rows(rows, self.pool, tables, pos, params, starts, seen)
         if seen is not None:  # the next step's history, ordered on the device after this step's rows
             mark_seen(seen, rows_dev)
             for s, row in zip(active, seen, strict=True):
@@ -313,7 +315,8 @@ class DecodeBatch:
     def _after_rows(self, s: Stream) -> None:
         """Emit the rows pending since the last chunk once they fill the size chosen when it left (or
         the stream is done), then choose the next chunk's size from the listener's lead now."""
-        done = s.done_generating
+        last = s.generated[-1]
+        done = len(s.generated) >= s.max_new_rows or self.rows.ends(last, s.sampling, s.eos_token_id)
         pending = len(s.generated) - s.emitted_rows
         if not done and pending < s.chunk_rows:
             return

@@ -13,6 +13,7 @@ import numpy as np
 
 from tandem.backend.errors import InvalidInput
 from tandem.backend.generation.sampling import SamplingParams
+from tandem.backend.model.config import ModelConfig
 from tandem.transfer import Ticket
 
 
@@ -63,14 +64,20 @@ class Handoff:
     def first_row_array(self) -> np.ndarray:
         return np.asarray(self.first_row, dtype=np.int64)
 
-    def check_fits(self, row_width: int, vocab_size: int, pool_tokens: int) -> None:
-        """A handoff that does not fit this decoder is refused before it reaches D's batch (where it
-        would fault every other stream). Called by the `decode` stub (an early INVALID_ARG) and by D's
-        engine (whatever reaches it). Raises InvalidInput."""
+    def check_fits(self, cfg: ModelConfig, pool_tokens: int) -> None:
+        """A handoff that does not fit the decoder of `cfg` is refused before it reaches D's batch
+        (where it would fault every other stream): a first row of row_width ids, each in its column's
+        range (`ModelConfig.column_vocab`, `min_id`). Called by the `decode` stub (an early
+        INVALID_ARG) and by D's engine (whatever reaches it). Raises InvalidInput."""
         row = self.first_row
-        if len(row) != row_width or not all(0 <= x < vocab_size for x in row):
+        bounds = cfg.column_vocab or (cfg.vocab_size,) * cfg.row_width
+        if len(row) != cfg.row_width or not all(
+            cfg.min_id <= x < hi for x, hi in zip(row, bounds, strict=True)
+        ):
             raise InvalidInput(
-                f"malformed handoff: first row {list(row)[:8]} is not {row_width} ids below {vocab_size}"
+                f"malformed handoff: first row {list(row)[:8]} is not {cfg.row_width} ids "
+                f"below {cfg.vocab_size}"
+                + (f" (columns' bounds {list(bounds)[:8]}, absent -1)" if cfg.column_vocab else "")
             )
         if self.prompt_len + self.max_new_rows > pool_tokens:
             raise InvalidInput("malformed handoff: prompt_len + max_new_rows exceed D's whole pool")

@@ -23,20 +23,29 @@ from tandem.backend.errors import StreamFailed
 from tandem.backend.kv.prefix_cache import PrefixAllocation, PrefixCache
 from tandem.backend.metrics import MetricsSink, PublishTimer
 from tandem.backend.model.decoder import Decoder
+from tandem.backend.model.row_step import RowStep
 from tandem.backend.model.warm_up import warm_up
 from tandem.backend.scheduling.prefill_plan import plan_prefill
 from tandem.backend.settings import EngineSettings
 
 
 class MonoEngine(EngineShell[EngineRequest]):
-    def __init__(self, decoder: Decoder, settings: EngineSettings, metrics: MetricsSink) -> None:
+    def __init__(
+        self,
+        decoder: Decoder,
+        settings: EngineSettings,
+        metrics: MetricsSink,
+        row_step: RowStep | None = None,
+    ) -> None:
+        """`row_step`: the family's row maker over `decoder` (backend/model/row_step.py; None: a
+        plain decoder's head and sampler)."""
         self.decoder = decoder
         self.settings = settings
         self.metrics = metrics
         self._publish_timer = PublishTimer()
         self.pool = make_pool(decoder, settings)
         self.cache = PrefixCache(self.pool, enabled=settings.pool.prefix_cache)
-        self.batch = make_batch(decoder, self.pool, settings, metrics)
+        self.batch = make_batch(decoder, self.pool, settings, metrics, row_step=row_step)
         self.intake = make_intake(settings, EngineRequest)
         super().__init__("tandem-mono", self.intake)
 
@@ -73,7 +82,7 @@ class MonoEngine(EngineShell[EngineRequest]):
         tables = [
             self.pool.slots(alloc.pages, req.prompt.shape[0] + req.max_new_rows) for req, alloc in run.members
         ]
-        firsts = run.forward(self.decoder, self.pool, tables)
+        firsts = run.forward(self.batch.rows, self.pool, tables)
         for i, (req, alloc) in enumerate(run.members):
             run.handed(i)
             try:

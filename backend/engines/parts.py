@@ -23,8 +23,10 @@ from tandem.backend.kv.pool import KVPool
 from tandem.backend.metrics import MetricsSink
 from tandem.backend.model.checkpoint import load_checkpoint
 from tandem.backend.model.config import preset
+from tandem.backend.model.csm_checkpoint import CsmModel, is_csm, load_csm
 from tandem.backend.model.decoder import Decoder
 from tandem.backend.model.fp8 import require_fp8_device
+from tandem.backend.model.row_step import CsmRowStep, RowStep
 from tandem.backend.scheduling.intake import Intake, _HasSink
 from tandem.backend.settings import MAX_BATCH, EngineSettings
 from tandem.transfer import PathOptions, TransferError, TransferPath, WireLayout, build_path
@@ -113,8 +115,10 @@ def make_batch(
     settings: EngineSettings,
     metrics: MetricsSink,
     clock: Callable[[], float] = time.perf_counter,
+    row_step: RowStep | None = None,
 ) -> DecodeBatch:
-    """The running batch; `clock` times its chunks (the listener's lead, the rate after the first)."""
+    """The running batch; `clock` times its chunks (the listener's lead, the rate after the first);
+    `row_step` makes its rows (None: a plain decoder's head and sampler)."""
     b = settings.batch
     decoder.paged_attention = b.paged_attention
     return DecodeBatch(
@@ -127,6 +131,7 @@ def make_batch(
         max_batch=b.max_batch,
         graph_warmup_context=b.graph_warmup_context,
         clock=clock,
+        row_step=row_step,
     )
 
 
@@ -203,3 +208,27 @@ def build_decoder(settings: EngineSettings, device: torch.device) -> Decoder:
     if settings.torch_threads > 0:
         torch.set_num_threads(settings.torch_threads)
     return decoder.eval()
+
+
+def build_csm(settings: EngineSettings, device: torch.device) -> CsmModel | None:
+    """The engine's Sesame CSM (backbone + depth decoder) when its checkpoint is one, else None (the
+    decoder is then `build_decoder`'s). FP8 is refused for CSM (its depth decoder has no FP8 path)."""
+    src = settings.model
+    if not src.checkpoint or not is_csm(src.checkpoint):
+        return None
+    if src.dtype == "fp8" or settings.kv.dtype == "fp8":
+        raise ValueError("tandem.model.dtype / tandem.kv.dtype fp8: not available for a CSM checkpoint")
+    model = load_csm(src.checkpoint, device=device, dtype=src.dtype or None)
+    log.info("loaded CSM checkpoint %s on %s", src.checkpoint, device)
+    if settings.torch_threads > 0:
+        torch.set_num_threads(settings.torch_threads)
+    model.backbone.eval()
+    model.depth.eval()
+    return model
+
+
+def csm_row_step(model: CsmModel, settings: EngineSettings) -> CsmRowStep:
+    """CSM's row step, its depth pool seated for the larger of a decode step and a prefill forward
+    (the settings already sized, `size_from_device`)."""
+    b = settings.batch
+    return CsmRowStep(model, max(b.max_batch, b.prefill_batch_max))

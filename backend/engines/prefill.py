@@ -33,6 +33,7 @@ from tandem.backend.generation.sampling import SamplingParams
 from tandem.backend.kv.prefix_cache import PrefixAllocation, PrefixCache
 from tandem.backend.metrics import MetricsSink, PublishTimer
 from tandem.backend.model.decoder import Decoder
+from tandem.backend.model.row_step import RowStep, TokenRowStep
 from tandem.backend.model.warm_up import warm_up
 from tandem.backend.scheduling.prefill_plan import plan_prefill
 from tandem.backend.settings import EngineSettings
@@ -69,8 +70,12 @@ class PrefillEngine(EngineShell[PrefillRequest]):
         metrics: MetricsSink,
         slot: str,
         on_fatal: Callable[[str], None],
+        row_step: RowStep | None = None,
     ) -> None:
+        """`row_step`: the family's row maker over `decoder` (backend/model/row_step.py; None: a
+        plain decoder's head and sampler)."""
         self.decoder = decoder
+        self.rows = TokenRowStep(decoder) if row_step is None else row_step
         self.settings = settings
         self.metrics = metrics
         self._publish_timer = PublishTimer()
@@ -153,7 +158,7 @@ class PrefillEngine(EngineShell[PrefillRequest]):
         """One forward over the run's prompts, then per prompt in order: row 0, cache commit, the KV
         offer and the HANDOFF. A hand-off that raises fails the prompts after it, then raises."""
         tables = [self.pool.slots(alloc.pages, req.prompt.shape[0]) for req, alloc in run.members]
-        firsts = run.forward(self.decoder, self.pool, tables)
+        firsts = run.forward(self.rows, self.pool, tables)
         for i, (req, alloc) in enumerate(run.members):
             run.handed(i)
             try:
@@ -177,8 +182,7 @@ class PrefillEngine(EngineShell[PrefillRequest]):
         try:
             self.cache.commit(alloc, req.prompt)
             eos = self.decoder.cfg.eos_token_id
-            last = int(first[0])
-            ends_now = req.max_new_rows <= 1 or last == eos or req.sampling.stops(last)
+            ends_now = req.max_new_rows <= 1 or self.rows.ends(first, req.sampling, eos)
             ticket = None
             if not ends_now:
                 ticket = self.sender.offer(

@@ -1,9 +1,9 @@
 """One prefill forward as the engine runs it: shared by P and the monolithic engine.
 
 The scheduler decided which prompts go (`backend/scheduling/prefill_plan.py`); here they get their
-pages (`admit`), go through the one forward (`forward`: `Decoder.prefill_many`, each member's row 0
-sampled with its own parameters, stamps, metrics), and are handed on one by one by the engine (`P`:
-the KV offer and HANDOFF; mono: the running batch), which marks each with `handed`.
+pages (`admit`), go through the one forward (`forward`: the family's `RowStep.first_rows`, each
+member's row 0 made with its own parameters, stamps, metrics), and are handed on one by one by the
+engine (`P`: the KV offer and HANDOFF; mono: the running batch), which marks each with `handed`.
 
 Ownership: a member's prefix-cache allocation and its answer belong to the run from `admit` until
 `handed`; then to whatever the engine handed it to, also when that raised. `fail_rest` answers and
@@ -21,11 +21,12 @@ import numpy as np
 import torch
 
 from tandem.backend.errors import PoolExhausted, TandemError
-from tandem.backend.generation.sampling import SamplingParams, sample, step_span
+from tandem.backend.generation.sampling import SamplingParams
 from tandem.backend.kv.pool import KVPool
 from tandem.backend.kv.prefix_cache import PrefixAllocation, PrefixCache
 from tandem.backend.metrics import MetricsSink
-from tandem.backend.model.decoder import Decoder, PrefillItem
+from tandem.backend.model.decoder import PrefillItem
+from tandem.backend.model.row_step import RowStep
 from tandem.backend.scheduling.intake import Intake
 from tandem.backend.timing import Timings
 
@@ -90,10 +91,11 @@ class PrefillRun(Generic[R]):
             req.timings.mark("admit")
             self.metrics.observe("tandem_admission_seconds", now_s - req.received_s)
 
-    def forward(self, decoder: Decoder, pool: KVPool, tables: Sequence[torch.Tensor]) -> np.ndarray:
-        """The one forward. `tables[i]` holds member i's slots, at least one per prompt row (the rows
-        its prefix-cache hit covers are read, the rest written). Stamps and measures every member's
-        forward; returns each member's row 0 (sampled with its own parameters) [n, W]."""
+    def forward(self, step: RowStep, pool: KVPool, tables: Sequence[torch.Tensor]) -> np.ndarray:
+        """The one forward (`step`: the family's decoder and row maker, backend/model/row_step.py).
+        `tables[i]` holds member i's slots, at least one per prompt row (the rows its prefix-cache hit
+        covers are read, the rest written). Stamps and measures every member's forward; returns each
+        member's row 0 (made with its own parameters) [n, W]."""
         items = []
         for (req, alloc), table in zip(self.members, tables, strict=True):
             rows = torch.from_numpy(req.prompt[alloc.cached_tokens :]).to(pool.device)
@@ -101,9 +103,8 @@ class PrefillRun(Generic[R]):
         for req, _ in self.members:
             req.timings.mark("forward_start")
         params = [req.sampling for req, _ in self.members]
-        span = step_span(params, decoder.cfg.vocab_size)  # grammar-bound: the head's legal rows only
-        logits = decoder.prefill_many(pool, items, span)
-        firsts = sample(logits, params, [req.prompt.shape[0] for req, _ in self.members], span=span).numpy()
+        starts = [req.prompt.shape[0] for req, _ in self.members]
+        firsts = step.first_rows(pool, items, params, starts).numpy()
         for req, alloc in self.members:
             req.timings.mark("forward_end")
             self.metrics.observe(

@@ -89,15 +89,6 @@ class Stream:
         """Position of the most recent generated row (its KV is written by the next decode step)."""
         return self.prompt_len + len(self.generated) - 1
 
-    @property
-    def done_generating(self) -> bool:
-        if len(self.generated) >= self.max_new_rows:
-            return True
-        if not self.generated:
-            return False
-        last = int(self.generated[-1][0])
-        return last == self.eos_token_id or self.sampling.stops(last)
-
 
 @dataclass
 class EngineRequest:

@@ -61,6 +61,9 @@ class ModelConfig:
     eos_token_id: int | None = None
     name: str = "custom"
     kv_dtype: str = ""  # the KV pool's dtype; "" = `dtype` (`Decoder.quantize_fp8` sets float8_e4m3fn)
+    # CSM's rows (backend/model/csm.py): > 0, the last column holds text ids below it, the others codes
+    # below vocab_size, and any column may be ABSENT (-1); 0, every column holds ids below vocab_size.
+    text_vocab_size: int = 0
 
     def __post_init__(self) -> None:
         torch_dtype(self.dtype)
@@ -70,6 +73,20 @@ class ModelConfig:
             raise ValueError("num_heads must be a multiple of num_kv_heads")
         if min(self.vocab_size, self.row_width, self.hidden_size, self.num_layers, self.head_dim) < 1:
             raise ValueError("model dimensions must be positive")
+        if self.text_vocab_size < 0 or (self.text_vocab_size and self.row_width < 2):
+            raise ValueError("text_vocab_size needs rows of codes and a text column (row_width >= 2)")
+
+    @property
+    def column_vocab(self) -> tuple[int, ...]:
+        """Each column's id bound when they differ (CSM's rows), else () (every column vocab_size)."""
+        if not self.text_vocab_size:
+            return ()
+        return (self.vocab_size,) * (self.row_width - 1) + (self.text_vocab_size,)
+
+    @property
+    def min_id(self) -> int:
+        """The least id a row may hold: -1 where a column may be absent (CSM's rows), else 0."""
+        return -1 if self.text_vocab_size else 0
 
     @property
     def torch_dtype(self) -> torch.dtype:

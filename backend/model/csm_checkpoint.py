@@ -12,6 +12,7 @@ is a ValueError naming the field or tensor.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from dataclasses import dataclass
@@ -56,6 +57,15 @@ class CsmShape:
     audio_eos_token: int
     codec: dict[str, Any]  # Mimi's config as the checkpoint names it ({} when absent)
 
+    @property
+    def mimi_codes(self) -> int | None:
+        """The ids a served frame samples among (0..this-1): Mimi's codebook size from `codec`, with
+        the codebook eos id inside; None when the checkpoint names no codec (the whole vocabulary)."""
+        size = self.codec.get("codebook_size")
+        if not isinstance(size, int) or size < 1:
+            return None
+        return min(self.rows.codebook_vocab, max(size, self.codebook_eos + 1))
+
 
 def _int(cfg: dict[str, Any], field: str, where: str) -> int:
     value = cfg.get(field)
@@ -98,6 +108,7 @@ def csm_shape(hf: dict[str, Any], dtype: str | None = None) -> CsmShape:
     rows = CsmRows(n, vocab, text_vocab)
     dt = dtype or hf.get("dtype") or hf.get("torch_dtype") or "float32"
     backbone = _part(hf, "config.json (backbone)", tandem_row_width=rows.width, dtype=dt, name="csm-backbone")
+    backbone = dataclasses.replace(backbone, text_vocab_size=text_vocab)
     depth = _part(depth_hf, "config.json (depth_decoder_config)", dtype=dt, name="csm-depth")
     codec = hf.get("codec_config") or {}
     if not isinstance(codec, dict):

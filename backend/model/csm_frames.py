@@ -7,6 +7,10 @@ the batch at the same depth position, so each step's head is one codebook's. The
 lives in a pool of its own, N slots per batch seat, rewritten by every frame (it never outlives the
 frame, never crosses P -> D and needs no prefix cache).
 
+Codes: with `codes` set (the engines: the codec's codebook size, `CsmShape.mimi_codes`) every codebook
+samples among ids 0..codes-1 only: Mimi's codes, CSM's codebook eos among them (0 in CSM-1B), never the
+pad ids past them that no Mimi decodes; None samples the whole vocabulary, as transformers does.
+
 Randomness: codebook k of frame f samples at position f * N + k of the stream's seed
 (`backend/generation/sampling.py`: a pure function of seed, position, column), so a stream's codes
 do not depend on its batch companions.
@@ -24,6 +28,7 @@ from collections.abc import Sequence
 import torch
 
 from tandem.backend.generation.sampling import SamplingParams, sample_on_device
+from tandem.backend.generation.vocab_span import VocabSpan
 from tandem.backend.kv.pool import KVPool
 from tandem.backend.model.csm import ABSENT
 from tandem.backend.model.csm_checkpoint import CsmModel
@@ -34,9 +39,16 @@ class CsmFrames:
     """Makes frames for up to `max_batch` streams at a time; owns the depth decoder's pool. Used by
     one thread (the engine's loop, or `generate`)."""
 
-    def __init__(self, model: CsmModel, max_batch: int, page_size: int = 16) -> None:
+    def __init__(
+        self, model: CsmModel, max_batch: int, page_size: int = 16, codes: int | None = None
+    ) -> None:
+        """`codes`: sample among ids 0..codes-1 only (module docstring); None: the whole vocabulary."""
         self.model = model
         self.codebooks = model.shape.rows.codebooks
+        vocab = model.shape.rows.codebook_vocab
+        if codes is not None and not model.shape.codebook_eos < codes <= vocab:
+            raise ValueError(f"codes {codes} must hold the codebook eos id and fit the vocabulary of {vocab}")
+        self._span = None if codes is None or codes == vocab else VocabSpan(0, codes, vocab)
         depth = model.depth
         pages_per_seat = -(-self.codebooks // page_size)
         self.pool = KVPool(depth.kv_layout(), max_batch * pages_per_seat, page_size, device=depth.device)
@@ -59,7 +71,9 @@ class CsmFrames:
             )
         backbone, depth = self.model.backbone, self.model.depth
         first = [f * n for f in frames]
-        code = sample_on_device(backbone.head_logits(h), params, first)[:, 0]
+        span = self._span
+        # Logits of ids 0..codes-1 (span.lo is 0): sampled as a vocabulary of their own, same ids.
+        code = sample_on_device(backbone.head_logits(h, span), params, first)[:, 0]
         codes = [code]
         embeds = depth.project(h)
         rows = depth.depth_rows(0, code)
@@ -67,6 +81,8 @@ class CsmFrames:
         hidden = depth.prefill_hidden(self.pool, items)
         for k in range(1, n):
             logits = depth.codebook_logits(hidden, k)
+            if span is not None:
+                logits = logits[:, :, : span.hi]
             code = sample_on_device(logits, params, [p + k for p in first])[:, 0]
             codes.append(code)
             if k + 1 < n:
@@ -87,23 +103,29 @@ def frame_rows(codes: torch.Tensor) -> torch.Tensor:
 
 @torch.inference_mode()
 def generate(
-    model: CsmModel, prompt: torch.Tensor, max_frames: int, params: SamplingParams, page_size: int = 16
+    model: CsmModel,
+    prompt: torch.Tensor,
+    max_frames: int,
+    params: SamplingParams,
+    page_size: int = 16,
+    codes: int | None = None,
 ) -> torch.Tensor:
     """The reference loop for one stream: frames [F, N] (CPU int64) after prompt rows [T, N + 1],
-    F <= max_frames, the end frame included when one came (module docstring)."""
+    F <= max_frames, the end frame included when one came; `codes` as `CsmFrames` takes it (module
+    docstring)."""
     backbone = model.backbone
     total = prompt.shape[0] + max_frames
     pool = KVPool(backbone.kv_layout(), -(-total // page_size), page_size, device=backbone.device)
     slots = pool.slots(pool.allocate(pool.num_free_pages), total)
-    maker = CsmFrames(model, 1, page_size)
+    maker = CsmFrames(model, 1, page_size, codes)
     t = prompt.shape[0]
     h = backbone.prefill_hidden(pool, [PrefillItem(prompt, slots[:t], 0)])
     out = []
     for f in range(max_frames):
-        codes = maker.frame(h, [params], [f])
-        out.append(codes[0].cpu())
-        if bool(maker.ends(codes)[0]) or f + 1 == max_frames:
+        made = maker.frame(h, [params], [f])
+        out.append(made[0].cpu())
+        if bool(maker.ends(made)[0]) or f + 1 == max_frames:
             break
         pos = t + f
-        h = backbone.decode_step_hidden(frame_rows(codes), pool, [slots[: pos + 1]], torch.tensor([pos]))
+        h = backbone.decode_step_hidden(frame_rows(made), pool, [slots[: pos + 1]], torch.tensor([pos]))
     return torch.stack(out)

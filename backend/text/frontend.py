@@ -8,6 +8,11 @@ A family is a prompt template, from the checkpoint (`detect_family`) or `tandem.
   [END_OF_TEXT, END_OF_HUMAN, START_OF_AI, START_OF_SPEECH]`` (BOS inside `encode`; the ids:
   `backend/generation/orpheus_ids.py`); without a voice the text alone.
 - `plain`: ``encode(f"{voice}: {text}")`` (or the text alone), each token in column 0 of a W-wide row.
+- `csm` (Sesame CSM, `backend/text/csm.py`): the segment ``<|begin_of_text|>[speaker]text<|end_of_text|>``
+  (the tokenizer's own begin/end tokens where its post-processor adds them, else added here), one
+  text row each, the codebook columns absent (-1); VOICE is a speaker number ("" is speaker 0), or
+  a registered voice: its transcript's segment, its Mimi frames and the end frame as the context
+  utterance (speaker 0), then the text as speaker 0's.
 
 A VOICE is a built-in voice (`tandem.frontend.voices`, else the checkpoint's `tandem_voices`; `*`:
 any name), or a registered one (`backend/voices/store.py`, read per request), whose prompt is its
@@ -27,13 +32,17 @@ from pathlib import Path
 
 import numpy as np
 
+from tandem.backend.codec.csm import CODEBOOK_EOS
 from tandem.backend.errors import InvalidInput
 from tandem.backend.generation import orpheus_ids as orpheus
-from tandem.backend.model.checkpoint import config_from_hf
 from tandem.backend.model.config import ModelConfig, preset
+from tandem.backend.model.csm import ABSENT, CsmRows
+from tandem.backend.model.csm_checkpoint import csm_shape
 from tandem.backend.prompt import TextRequest
 from tandem.backend.settings import EngineSettings, Limits
 from tandem.backend.text.cloning import orpheus_prefix, plain_prefix
+from tandem.backend.text.csm import Utterance, prompt_rows, speaker_text
+from tandem.backend.text.families import checkpoint_config
 from tandem.backend.text.tokenizer import TextTokenizer
 from tandem.backend.voices.store import VoiceRecord, VoiceStore
 
@@ -41,9 +50,12 @@ from tandem.backend.voices.store import VoiceRecord, VoiceStore
 class Family(IntEnum):
     PLAIN = 0
     ORPHEUS = 1
+    CSM = 2
 
 
-FAMILY_NAMES = {"plain": Family.PLAIN, "orpheus": Family.ORPHEUS}
+FAMILY_NAMES = {"plain": Family.PLAIN, "orpheus": Family.ORPHEUS, "csm": Family.CSM}
+CSM_BEGIN_OF_TEXT = "<|begin_of_text|>"
+CSM_END_OF_TEXT = "<|end_of_text|>"
 
 # Orpheus' prompt template around the text (`backend/generation/orpheus_ids.py`).
 ORPHEUS_PREFIX = (orpheus.START_OF_HUMAN,)
@@ -52,8 +64,11 @@ ANY_VOICE = "*"  # `tandem.frontend.voices`: every name is a built-in voice
 
 
 def detect_family(tokenizer: TextTokenizer, cfg: ModelConfig) -> Family:
-    """ORPHEUS when the tokenizer has Orpheus' custom tokens at their ids and the model (one id per
-    row) has room for its audio ids; PLAIN otherwise."""
+    """CSM when the model's rows carry a text column (`ModelConfig.text_vocab_size`, a CSM
+    checkpoint's backbone); ORPHEUS when the tokenizer has Orpheus' custom tokens at their ids and the
+    model (one id per row) has room for its audio ids; PLAIN otherwise."""
+    if cfg.text_vocab_size:
+        return Family.CSM
     custom = all(
         tokenizer.token_id(f"<custom_token_{n}>") == orpheus.CUSTOM_TOKEN_BASE + n for n in (1, 2, 3, 4, 5)
     )
@@ -63,7 +78,8 @@ def detect_family(tokenizer: TextTokenizer, cfg: ModelConfig) -> Family:
 
 
 def parse_family(name: str, tokenizer: TextTokenizer, cfg: ModelConfig) -> Family:
-    """`tandem.frontend.family`: "auto" (detect), "plain" or "orpheus"; ValueError for anything else."""
+    """`tandem.frontend.family`: "auto" (detect), "plain", "orpheus" or "csm"; ValueError for anything
+    else."""
     if name == "auto":
         return detect_family(tokenizer, cfg)
     try:
@@ -87,16 +103,30 @@ class TextFrontend:
         voices: Sequence[str] = (ANY_VOICE,),
         max_text_bytes: int = 4096,
         store: VoiceStore | None = None,
+        codebook_eos: int = CODEBOOK_EOS,
     ) -> None:
-        """Raises ValueError when the tokenizer cannot serve `cfg` (ids past its vocabulary, a
+        """`codebook_eos`: CSM's end-frame code (its checkpoint's; a voice's context closes with it).
+        Raises ValueError when the tokenizer cannot serve `cfg` (ids past its vocabulary, a
         template token missing) or a family does not fit the model (Orpheus needs one id per row)."""
         if max_text_bytes < 1:
             raise ValueError(f"tandem.frontend.max_text_bytes must be >= 1, got {max_text_bytes}")
-        if tokenizer.vocab_size > cfg.vocab_size:
+        text_vocab = cfg.text_vocab_size or cfg.vocab_size  # CSM: its text column's vocabulary
+        if tokenizer.vocab_size > text_vocab:
             raise ValueError(
                 f"tokenizer {tokenizer.source} makes ids up to {tokenizer.vocab_size - 1}, past the model's "
-                f"vocabulary of {cfg.vocab_size}"
+                f"{'text ' if cfg.text_vocab_size else ''}vocabulary of {text_vocab}"
             )
+        self._csm_ends: tuple[int, int] | None = None
+        self.codebook_eos = codebook_eos
+        if (family == Family.CSM) != bool(cfg.text_vocab_size):
+            raise ValueError("the csm template serves a CSM checkpoint (rows of codes + a text column) only")
+        if family == Family.CSM:
+            bot, eot = tokenizer.token_id(CSM_BEGIN_OF_TEXT), tokenizer.token_id(CSM_END_OF_TEXT)
+            if bot is None or eot is None:
+                raise ValueError(
+                    f"the csm template needs {CSM_BEGIN_OF_TEXT} and {CSM_END_OF_TEXT} in {tokenizer.source}"
+                )
+            self._csm_ends = (bot, eot)
         if family == Family.ORPHEUS:
             if cfg.row_width != 1:
                 raise ValueError(
@@ -119,8 +149,8 @@ class TextFrontend:
         """None for no voice or a built-in one; the record of a registered one (which wins over
         `*`, never over a listed name: registration refuses those); else InvalidInput naming VOICE
         and listing the voices there are."""
-        if not voice or voice in self.voices:
-            return None
+        if not voice or voice in self.voices or (self.family == Family.CSM and voice.isdigit()):
+            return None  # CSM: a speaker number is a built-in voice
         record = self.store.get(voice) if self.store is not None else None
         if record is None:
             with self._lock:
@@ -132,14 +162,43 @@ class TextFrontend:
         space, dot, own = voice.rpartition(".")
         registered = [n.rpartition(".") for n in (self.store.names() if self.store else [])]
         mine = [n for s, d, n in registered if (s, d) == (space, dot)]
-        there = ", ".join([*self.voices, *mine]) or "none"
+        speakers = ["a speaker number (0, 1, ...)"] if self.family == Family.CSM else []
+        there = ", ".join([*self.voices, *speakers, *mine]) or "none"
         raise InvalidInput(f"VOICE {own!r} is not one of this model's voices: {there}")
 
     def _text_ids(self, text: str, voice: str = "") -> list[int]:
+        if self._csm_ends is not None:
+            return self._csm_ids(text, voice)
         ids = self.tokenizer.encode(f"{voice}: {text}" if voice else text)
         if self.family == Family.ORPHEUS:
             return [*ORPHEUS_PREFIX, *ids, *ORPHEUS_SUFFIX]
         return ids
+
+    def _csm_ids(self, text: str, voice: str) -> list[int]:
+        """CSM's segment: begin-of-text, ``[speaker]text``, end-of-text (module docstring)."""
+        assert self._csm_ends is not None
+        if voice and not voice.isdigit():
+            raise InvalidInput(f"VOICE {voice!r}: a CSM speaker is a number (0, 1, ...)")
+        bot, eot = self._csm_ends
+        ids = self.tokenizer.encode(speaker_text(int(voice or 0), text))
+        return [*([] if ids[:1] == [bot] else [bot]), *ids, *([] if ids[-1:] == [eot] else [eot])]
+
+    def _csm_prefix(self, record: VoiceRecord) -> np.ndarray:
+        """A registered voice as CSM's context utterance (speaker 0, as the text to speak then is):
+        its transcript's segment, its Mimi frames, the end frame (`backend/text/csm.py`)."""
+        n = self.cfg.row_width - 1
+        frames = np.asarray(record.frames, dtype=np.int64)
+        if frames.ndim != 2 or frames.shape[1] != n:
+            raise InvalidInput(
+                f"VOICE {record.name!r} was registered with {record.codec} frames of {record.frame_width} "
+                f"codes; this model's are {n} Mimi codes"
+            )
+        rows = CsmRows(n, self.cfg.vocab_size, self.cfg.text_vocab_size)
+        segment = np.asarray(self._csm_ids(record.transcript, "0"), dtype=np.int64)
+        try:
+            return prompt_rows([Utterance(segment, frames)], rows, self.codebook_eos)
+        except ValueError as exc:
+            raise InvalidInput(f"VOICE {record.name!r}: {exc}") from None
 
     def ids(self, request: TextRequest) -> list[int]:
         """The family's prompt ids for `request` with a built-in voice or none (one per row)."""
@@ -154,7 +213,9 @@ class TextFrontend:
             hit = self._prefixes.get(record.name)
         if hit is not None and hit[0] is record:
             return hit[1]
-        if self.family == Family.ORPHEUS:
+        if self.family == Family.CSM:
+            rows = self._csm_prefix(record)
+        elif self.family == Family.ORPHEUS:
             rows = orpheus_prefix(self.tokenizer, record).reshape(-1, 1)
         else:
             rows = plain_prefix(self.tokenizer, record, self.cfg)
@@ -178,15 +239,19 @@ class TextFrontend:
             )
         out = np.zeros((total, self.cfg.row_width), dtype=np.int64)
         out[: head.shape[0]] = head
-        out[head.shape[0] :, 0] = ids
+        if self.family == Family.CSM:  # a text row: the text column only, the codes absent
+            out[head.shape[0] :] = ABSENT
+            out[head.shape[0] :, -1] = ids
+        else:
+            out[head.shape[0] :, 0] = ids
         return out
 
 
 def model_config(settings: EngineSettings) -> ModelConfig:
     """The served model's config without its weights (the `frontend` step loads none): the
-    checkpoint's config.json, else the preset."""
+    checkpoint's config.json (a CSM's backbone, `families.checkpoint_config`), else the preset."""
     if settings.model.checkpoint:
-        return config_from_hf(json.loads((Path(settings.model.checkpoint) / "config.json").read_text()))
+        return checkpoint_config(Path(settings.model.checkpoint))
     return preset(settings.model.preset)
 
 
@@ -226,4 +291,7 @@ def build_frontend(
     tokenizer = TextTokenizer.load(path)
     family = parse_family(fs.family, tokenizer, cfg)
     voices = builtin_voices(settings)
-    return TextFrontend(tokenizer, family, cfg, settings.limits, voices, fs.max_text_bytes, store)
+    eos = CODEBOOK_EOS
+    if checkpoint and family == Family.CSM:
+        eos = csm_shape(json.loads((Path(checkpoint) / "config.json").read_text())).codebook_eos
+    return TextFrontend(tokenizer, family, cfg, settings.limits, voices, fs.max_text_bytes, store, eos)

@@ -139,30 +139,32 @@ class EngineHost:
     def build(self) -> Ready:
         """Decoder on the instance's device, then the engine, started. Raises whatever failed."""
         from tandem.backend.device import resolve_device
-        from tandem.backend.engines.parts import build_decoder, size_from_device
+        from tandem.backend.engines.parts import build_csm, build_decoder, csm_row_step, size_from_device
 
         i = self.init
         device = resolve_device(self.settings.device, i.instance_kind, i.device_id)
         if i.kind == EngineKind.VOICES:
             return self._build_voices(device)
-        decoder = build_decoder(self.settings, device)
+        csm = build_csm(self.settings, device)  # Sesame CSM: the backbone is the engine's decoder
+        decoder = build_decoder(self.settings, device) if csm is None else csm.backbone
         self.settings = size_from_device(self.settings, decoder)
+        rows = None if csm is None else csm_row_step(csm, self.settings)
         if i.kind == EngineKind.PREFILL:
             from tandem.backend.engines.prefill import PrefillEngine
 
             slot = i.instance.replace(" ", "_")
-            self.engine = PrefillEngine(decoder, self.settings, self.metrics, slot, _exit_for_proof)
+            self.engine = PrefillEngine(decoder, self.settings, self.metrics, slot, _exit_for_proof, rows)
         elif i.kind == EngineKind.DECODE:
             from tandem.backend.engines.decode.engine import DecodeEngine
 
-            self.engine = DecodeEngine(decoder, self.settings, self.metrics)
+            self.engine = DecodeEngine(decoder, self.settings, self.metrics, rows)
             self._render = _render_decode
         else:
             from tandem.backend.engines.mono import MonoEngine
             from tandem.backend.engines.parts import make_codec
 
             codec = make_codec(self.settings, decoder.device)
-            self.engine = MonoEngine(decoder, self.settings, self.metrics)
+            self.engine = MonoEngine(decoder, self.settings, self.metrics, rows)
             metrics = self.metrics
             self._render = lambda req_id, chunk: _render_mono(req_id, chunk, codec, metrics)
         self.engine.start()

@@ -44,6 +44,8 @@ def test_a_csm_repository_gets_mimi_everywhere_and_publishes_its_clock(
         assert model_parameter(out, model, "tandem.codec.path") == str(mimi.resolve())
         assert model_parameter(out, model, "tandem.codec.layout") == "csm"
     assert model_parameter(out, "prefill", "tandem.codec.kind") is None  # P makes no audio
+    for model in ("frontend", "prefill", "tts_mono"):  # Sesame's template, not Orpheus'
+        assert model_parameter(out, model, "tandem.frontend.family") == "csm"
     for model in ("tts", "tts_mono"):
         assert model_parameter(out, model, "sample_rate") == "24000"
         assert model_parameter(out, model, "rows_per_second") == "12.5"

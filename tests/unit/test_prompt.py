@@ -6,6 +6,7 @@ is used as the reference for randomised comparisons.
 
 from __future__ import annotations
 
+import re
 import time
 from typing import Any
 
@@ -338,3 +339,63 @@ def test_native_is_fast_on_a_large_prompt() -> None:
 def test_build_info_names_the_implementation() -> None:
     info = csrc.build_info()
     assert ("_native" in info) == csrc.NATIVE
+
+
+# CSM's rows: 3 codebook columns of 2,051 ids and a text column of 300, any column absent (-1).
+CSM_CFG = ModelConfig(
+    vocab_size=2051,
+    row_width=4,
+    hidden_size=64,
+    num_layers=1,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    intermediate_size=128,
+    text_vocab_size=300,
+)
+
+
+def test_csm_rows_check_each_column_against_its_own_range() -> None:
+    ok = np.array([[-1, -1, -1, 299], [2050, 0, 7, -1], [-1, 5, -1, -1]], dtype=np.int64)
+    np.testing.assert_array_equal(check_prompt(ok, CSM_CFG, LIMITS), ok)
+    np.testing.assert_array_equal(pack_prompt(ok.tolist(), CSM_CFG, LIMITS), ok)
+    for at, value, message in (
+        ((1, 3), 300, "PROMPT[1, 3] = 300 is outside column 3's ids [-1, 300)"),  # a code-sized text id
+        ((0, 1), 2051, "PROMPT[0, 1] = 2051 is outside column 1's ids [-1, 2051)"),
+        ((2, 0), -2, "PROMPT[2, 0] = -2 is outside column 0's ids [-1, 2051)"),
+    ):
+        bad = ok.copy()
+        bad[at] = value
+        with pytest.raises(InvalidInput, match=re.escape(message)):
+            check_prompt(bad, CSM_CFG, LIMITS)
+        with pytest.raises(InvalidInput, match=re.escape(message)):
+            pack_prompt(bad.tolist(), CSM_CFG, LIMITS)
+    with pytest.raises(InvalidInput, match="outside the vocabulary"):  # plain rows: -1 is no id
+        check_prompt(np.array([[-1, 0, 0, 0]], dtype=np.int64), CFG, LIMITS)
+
+
+def test_native_matches_reference_on_column_ranges() -> None:
+    if not csrc.NATIVE:
+        pytest.skip(f"native module not built: {csrc.build_info()}")
+    rng = np.random.default_rng(99)
+    bounds = [(), (5, 5, 5, 3), (1024, 1024, 1024, 40)]
+    for _ in range(300):
+        arr = rng.integers(-3, 60, size=(int(rng.integers(1, 6)), 4), dtype=np.int64)
+        if rng.random() < 0.3:
+            arr = arr[:, ::-1]  # a strided view
+        for column_vocab in bounds:
+            for min_id in (0, -1):
+                args = (4, 1024, 16, column_vocab, min_id)
+                assert _outcome(csrc.validate_rows, arr, *args) == _outcome(
+                    csrc.reference_validate_rows, arr, *args
+                ), (arr, column_vocab, min_id)
+                rows = arr.tolist()
+                assert _outcome(csrc.pack_rows, rows, *args) == _outcome(
+                    csrc.reference_pack_rows, rows, *args
+                ), (rows, column_vocab, min_id)
+    for bad in (((5, 5), 0), ((5, 5, 0, 5), 0), ((), -2)):
+        args = (4, 1024, 16, *bad)
+        assert _outcome(csrc.validate_rows, _rows(2), *args) == _outcome(
+            csrc.reference_validate_rows, _rows(2), *args
+        )
+        assert "ValueError" in str(_outcome(csrc.pack_rows, [[0] * 4], *args))

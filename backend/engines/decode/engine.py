@@ -45,6 +45,7 @@ from tandem.backend.engines.stream import Stream, StreamStatus
 from tandem.backend.errors import StreamFailed
 from tandem.backend.metrics import MetricsSink
 from tandem.backend.model.decoder import Decoder
+from tandem.backend.model.row_step import RowStep
 from tandem.backend.scheduling.decode_policy import DecodePolicy
 from tandem.backend.scheduling.step_model import StepTimeModel
 from tandem.backend.settings import EngineSettings
@@ -57,7 +58,15 @@ log = logging.getLogger("tandem")
 
 
 class DecodeEngine(EngineShell[DecodeRequest]):
-    def __init__(self, decoder: Decoder, settings: EngineSettings, metrics: MetricsSink) -> None:
+    def __init__(
+        self,
+        decoder: Decoder,
+        settings: EngineSettings,
+        metrics: MetricsSink,
+        row_step: RowStep | None = None,
+    ) -> None:
+        """`row_step`: the family's row maker over `decoder` (backend/model/row_step.py; None: a
+        plain decoder's head and sampler)."""
         self.decoder = decoder
         self.settings = settings
         self.metrics = metrics
@@ -82,7 +91,7 @@ class DecodeEngine(EngineShell[DecodeRequest]):
         )
         storage = self.receiver.pool_view() if self.direct else None
         self.pool = make_pool(decoder, settings, storage)
-        self.batch = make_batch(decoder, self.pool, settings, metrics)
+        self.batch = make_batch(decoder, self.pool, settings, metrics, row_step=row_step)
         self.intake = make_intake(settings, DecodeRequest)
         self.step_model = StepTimeModel()
         self.tickets = UnpulledTickets(self.receiver)
@@ -185,7 +194,7 @@ class DecodeEngine(EngineShell[DecodeRequest]):
             req.sink = req.claim
         try:
             cfg = self.decoder.cfg
-            req.handoff.check_fits(cfg.row_width, cfg.vocab_size, self.pool.num_pages * self.pool.page_size)
+            req.handoff.check_fits(cfg, self.pool.num_pages * self.pool.page_size)
             self.intake.submit(req)
         except BaseException:
             if req.claim is not None:
