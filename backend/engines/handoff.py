@@ -1,6 +1,6 @@
 """What P hands D through the `tts` ensemble: the transfer ticket plus the stream's state.
 
-P samples the first row and fixes the seed; D continues from there. Travels as the `HANDOFF` BYTES
+P samples the first row and fixes the sampling seed; D continues from there. Travels as the `HANDOFF` BYTES
 tensor (JSON), decode's only input; `ticket` is None when the stream ended at its first row.
 """
 

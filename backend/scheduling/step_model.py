@@ -48,7 +48,7 @@ class StepTimeModel:
         coef[1:] = np.maximum(coef[1:], 0.0)
         coef[0] = max(0.0, float(np.mean(data[:, 2] - x[:, 1:] @ coef[1:])))
         # A model that under-predicts the slowest recent steps would over-admit: lift it to cover p90
-        # of the live steps' residuals (those of the seed while too few live steps were seen).
+        # of the live steps' residuals (the start-up calibration's while too few live steps were seen).
         live = len(self._samples) >= MIN_SAMPLES
         recent = data[len(self._prior) :] if live else data
         xr = x[len(self._prior) :] if live else x

@@ -187,7 +187,7 @@ def test_speed_stretches_the_audio(sdk, speed):
 
 
 def test_same_seed_same_audio(sdk):
-    """One segment, one stream alone in the engines: the seed fixes every sampled token."""
+    """One segment, one stream alone in the engines: the sampling seed fixes every sampled token."""
     text = "Same seed, same audio, in one sentence."
     a, _, _ = _speak(sdk, text, response_format="pcm", seed=1234)
     b, _, _ = _speak(sdk, text, response_format="pcm", seed=1234)

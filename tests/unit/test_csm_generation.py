@@ -2,7 +2,7 @@
 Mimi frames, its end frame) and the text to speak, packed as Sesame lays it out, gives under greedy
 decoding exactly the frames transformers' `CsmForConditionalGeneration.generate` gives for the same
 conversation (transformers encodes the reference audio with its own Mimi and merges it itself);
-seeded sampling is a function of the seed alone, and frames batched together equal frames made alone;
+seeded sampling is a function of the sampling seed alone, and frames batched together equal frames made alone;
 and those frames, streamed through D's framing and the Mimi codec in chunks, sound as transformers'
 `generate(output_audio=True)` does (>= 80 dB SNR: the codec's lookback truncation, docs/codecs.md).
 """
