@@ -10,14 +10,12 @@ prompts shared a forward).
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 import torch
 
 from tandem.backend.engine_shell import EngineShell
 from tandem.backend.engines.parts import make_batch, make_intake, make_pool
-from tandem.backend.engines.prefill_run import PrefillRun, extra_tokens
+from tandem.backend.engines.prefill_run import PrefillRun
 from tandem.backend.engines.stream import EngineRequest, Stream
 from tandem.backend.errors import StreamFailed
 from tandem.backend.kv.prefix_cache import PrefixAllocation, PrefixCache
@@ -25,7 +23,6 @@ from tandem.backend.metrics import MetricsSink, PublishTimer
 from tandem.backend.model.decoder import Decoder
 from tandem.backend.model.row_step import RowStep
 from tandem.backend.model.warm_up import warm_up
-from tandem.backend.scheduling.prefill_plan import plan_prefill
 from tandem.backend.settings import EngineSettings
 
 
@@ -58,15 +55,10 @@ class MonoEngine(EngineShell[EngineRequest]):
         the prefill every prompt not yet in the batch fails and its pages come back; the error goes on
         to the shell's fault policy."""
         self.intake.pull(0.0 if len(self.batch) else 0.05)
-        now = time.monotonic()
-        queued = self.intake.queued()
-        lookups = (self.cache.lookup(req.prompt, extra_tokens(req, True)) for req in queued)
         room = self.settings.batch.max_batch - len(self.batch)
-        plan = plan_prefill(lookups, self.cache.available_pages, self.settings.batch, room)
         run: PrefillRun[EngineRequest] = PrefillRun(self.cache, self.metrics)
         try:
-            run.admit(self.intake, queued[: plan.take], decode_room=True, now_s=now)
-            self.intake.expire(now)
+            run.take(self.intake, self.settings.batch, decode_room=True, room=room)
             if run:
                 self._prefill(run)
         except BaseException as exc:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import queue
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -35,7 +34,6 @@ from tandem.backend.metrics import MetricsSink, PublishTimer
 from tandem.backend.model.decoder import Decoder
 from tandem.backend.model.row_step import RowStep, TokenRowStep
 from tandem.backend.model.warm_up import warm_up
-from tandem.backend.scheduling.prefill_plan import plan_prefill
 from tandem.backend.settings import EngineSettings
 from tandem.backend.timing import Timings
 from tandem.transfer import TransferSender
@@ -128,14 +126,9 @@ class PrefillEngine(EngineShell[PrefillRequest]):
         shell's fault policy."""
         self._release_sources()
         self.intake.pull(0.02)
-        now = time.monotonic()
-        queued = self.intake.queued()
-        lookups = (self.cache.lookup(req.prompt) for req in queued)
-        plan = plan_prefill(lookups, self.cache.available_pages, self.settings.batch)
         run: PrefillRun[PrefillRequest] = PrefillRun(self.cache, self.metrics)
         try:
-            run.admit(self.intake, queued[: plan.take], decode_room=False, now_s=now)
-            self.intake.expire(now)
+            run.take(self.intake, self.settings.batch, decode_room=False)
             if run:
                 self._prefill(run)
         except BaseException as exc:

@@ -14,6 +14,7 @@ shell's fault policy.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from typing import Generic, Protocol, TypeVar
 
@@ -28,6 +29,8 @@ from tandem.backend.metrics import MetricsSink
 from tandem.backend.model.decoder import PrefillItem
 from tandem.backend.model.row_step import RowStep
 from tandem.backend.scheduling.intake import Intake
+from tandem.backend.scheduling.prefill_plan import plan_prefill
+from tandem.backend.settings import BatchSettings
 from tandem.backend.timing import Timings
 
 log = logging.getLogger("tandem")
@@ -76,6 +79,20 @@ class PrefillRun(Generic[R]):
 
     def __len__(self) -> int:
         return len(self.members)
+
+    def take(
+        self, intake: Intake[R], limits: BatchSettings, decode_room: bool, room: int | None = None
+    ) -> None:
+        """Plan the forward over the intake's head (`plan_prefill`: the queued prompts' lookups, the
+        cache's available pages, `room` the running batch's free places or None) and admit what the plan
+        takes, then expire what waited too long. `decode_room`: the pages also hold each prompt's decode
+        rows (mono). Raises what admitting raises; the caller then calls `fail_rest`."""
+        now = time.monotonic()
+        queued = intake.queued()
+        lookups = (self.cache.lookup(req.prompt, extra_tokens(req, decode_room)) for req in queued)
+        plan = plan_prefill(lookups, self.cache.available_pages, limits, room)
+        self.admit(intake, queued[: plan.take], decode_room, now)
+        intake.expire(now)
 
     def admit(self, intake: Intake[R], planned: Sequence[R], decode_room: bool, now_s: float) -> None:
         """The plan's prompts (the intake's head, in order) get their pages and leave the intake, each
